@@ -1,0 +1,37 @@
+"""The `levers9` command. Each subcommand lives in its own module, which provides `register(subparsers)`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# Modules that each add one subcommand (and its options) to the parser.
+COMMAND_MODULES: tuple[str, ...] = ()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser, with every subcommand registered."""
+    parser = argparse.ArgumentParser(prog="levers9", description="Train on 1, 2, 4 or 8 cards.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="levers9: %(message)s")
+    if not getattr(args, "handler", None):
+        parser.print_help(sys.stderr)
+        return 2
+    status: int = args.handler(args)
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""Every exception levers9 raises, in one place.
+
+Each message says what was seen, what was expected, and the command or argument that fixes it.
+Classes also derive from the builtin a caller would naturally catch (ValueError, TimeoutError, ...).
+
+    Levers9Error
+    ├── LauncherEnvError (ValueError)       partial or contradictory RANK / WORLD_SIZE / ... environment
+    ├── DeviceError (RuntimeError)          a local rank with no card to run on
+    ├── NotShippableError (TypeError)       fn, cfg, an argument or a result cannot cross a process boundary
+    ├── RankFailed (RuntimeError)           a rank of distributed.run failed; .failure says which and how
+    │   ├── RankCrashed                     it exited with a code or died by a signal, no Python exception
+    │   ├── RunTimeout (TimeoutError)       the run outlived timeout=
+    │   └── StallError                      ranks stopped making progress in a collective
+    ├── QuirkError (RuntimeError)           this machine's cards / NCCL / shm cannot run the job as set up
+    └── JobError                            the job layer (levers9.launch)
+        ├── JobConfigError (ValueError)     bad @job arguments or map cells; nothing was started
+        ├── SettingsError (ValueError)      a corrupt or invalid workspace settings file
+        ├── WorkspacePolicyError (PermissionError)   the per-job card cap or the multi-GPU switch
+        ├── InfeasibleJobError              no worker could ever hold the cards this job asks for
+        ├── JobCrashed                      the job process died without a Python exception
+        ├── JobTimeout (TimeoutError)       the job outlived its timeout=
+        └── RemoteError                     the job raised an exception whose type cannot be rebuilt here
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal as _signal
+
+
+class Levers9Error(Exception):
+    """Base class of every levers9 error."""
+
+
+class LauncherEnvError(Levers9Error, ValueError):
+    """The launcher environment is partial or contradictory (names the variables and values)."""
+
+
+class DeviceError(Levers9Error, RuntimeError):
+    """This rank has no card of its own (local rank beyond the visible cards)."""
+
+
+class NotShippableError(Levers9Error, TypeError):
+    """Something that must be pickled to reach another process cannot be."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFailure:
+    """What is known about one failed rank (or job process)."""
+
+    rank: int
+    pid: int
+    exitcode: int | None = None
+    signal: int | None = None
+    exc_type: str | None = None
+    message: str = ""
+    traceback: str = ""
+    output_tail: str = ""
+
+    def how(self) -> str:
+        """'raised ValueError', 'exited with code 3' or 'was killed by SIGKILL'."""
+        if self.exc_type:
+            return f"raised {self.exc_type}"
+        if self.signal is not None:
+            return f"was killed by {signal_name(self.signal)}"
+        return f"exited with code {self.exitcode}"
+
+    def describe(self) -> str:
+        """A multi-line report: the headline, the traceback and the last output lines."""
+        lines = [f"rank {self.rank} (pid {self.pid}) {self.how()}" + (f": {self.message}" if self.message else "")]
+        if self.traceback:
+            lines += ["", f"Traceback from rank {self.rank}:", self.traceback.rstrip()]
+        if self.output_tail:
+            lines += ["", f"Last output of rank {self.rank}:", self.output_tail.rstrip()]
+        return "\n".join(lines)
+
+
+def signal_name(signum: int) -> str:
+    """SIGKILL for 9, or 'signal 77' for a number with no name."""
+    try:
+        return _signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class RankFailed(Levers9Error, RuntimeError):
+    """A rank failed; the first failure (the root cause) is `.failure`, the rest were stopped."""
+
+    def __init__(self, message: str, failure: RankFailure | None = None) -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
+class RankCrashed(RankFailed):
+    """A rank exited non-zero or died by a signal without a Python exception to report."""
+
+
+class RunTimeout(RankFailed, TimeoutError):
+    """distributed.run outlived its timeout=; every rank was stopped."""
+
+
+class StallError(RankFailed):
+    """Ranks waited in a collective with no progress for longer than stall_timeout=."""
+
+
+class QuirkError(Levers9Error, RuntimeError):
+    """A registered GPU/NCCL/platform quirk forbids this run as configured; the message names the fix."""
+
+
+class JobError(Levers9Error):
+    """Base class of the job layer's errors."""
+
+
+class JobConfigError(JobError, ValueError):
+    """Bad @job arguments or map cells, found before anything started."""
+
+
+class SettingsError(JobError, ValueError):
+    """The workspace settings file is corrupt or holds an invalid value."""
+
+
+class WorkspacePolicyError(JobError, PermissionError):
+    """The job asks for more cards than the workspace allows (cap or multi-GPU switch)."""
+
+
+class InfeasibleJobError(JobError, RuntimeError):
+    """No worker could ever hold the cards this job asks for at once."""
+
+
+class JobCrashed(JobError, RuntimeError):
+    """The job process exited or died without a Python exception; names the code/signal and last output."""
+
+    def __init__(self, message: str, failure: RankFailure | None = None) -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
+class JobTimeout(JobError, TimeoutError):
+    """The job outlived its timeout=; its whole process tree was killed."""
+
+
+class RemoteError(JobError, RuntimeError):
+    """A job or rank raised an exception whose type cannot be rebuilt in this process."""
+
+    def __init__(self, exc_type: str, message: str, traceback: str = "") -> None:
+        super().__init__(f"{exc_type}: {message}")
+        self.exc_type = exc_type
+        self.remote_message = message
+        self.remote_traceback = traceback
