@@ -1,0 +1,46 @@
+"""levers9.distributed: one training function on 1, 2, 4 or 8 cards.
+
+    from levers9 import distributed as dist
+
+    def train_one_rank(cfg):
+        model = dist.wrap(build_model().to(dist.device()))
+        for batch in dist.shard(rows): ...
+        dist.print0(f"loss {dist.all_reduce_mean(loss).item():.4f}")
+        return metrics if dist.is_main() else {}
+
+    dist.run(train_one_rank, cfg)        # one rank per card; rank 0's result comes back
+
+Under torchrun, `accelerate launch`, SLURM or MPI the same helpers read the launcher's RANK /
+WORLD_SIZE / LOCAL_RANK, and `run` spawns nothing. With nothing launched, every helper answers as a
+world of one.
+"""
+
+from levers9.distributed.helpers import PaddedShard, all_reduce_mean, barrier, device, print0, shard, wrap
+from levers9.distributed.spawner import run
+from levers9.distributed.world import (
+    is_main,
+    launcher,
+    local_rank,
+    local_world_size,
+    node_rank,
+    rank,
+    world_size,
+)
+
+__all__ = [
+    "run",
+    "rank",
+    "local_rank",
+    "world_size",
+    "local_world_size",
+    "node_rank",
+    "is_main",
+    "launcher",
+    "device",
+    "wrap",
+    "shard",
+    "PaddedShard",
+    "all_reduce_mean",
+    "print0",
+    "barrier",
+]

@@ -1,0 +1,252 @@
+"""Which launcher started this process, and the rank layout it gave us.
+
+Detection is a table of small detectors, each a function over an environment mapping (so tests pass a
+dict and never touch os.environ). `detect(env)` tries them in `DETECTORS` order; the first that claims
+the environment answers, and a world of one answers when none does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+
+from levers9.errors import LauncherEnvError
+
+LAUNCHERS = ("torchrun", "accelerate", "levers9", "slurm", "mpi", "env", "single")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchInfo:
+    """The rank layout a launcher gave this process."""
+
+    launcher: str
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+SINGLE = LaunchInfo("single")
+
+
+def _int(env: Mapping[str, str], name: str, launcher: str) -> int:
+    """env[name] as an int, or a LauncherEnvError naming the variable and its value."""
+    value = env[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise LauncherEnvError(
+            f"{name}={value!r} is set (by {launcher}?) but is not an integer. Expected a whole number; "
+            f"unset {name} or set it to one."
+        ) from None
+
+
+def _require(env: Mapping[str, str], names: tuple[str, ...], launcher: str, marker: str) -> None:
+    """Raise if any of `names` is missing although `marker` says `launcher` started us."""
+    missing = [name for name in names if name not in env]
+    if missing:
+        present = ", ".join(f"{n}={env[n]}" for n in names if n in env) or "none of them"
+        raise LauncherEnvError(
+            f"{marker} says {launcher} started this process, but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set (set: {present}). Expected all of "
+            f"{', '.join(names)}; launch with `{launcher}` itself, or set the missing variables."
+        )
+
+
+def _port(env: Mapping[str, str], launcher: str) -> int | None:
+    return _int(env, "MASTER_PORT", launcher) if "MASTER_PORT" in env else None
+
+
+def _torchrun_layout(env: Mapping[str, str], launcher: str, marker: str) -> LaunchInfo:
+    """The RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK layout torchrun sets."""
+    _require(env, ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"), launcher, marker)
+    node = "GROUP_RANK" if "GROUP_RANK" in env else "NODE_RANK"
+    return LaunchInfo(
+        launcher,
+        rank=_int(env, "RANK", launcher),
+        world_size=_int(env, "WORLD_SIZE", launcher),
+        local_rank=_int(env, "LOCAL_RANK", launcher),
+        local_world_size=_int(env, "LOCAL_WORLD_SIZE", launcher),
+        node_rank=_int(env, node, launcher) if node in env else 0,
+        master_addr=env.get("MASTER_ADDR"),
+        master_port=_port(env, launcher),
+    )
+
+
+def detect_accelerate(env: Mapping[str, str]) -> LaunchInfo | None:
+    """`accelerate launch`: ACCELERATE_* markers; torchrun's layout with several processes, else a world of one."""
+    marker = next((m for m in ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND") if m in env), None)
+    if marker is None:
+        return None
+    if "TORCHELASTIC_RUN_ID" in env or "RANK" in env:
+        return _torchrun_layout(env, "accelerate", marker)
+    return LaunchInfo("accelerate")
+
+
+def detect_torchrun(env: Mapping[str, str]) -> LaunchInfo | None:
+    """torchrun (torch.distributed.run / elastic agent): TORCHELASTIC_RUN_ID."""
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return None
+    return _torchrun_layout(env, "torchrun", "TORCHELASTIC_RUN_ID")
+
+
+def detect_levers9(env: Mapping[str, str]) -> LaunchInfo | None:
+    """A rank started by levers9's own spawner or job runner: LEVERS9_LAUNCHER=levers9."""
+    if env.get("LEVERS9_LAUNCHER") != "levers9":
+        return None
+    return _torchrun_layout(env, "levers9", "LEVERS9_LAUNCHER=levers9")
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compressed host list (`gpu[01-04,07],cpu1`) as host names, in order."""
+    hosts: list[str] = []
+    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?(?:,|$)", nodelist):
+        prefix, ranges = match.group(1), match.group(2)
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            start, _, end = part.partition("-")
+            if not end:
+                hosts.append(prefix + start)
+                continue
+            width = len(start)
+            hosts.extend(f"{prefix}{i:0{width}d}" for i in range(int(start), int(end) + 1))
+    return hosts
+
+
+def _tasks_on_node(spec: str, node: int) -> int:
+    """Tasks on node `node` from SLURM's `2(x3),1` notation."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match:
+            counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts[node] if node < len(counts) else 1
+
+
+def detect_slurm(env: Mapping[str, str]) -> LaunchInfo | None:
+    """A task started by `srun`: SLURM_PROCID with a job step (SLURM_STEP_ID); an sbatch script itself is not a rank."""
+    if "SLURM_PROCID" not in env or not ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
+        return None
+    size_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+    _require(env, (size_var, "SLURM_LOCALID"), "slurm", "SLURM_PROCID")
+    node = _int(env, "SLURM_NODEID", "slurm") if "SLURM_NODEID" in env else 0
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1"
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
+    hosts = expand_nodelist(nodelist) if nodelist else []
+    job_id = env.get("SLURM_JOB_ID", "0")
+    default_port = 10000 + int(job_id) % 20000 if job_id.isdigit() else 29500
+    port = _port(env, "slurm")
+    return LaunchInfo(
+        "slurm",
+        rank=_int(env, "SLURM_PROCID", "slurm"),
+        world_size=_int(env, size_var, "slurm"),
+        local_rank=_int(env, "SLURM_LOCALID", "slurm"),
+        local_world_size=_tasks_on_node(per_node, node),
+        node_rank=node,
+        master_addr=env.get("MASTER_ADDR") or (hosts[0] if hosts else None),
+        master_port=port if port is not None else default_port,
+    )
+
+
+def detect_mpi(env: Mapping[str, str]) -> LaunchInfo | None:
+    """Open MPI (OMPI_COMM_WORLD_*) or MPICH / Intel MPI (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID)."""
+    if "OMPI_COMM_WORLD_RANK" in env:
+        names = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
+        node_var = "OMPI_COMM_WORLD_NODE_RANK"
+    elif "PMI_RANK" in env:
+        local = "MPI_LOCALRANKID" if "MPI_LOCALRANKID" in env else "PMI_LOCAL_RANK"
+        local_size = "MPI_LOCALNRANKS" if "MPI_LOCALNRANKS" in env else "PMI_LOCAL_SIZE"
+        names = ("PMI_RANK", "PMI_SIZE", local, local_size)
+        node_var = ""
+    else:
+        return None
+    _require(env, names, "mpi", names[0])
+    rank, world, local_rank, local_world = (_int(env, n, "mpi") for n in names)
+    node = _int(env, node_var, "mpi") if node_var in env else rank // max(local_world, 1)
+    return LaunchInfo("mpi", rank, world, local_rank, local_world, node, env.get("MASTER_ADDR"), _port(env, "mpi"))
+
+
+def detect_env(env: Mapping[str, str]) -> LaunchInfo | None:
+    """RANK and WORLD_SIZE set by hand or by an operator (Kubeflow); LOCAL_* default to one process per node."""
+    present = [n for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") if n in env]
+    if not present:
+        return None
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        missing = [n for n in ("RANK", "WORLD_SIZE") if n not in env]
+        raise LauncherEnvError(
+            f"{', '.join(f'{n}={env[n]}' for n in present)} {'is' if len(present) == 1 else 'are'} set but "
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not. Expected RANK and WORLD_SIZE "
+            f"together (as torchrun sets them); launch with `torchrun --nproc-per-node N script.py`, or unset "
+            f"{', '.join(present)} to run as a world of one."
+        )
+    rank = _int(env, "RANK", "env")
+    world = _int(env, "WORLD_SIZE", "env")
+    # Without LOCAL_WORLD_SIZE: one process per node (Kubeflow), or one node when LOCAL_RANK is given.
+    default_local_world = world if "LOCAL_RANK" in env else 1
+    local_world = _int(env, "LOCAL_WORLD_SIZE", "env") if "LOCAL_WORLD_SIZE" in env else default_local_world
+    node_var = next((n for n in ("GROUP_RANK", "NODE_RANK") if n in env), None)
+    return LaunchInfo(
+        "env",
+        rank=rank,
+        world_size=world,
+        local_rank=_int(env, "LOCAL_RANK", "env") if "LOCAL_RANK" in env else 0,
+        local_world_size=local_world,
+        node_rank=_int(env, node_var, "env") if node_var else rank // max(local_world, 1),
+        master_addr=env.get("MASTER_ADDR"),
+        master_port=_port(env, "env"),
+    )
+
+
+# Tried in this order; the first detector that returns a LaunchInfo wins.
+# - accelerate before torchrun: `accelerate launch` runs torchrun's agent underneath, so torchrun's
+#   TORCHELASTIC_RUN_ID is present under accelerate too; only the ACCELERATE_* markers tell them apart.
+# - torchrun before slurm and mpi: torchrun is often started by srun or mpirun, and then its own
+#   RANK / LOCAL_RANK are the truth for this process, not the SLURM / MPI task ids of the agent.
+# - levers9 before slurm/mpi for the same reason: our ranks may run inside an srun task.
+# - env last: RANK / WORLD_SIZE alone are what every launcher above also sets.
+DETECTORS: tuple[Callable[[Mapping[str, str]], LaunchInfo | None], ...] = (
+    detect_accelerate,
+    detect_torchrun,
+    detect_levers9,
+    detect_slurm,
+    detect_mpi,
+    detect_env,
+)
+
+
+def detect(env: Mapping[str, str]) -> LaunchInfo:
+    """The launch layout `env` describes, validated; a world of one when nothing launched us."""
+    for detector in DETECTORS:
+        info = detector(env)
+        if info is not None:
+            _validate(info)
+            return info
+    return SINGLE
+
+
+def _validate(info: LaunchInfo) -> None:
+    """Raise LauncherEnvError if the numbers contradict each other."""
+    who = info.launcher
+    if info.world_size < 1:
+        raise LauncherEnvError(f"WORLD_SIZE={info.world_size} (from {who}); expected 1 or more.")
+    if not 0 <= info.rank < info.world_size:
+        raise LauncherEnvError(
+            f"RANK={info.rank} with WORLD_SIZE={info.world_size} (from {who}); expected 0 <= RANK < WORLD_SIZE. "
+            f"Fix the launcher's rank or world size settings."
+        )
+    if info.local_world_size < 1 or info.local_world_size > info.world_size:
+        raise LauncherEnvError(
+            f"LOCAL_WORLD_SIZE={info.local_world_size} with WORLD_SIZE={info.world_size} (from {who}); "
+            f"expected 1 <= LOCAL_WORLD_SIZE <= WORLD_SIZE."
+        )
+    if not 0 <= info.local_rank < info.local_world_size:
+        raise LauncherEnvError(
+            f"LOCAL_RANK={info.local_rank} with LOCAL_WORLD_SIZE={info.local_world_size} (from {who}); "
+            f"expected 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE."
+        )

@@ -1,0 +1,153 @@
+"""Creating, joining and destroying the default process group, with quirks applied first.
+
+levers9 destroys only a group it created itself; a group the user, accelerate or a launcher made is
+left alone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+from typing import Any
+
+from levers9.distributed import world
+from levers9.distributed.detect import LaunchInfo
+from levers9.errors import DeviceError, LauncherEnvError
+
+log = logging.getLogger("levers9.distributed")
+
+DEFAULT_TIMEOUT_S = 600.0
+_created_by_us = False
+
+
+def pg_timeout(seconds: float | None = None) -> datetime.timedelta:
+    """The collective/init timeout: the argument, else LEVERS9_PG_TIMEOUT, else 10 minutes (always finite)."""
+    if seconds is None:
+        seconds = float(os.environ.get("LEVERS9_PG_TIMEOUT", DEFAULT_TIMEOUT_S))
+    return datetime.timedelta(seconds=seconds)
+
+
+def wants_cuda() -> bool:
+    """True if this process should compute on a card (CUDA present and not forced onto the CPU)."""
+    if os.environ.get("LEVERS9_DEVICE") == "cpu":
+        return False
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def cuda_index_for_local_rank(local_rank: int) -> int:
+    """The card index for this local rank, set as the current device; DeviceError if there is no such card."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        raise DeviceError(
+            f"LOCAL_RANK={local_rank} but this process sees only {count} card(s){shown}: local rank "
+            f"{local_rank} has no card of its own. Expected one card per local rank; start at most {count} "
+            f"processes per node (e.g. `torchrun --nproc-per-node {count}`, or distributed.run(..., nprocs={count}))."
+        )
+    if torch.cuda.current_device() != local_rank:
+        torch.cuda.set_device(local_rank)
+    return local_rank
+
+
+def default_backend() -> str:
+    """nccl when this process computes on a card, else gloo."""
+    return "nccl" if wants_cuda() else "gloo"
+
+
+def init_group(
+    *,
+    backend: str,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    store: Any = None,
+    init_method: str | None = None,
+    timeout: float | None = None,
+) -> None:
+    """Create the default group (the card set as current device first for nccl) and remember that we own it."""
+    global _created_by_us
+    import torch.distributed as td
+
+    kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world_size, "timeout": pg_timeout(timeout)}
+    if store is not None:
+        kwargs["store"] = store
+    else:
+        kwargs["init_method"] = init_method or "env://"
+    if backend == "nccl":
+        import torch
+
+        kwargs["device_id"] = torch.device("cuda", cuda_index_for_local_rank(local_rank))
+    td.init_process_group(**kwargs)
+    _created_by_us = True
+
+
+def destroy_own_group() -> None:
+    """Destroy the default group if levers9 created it; leave anyone else's alone."""
+    global _created_by_us
+    if not _created_by_us:
+        return
+    _created_by_us = False
+    td = world.live_group()
+    if td is not None:
+        td.destroy_process_group()
+
+
+def apply_quirks_here(local_world_size: int, backend: str, disabled: tuple[str, ...] = ()) -> None:
+    """Apply the GPU-quirk registry in this process before its first collective (once per process)."""
+    try:
+        from levers9.distributed import quirks
+    except ImportError:  # the registry is optional at this layer
+        return
+    quirks.apply_quirks(
+        local_world_size=local_world_size, backend=backend, is_main=world.rank() == 0, disabled=disabled
+    )
+
+
+def join_launcher_group(info: LaunchInfo, *, backend: str | None = None, timeout: float | None = None) -> bool:
+    """Under a launcher with several ranks and no live group, create it; True if this call created it."""
+    if info.world_size <= 1 or world.live_group() is not None:
+        return False
+    backend = backend or default_backend()
+    apply_quirks_here(info.local_world_size, backend)
+    if info.launcher in ("slurm", "mpi"):
+        if not info.master_addr:
+            raise LauncherEnvError(
+                f"{info.launcher} started {info.world_size} ranks but no MASTER_ADDR is known (SLURM_*NODELIST "
+                f"and MASTER_ADDR are unset). Expected the address of rank 0's node; export MASTER_ADDR=<host> "
+                f"(and MASTER_PORT) before launching."
+            )
+        init_method = f"tcp://{info.master_addr}:{info.master_port or 29500}"
+    else:
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if name not in os.environ and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ:
+                raise LauncherEnvError(
+                    f"{info.launcher} set RANK={info.rank} and WORLD_SIZE={info.world_size} but not {name}. "
+                    f"Expected MASTER_ADDR and MASTER_PORT naming rank 0's rendezvous; export {name}=... "
+                    f"or launch with `torchrun`."
+                )
+        init_method = "env://"
+    init_group(
+        backend=backend,
+        rank=info.rank,
+        world_size=info.world_size,
+        local_rank=info.local_rank,
+        init_method=init_method,
+        timeout=timeout,
+    )
+    return True
+
+
+def ensure_group() -> None:
+    """Make sure a group exists when the launcher says there are several ranks (helpers call this lazily)."""
+    info = world.launch_info()
+    if info.world_size > 1 and world.live_group() is None and join_launcher_group(info):
+        atexit.register(destroy_own_group)

@@ -1,0 +1,141 @@
+"""The handful of helpers a training loop needs, each answering as a world of one when nothing launched us."""
+
+from __future__ import annotations
+
+import builtins
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+from levers9.distributed import group, world
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+_device_cache: dict[tuple[int, bool], Any] = {}
+
+
+def device() -> torch.device:
+    """This rank's card (`cuda:<local rank>`, made the current device), else `cpu`."""
+    import torch
+
+    use_cuda = group.wants_cuda()
+    local = world.local_rank()
+    key = (local, use_cuda)
+    cached = _device_cache.get(key)
+    if cached is not None:
+        return cached  # type: ignore[no-any-return]
+    dev = torch.device("cuda", group.cuda_index_for_local_rank(local)) if use_cuda else torch.device("cpu")
+    _device_cache[key] = dev
+    return dev
+
+
+def wrap(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
+    """`DistributedDataParallel` on `device()` when there are several ranks, else the model moved to `device()`.
+
+    Never DataParallel, and never a second wrap: a model that is already DDP comes back as it is.
+    Keyword arguments go to DistributedDataParallel unchanged.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return model
+    dev = device()
+    model = model.to(dev)
+    group.ensure_group()
+    if world.world_size() <= 1:
+        return model
+    if dev.type == "cuda":
+        ddp_kwargs.setdefault("device_ids", [dev.index])
+        ddp_kwargs.setdefault("output_device", dev.index)
+    return DistributedDataParallel(model, **ddp_kwargs)
+
+
+class PaddedShard(NamedTuple):
+    """A rank's rows when every rank must get the same number: the rows and how many of them are padding."""
+
+    rows: list[Any]
+    padding: int
+
+
+def _bounds(n: int, ranks: int, index: int) -> tuple[int, int]:
+    """[start, end) of block `index` when n rows are cut into `ranks` blocks differing in length by at most one."""
+    base, extra = divmod(n, ranks)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+def shard(rows: Sequence[T], *, pad: bool = False) -> Any:
+    """This rank's contiguous slice of `rows`; together the slices cover every row exactly once.
+
+    Slice lengths differ by at most one. With `pad=True` every rank gets the same number of rows (so
+    every rank runs the same number of steps and DDP cannot hang on uneven data): short slices are
+    topped up with rows from the start of the sequence, and a `PaddedShard(rows, padding)` says how
+    many of this rank's rows are such repeats (padding rows come last). World of one: all rows.
+    """
+    ranks, index = world.world_size(), world.rank()
+    start, end = _bounds(len(rows), ranks, index)
+    mine = rows[start:end]
+    if not pad:
+        return mine
+    longest = -(-len(rows) // ranks) if rows else 0
+    padding = longest - (end - start)
+    extra = [rows[i % len(rows)] for i in range(padding)] if rows else []
+    return PaddedShard(list(mine) + extra, padding)
+
+
+def all_reduce_mean(x: Any) -> torch.Tensor:
+    """Mean of `x` (a tensor or a Python number) across ranks, as a new detached tensor; `x` is untouched.
+
+    Integer and bool inputs come back as floating point. Works on gloo (which has no AVG: sum, then
+    divide) and on nccl (a CPU tensor goes to the card and the answer comes back to the CPU).
+    """
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        out = x.detach().clone()
+    else:
+        out = torch.tensor(x, dtype=torch.float64)
+    if not out.is_floating_point() and not out.is_complex():
+        out = out.to(torch.get_default_dtype())
+    group.ensure_group()
+    if world.world_size() <= 1:
+        return out
+    import torch.distributed as td
+
+    backend = td.get_backend()
+    home = out.device
+    if backend == "nccl" and home.type != "cuda":
+        work = out.to(device())
+    elif backend == "gloo" and home.type != "cpu":
+        work = out.cpu()
+    else:
+        work = out
+    td.all_reduce(work, op=td.ReduceOp.SUM)
+    work.div_(td.get_world_size())
+    return work if work.device == home else work.to(home)
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """`print` on global rank 0 only, flushed."""
+    if world.rank() == 0:
+        kwargs.setdefault("flush", True)
+        builtins.print(*args, **kwargs)
+
+
+def barrier() -> None:
+    """Every rank waits here for every other; a no-op in a world of one."""
+    group.ensure_group()
+    if world.world_size() <= 1:
+        return
+    import torch.distributed as td
+
+    if td.get_backend() == "nccl":
+        td.barrier(device_ids=[device().index])
+    else:
+        td.barrier()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_device_cache.clear)

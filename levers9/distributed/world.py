@@ -1,0 +1,111 @@
+"""The one place that decides this process's place in the world.
+
+A live default process group answers first (also one the user or accelerate created), then the
+launcher's environment, then a world of one. Every answer is cheap enough for a hot loop: the
+environment is parsed once per distinct set of launcher variables, and the group is asked directly.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import ModuleType
+
+from levers9.distributed.detect import LaunchInfo, detect
+
+# The variables whose values decide detection's answer; when none changes, the cached answer stands.
+_FINGERPRINT_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "ACCELERATE_MIXED_PRECISION",
+    "ACCELERATE_DYNAMO_BACKEND",
+    "LEVERS9_LAUNCHER",
+    "SLURM_PROCID",
+    "SLURM_STEP_ID",
+    "OMPI_COMM_WORLD_RANK",
+    "PMI_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+_cache: tuple[tuple[str | None, ...], LaunchInfo] | None = None
+
+
+def launch_info() -> LaunchInfo:
+    """What the launcher's environment says (validated), re-read only when a launcher variable changes."""
+    global _cache
+    environ = os.environ
+    key = tuple(environ.get(name) for name in _FINGERPRINT_VARS)
+    cached = _cache
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    info = detect(environ)
+    _cache = (key, info)
+    return info
+
+
+def live_group() -> ModuleType | None:
+    """torch.distributed if a default process group exists in this process, else None (never imports torch)."""
+    td = sys.modules.get("torch.distributed")
+    if td is None or not td.is_available() or not td.is_initialized():
+        return None
+    return td
+
+
+def rank() -> int:
+    """This process's global rank."""
+    td = live_group()
+    return int(td.get_rank()) if td is not None else launch_info().rank
+
+
+def world_size() -> int:
+    """How many ranks the world has."""
+    td = live_group()
+    return int(td.get_world_size()) if td is not None else launch_info().world_size
+
+
+def local_rank() -> int:
+    """This process's rank on its node; with a hand-made group and no launcher, its global rank (one node)."""
+    info = launch_info()
+    if info.launcher == "single":
+        td = live_group()
+        return int(td.get_rank()) if td is not None else 0
+    return info.local_rank
+
+
+def local_world_size() -> int:
+    """How many ranks run on this node; with a hand-made group and no launcher, the whole world (one node)."""
+    info = launch_info()
+    if info.launcher == "single":
+        td = live_group()
+        return int(td.get_world_size()) if td is not None else 1
+    return info.local_world_size
+
+
+def node_rank() -> int:
+    """Which node this is, counting from 0."""
+    return launch_info().node_rank
+
+
+def is_main() -> bool:
+    """True on global rank 0 only."""
+    return rank() == 0
+
+
+def launcher() -> str:
+    """Which launcher started this process: torchrun, accelerate, levers9, slurm, mpi, env or single."""
+    return launch_info().launcher
+
+
+def _forget() -> None:
+    """Drop the cached answer (a forked child must read its own environment)."""
+    global _cache
+    _cache = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget)
