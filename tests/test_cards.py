@@ -7,6 +7,9 @@ import subprocess
 import sys
 
 import pytest
+
+from levers9.distributed import cards
+from levers9.distributed.gpu_types import type_of_card
 from tests.fakes import use_fake_pynvml
 from tests.fakes.machines import (
     A100_80,
@@ -18,9 +21,6 @@ from tests.fakes.machines import (
     machine,
     uuid_of,
 )
-
-from levers9.distributed import cards
-from levers9.distributed.gpu_types import type_of_card
 
 FOUR_PRO = machine(*[RTX_PRO_6000_SERVER] * 4, pids={2: (4242, 4343)})
 
