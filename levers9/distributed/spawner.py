@@ -35,7 +35,8 @@ log = logging.getLogger("levers9.distributed")
 
 STOP_GRACE_S = 2.0  # SIGTERM, then SIGKILL after this long
 ROOT_CAUSE_WINDOW_S = 0.15  # after the first failure, wait this long for an earlier one still in flight
-OUTPUT_TAIL_LINES = 40
+OUTPUT_TAIL_LINES = 400  # kept per rank
+REPORT_LINES = 40  # shown in a failure report
 
 
 def run(
@@ -490,7 +491,7 @@ class _Spawn:
             exc_type=report.exc_type if report is not None and report.exc_type != "SystemExit" else None,
             message=(report.message if report is not None else ""),
             traceback=report.traceback if report is not None else "",
-            output_tail="\n".join(proc.tail),
+            output_tail=output_excerpt(list(proc.tail)),
         )
 
     def _root_cause(self) -> _RankProcess:
@@ -539,7 +540,7 @@ class _Spawn:
         self._stop_all()
         self._drain(0.3)
         tails = "\n\n".join(
-            f"Last output of rank {p.rank}:\n" + "\n".join(p.tail) for p in self.ranks if p.tail
+            f"Last output of rank {p.rank}:\n" + output_excerpt(list(p.tail)) for p in self.ranks if p.tail
         )
         raise RunTimeout(
             f"distributed.run timed out: still running after {self.timeout:g} s (timeout={self.timeout:g}); "
@@ -571,6 +572,14 @@ class _Spawn:
             with contextlib.suppress(OSError):
                 os.close(key.fd)
         self.selector.close()
+
+
+def output_excerpt(lines: list[str]) -> str:
+    """The part of a rank's last output worth showing: a fatal-error stack dump if there is one, else the last lines."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
+    if starts:
+        return "\n".join(lines[starts[-1] : starts[-1] + REPORT_LINES])
+    return "\n".join(lines[-REPORT_LINES:])
 
 
 def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:

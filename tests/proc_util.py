@@ -1,0 +1,43 @@
+"""Reading the process table from /proc, to prove that nothing was left running."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def children_of(pid: int) -> list[int]:
+    """Live (non-zombie) processes whose parent is `pid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        state, ppid = fields[0], int(fields[1])
+        if ppid == pid and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """True if `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], seconds: float = 5.0) -> list[int]:
+    """The pids among `pids` still alive after waiting up to `seconds`."""
+    end = time.monotonic() + seconds
+    left = [p for p in pids if alive(p)]
+    while left and time.monotonic() < end:
+        time.sleep(0.05)
+        left = [p for p in left if alive(p)]
+    return left

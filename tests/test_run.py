@@ -1,0 +1,266 @@
+"""distributed.run with real ranks (2 gloo ranks on the CPU): results, every failure kind, and clean-up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from levers9 import distributed as dist
+from levers9.errors import NotShippableError, RankCrashed, RankFailed, RunTimeout
+from tests import rankfns
+from tests.proc_util import alive, children_of, wait_gone
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes() -> None:
+    yield
+    assert wait_gone(children_of(os.getpid()), 5) == [], "distributed.run left child processes running"
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_two_ranks_return_rank0_value_with_torchrun_env(start_method: str) -> None:
+    out = dist.run(rankfns.describe, {"lr": 0.1}, nprocs=2, start_method=start_method)
+    assert out["rank"] == 0 and out["world_size"] == 2 and out["launcher"] == "levers9"
+    assert out["mean_rank"] == pytest.approx(0.5)
+    assert out["cfg"] == {"lr": 0.1}
+    env = out["env"]
+    assert env["RANK"] == "0" and env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "2"
+    assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+    assert out["pid"] != os.getpid()
+    assert dist.world_size() == 1 and dist.launcher() == "single"  # the caller is untouched
+
+
+def test_no_nprocs_and_no_card_runs_in_place() -> None:
+    out = dist.run(rankfns.describe, "cfg")
+    assert out["pid"] == os.getpid() and out["world_size"] == 1 and out["mean_rank"] == 0.0
+    import torch.distributed as td
+
+    assert not td.is_initialized()  # the group of one it made is gone
+
+
+def test_run_leaves_a_group_it_did_not_create() -> None:
+    import torch.distributed as td
+
+    td.init_process_group("gloo", store=td.HashStore(), rank=0, world_size=1)
+    try:
+        assert dist.run(rankfns.describe, None)["world_size"] == 1
+        assert td.is_initialized()
+    finally:
+        td.destroy_process_group()
+
+
+def test_lambda_and_closure_work_when_forked() -> None:
+    offset = 10
+    assert dist.run(lambda cfg: cfg + offset + dist.rank(), 1, nprocs=2) == 11
+
+
+def test_fn_without_parameters_is_called_without_cfg() -> None:
+    assert dist.run(lambda: dist.world_size(), nprocs=2) == 2
+
+
+def _assert_failure_report(exc: BaseException, rank: int) -> None:
+    text = str(exc) + "".join(getattr(exc, "__notes__", []))
+    assert f"rank {rank}" in text
+
+
+def test_exception_on_a_rank_comes_back_with_type_rank_and_traceback() -> None:
+    start = time.monotonic()
+    with pytest.raises(rankfns.CustomError, match="bad value 'x' on rank 1") as info:
+        dist.run(rankfns.fail_on_rank_1, "x", nprocs=2)
+    elapsed = time.monotonic() - start
+    notes = "\n".join(info.value.__notes__)
+    assert "rank 1" in notes and "fail_on_rank_1" in notes and "raise CustomError" in notes
+    cause = info.value.__cause__
+    assert isinstance(cause, RankFailed) and cause.failure is not None and cause.failure.rank == 1
+    assert elapsed < 8, f"took {elapsed:.1f}s to report a failing rank"
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_sys_exit_3_names_rank_and_code(start_method: str) -> None:
+    with pytest.raises(RankCrashed) as info:
+        dist.run(rankfns.exit_3_on_rank_1, None, nprocs=2, start_method=start_method)
+    assert "rank 1" in str(info.value) and "sys.exit(3)" in str(info.value)
+    assert info.value.failure is not None and info.value.failure.exitcode == 3
+    assert "exit_3_on_rank_1" in info.value.failure.traceback
+
+
+def test_os_exit_names_code_and_last_output() -> None:
+    with pytest.raises(RankCrashed) as info:
+        dist.run(rankfns.os_exit_on_rank_1, None, nprocs=2)
+    text = str(info.value)
+    assert "rank 1" in text and "exited with code 7" in text and "about to leave" in text
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSEGV])
+def test_death_by_signal_names_the_signal(signum: int) -> None:
+    start = time.monotonic()
+    with pytest.raises(RankCrashed) as info:
+        dist.run(rankfns.kill_self_on_rank_1, signum, nprocs=2)
+    assert f"rank 1" in str(info.value) and signal.Signals(signum).name in str(info.value)
+    assert info.value.failure is not None and info.value.failure.signal == signum
+    if signum == signal.SIGSEGV:  # faulthandler's dump of the Python stack is in the report
+        assert "kill_self_on_rank_1" in str(info.value)
+    assert time.monotonic() - start < 8
+
+
+def test_timeout_stops_every_rank_and_says_so() -> None:
+    start = time.monotonic()
+    with pytest.raises(RunTimeout, match=r"timeout=1\b") as info:
+        dist.run(rankfns.sleep_forever, None, nprocs=2, timeout=1)
+    assert isinstance(info.value, TimeoutError)
+    assert "sleeping on rank 1" in str(info.value)
+    assert time.monotonic() - start < 6
+
+
+def test_result_bigger_than_a_pipe_comes_back() -> None:
+    assert len(dist.run(rankfns.big_result, 20_000_000, nprocs=2)) == 20_000_000
+
+
+def test_unpicklable_result_is_named() -> None:
+    with pytest.raises(NotShippableError, match=r"result\['lock'\]"):
+        dist.run(rankfns.unpicklable_result, None, nprocs=2)
+
+
+def test_unpicklable_cfg_is_named_before_fresh_ranks_start() -> None:
+    import threading
+
+    with pytest.raises(NotShippableError, match=r"cfg\['lock'\]"):
+        dist.run(rankfns.describe, {"lock": threading.Lock()}, nprocs=2, start_method="spawn")
+
+
+def test_grandchildren_are_stopped_with_their_rank(tmp_path: Path) -> None:
+    with pytest.raises(rankfns.CustomError):
+        dist.run(rankfns.grandchild_then_fail, str(tmp_path), nprocs=2)
+    pids = [int((tmp_path / f"grandchild-{r}").read_text()) for r in range(2)]
+    assert wait_gone(pids, 5) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"nprocs": 0}, "nprocs=0"),
+        ({"nprocs": 2.0}, "nprocs=2.0"),
+        ({"nprocs": True}, "nprocs=True"),
+        ({"backend": "mpi"}, "backend='mpi'"),
+        ({"backend": "nccl"}, "no CUDA card"),
+        ({"timeout": 0}, "timeout=0"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_starts(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        dist.run(rankfns.describe, None, **kwargs)
+
+
+def test_not_a_function_is_refused() -> None:
+    with pytest.raises(TypeError, match="needs a function"):
+        dist.run("train.py", None)  # type: ignore[arg-type]
+
+
+DRIVER = """
+import os, sys, time
+from levers9 import distributed as dist
+
+def fn(cfg):
+    with open(os.path.join(cfg, f"rank-{dist.rank()}"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+
+if __name__ == "__main__":
+    dist.run(fn, sys.argv[1], nprocs=2)
+"""
+
+
+def _start_driver(tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=REPO, start_new_session=True)
+    end = time.monotonic() + 30
+    while time.monotonic() < end and not all((tmp_path / f"rank-{r}").exists() for r in range(2)):
+        time.sleep(0.05)
+    time.sleep(0.1)
+    pids = [int((tmp_path / f"rank-{r}").read_text()) for r in range(2)]
+    return proc, pids
+
+
+def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path: Path) -> None:
+    proc, pids = _start_driver(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=10) != 0
+    assert wait_gone(pids, 5) == []
+
+
+def test_ranks_exit_when_the_caller_is_killed_outright(tmp_path: Path) -> None:
+    proc, pids = _start_driver(tmp_path)
+    proc.kill()
+    proc.wait(timeout=10)
+    assert wait_gone(pids, 5) == []
+
+
+def _listening_sockets_of(pids: set[int]) -> list[str]:
+    """Local addresses of TCP sockets in LISTEN state owned by `pids` (from /proc/net/tcp{,6})."""
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                parts = line.split()
+                if parts[3] == "0A" and parts[9] in inodes:  # 0A = LISTEN
+                    found.append(parts[1])
+    return found
+
+
+def test_a_run_listens_on_loopback_only(tmp_path: Path) -> None:
+    proc, pids = _start_driver(tmp_path)
+    try:
+        addresses = _listening_sockets_of({proc.pid, *pids})
+        assert addresses, "expected the rendezvous store to listen somewhere"
+        loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+        for address in addresses:
+            host = address.split(":")[0]
+            assert host in loopback, f"a socket listens on a non-loopback address: {address}"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        wait_gone(pids, 5)
+
+
+def test_eight_runs_at_once_all_succeed(tmp_path: Path) -> None:
+    script = tmp_path / "one.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from levers9 import distributed as dist
+            def fn(cfg):
+                return dist.all_reduce_mean(torch.tensor([dist.rank() + 1.0])).item()
+            if __name__ == "__main__":
+                print("RESULT", dist.run(fn, None, nprocs=2))
+            """
+        )
+    )
+    procs = [
+        subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for _ in range(8)
+    ]
+    outputs = [p.communicate(timeout=240)[0].decode() for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out
+        assert "RESULT 1.5" in out, out
