@@ -1,0 +1,155 @@
+"""The seam between the job layer and whatever runs jobs: one method, `submit(batch) -> futures`.
+
+job.py does everything that is the same for every backend (argument checks, the workspace cap and
+switch, result ordering, cancellation when a map is left, progress). A backend receives a Batch of
+already-checked cells, checks that its machines could ever fit the job (InfeasibleJobError before
+starting anything), starts each cell when cards are free, and resolves one Future per cell with the
+result or the job's exception. It watches `batch.cancel` and stops queued and running cells when it
+is set. The job process itself runs runner.run_cell, which is shared by every backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+from levers9.errors import JobConfigError
+from levers9.launch.cells import Cell
+from levers9.launch.spec import JobSpec
+
+
+class CancelToken:
+    """Set once when the caller gives up on a batch; callbacks run at once (or now, if already set)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def cancel(self) -> None:
+        """Mark the batch cancelled and run every registered callback."""
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def on_cancel(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Run `callback` on cancel; returns a function that unregisters it."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(callback)
+                return lambda: self._remove(callback)
+        callback()
+        return lambda: None
+
+    def _remove(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Sleep up to `timeout` s, waking early (True) if cancelled."""
+        return self._event.wait(timeout)
+
+
+class Events(Protocol):
+    """What a backend reports while a batch runs (progress display, output streaming)."""
+
+    def started(self, cell: Cell, cards: str, attempt: int) -> None: ...
+    def finished(self, cell: Cell, ok: bool) -> None: ...
+    def output(self, cell: Cell, stream: str, line: str) -> None: ...
+
+
+class NoEvents:
+    """An Events that ignores everything."""
+
+    def started(self, cell: Cell, cards: str, attempt: int) -> None:
+        pass
+
+    def finished(self, cell: Cell, ok: bool) -> None:
+        pass
+
+    def output(self, cell: Cell, stream: str, line: str) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class Batch:
+    """Checked cells of one function and one spec, submitted together (a map, or one remote/spawn call)."""
+
+    spec: JobSpec
+    func: Callable[..., Any]  # the plain function (never the JobFunction wrapper)
+    cells: Sequence[Cell]
+    run_id: str
+    cancel: CancelToken = dataclasses.field(default_factory=CancelToken)
+    events: Events = dataclasses.field(default_factory=NoEvents)
+    label: str = ""  # "train #3" is label + index; "" means the spec's name
+
+    def cell_label(self, cell: Cell) -> str:
+        """How messages and output prefixes name a cell: 'train #3', or 'train' for a single call."""
+        base = self.label or self.spec.name
+        return f"{base} #{cell.index}" if len(self.cells) > 1 or self.label else base
+
+
+class Backend(Protocol):
+    """Runs batches of jobs. One method; everything else is shared."""
+
+    def submit(self, batch: Batch) -> list[Future[Any]]:
+        """Start (or queue) every cell; one Future per cell, in order. InfeasibleJobError before starting any."""
+        ...
+
+
+# name -> "module:attribute" of a zero-argument factory; imported only when used.
+BACKENDS: dict[str, str] = {
+    "local": "levers9.launch.local:LocalBackend",
+    "ray": "levers9.launch.ray_backend:RayBackend",
+}
+_instances: dict[str, Backend] = {}
+_instances_lock = threading.Lock()
+
+
+def backend_name(requested: str | None) -> str:
+    """The backend to use: @job(backend=...), else $LEVERS9_BACKEND, else 'local'."""
+    name = requested or os.environ.get("LEVERS9_BACKEND") or "local"
+    if name not in BACKENDS:
+        raise JobConfigError(
+            f"Unknown backend {name!r} (from {'backend=' if requested else 'LEVERS9_BACKEND'}). "
+            f"Expected one of: {', '.join(sorted(BACKENDS))}."
+        )
+    return name
+
+
+def get_backend(name: str) -> Backend:
+    """The process-wide instance of backend `name`, created on first use."""
+    with _instances_lock:
+        if name not in _instances:
+            module_name, _, attr = BACKENDS[name].partition(":")
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError as exc:
+                raise JobConfigError(
+                    f"backend={name!r} needs {exc.name or module_name}, which is not installed. "
+                    f"Install it with: pip install 'levers9[{name}]'"
+                ) from exc
+            _instances[name] = getattr(module, attr)()
+        return _instances[name]
+
+
+def new_run_id(name: str) -> str:
+    """A run's folder name: the time, the job's name and a short random part."""
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:40]
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}-{uuid.uuid4().hex[:6]}"

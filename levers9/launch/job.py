@@ -1,0 +1,302 @@
+"""`@job`: a function that can also run as jobs on this machine's cards (or a Ray cluster).
+
+    @job(gpu="RTXPro6000", gpu_count=1, timeout=3600)
+    def cell(lora_r: int, lr: float) -> dict: ...
+
+    cell(8, 1e-4)                           # a plain call in this process
+    cell.remote(8, 1e-4)                    # one job on its own card(s): the result, or its exception
+    fut = cell.spawn(8, 1e-4)               # a concurrent.futures.Future
+    for r in cell.map([(8, 1e-4), (16, 1e-4)]): ...   # each cell its own job, all at once, input order
+
+Every call checks its arguments, then reads the workspace settings afresh (card cap, multi-GPU
+switch), then asks the backend whether the job could ever fit, all before anything starts.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from types import TracebackType
+from typing import Any, Generic, ParamSpec, TypeVar, overload
+
+from levers9.errors import JobConfigError
+from levers9.launch.backend import Backend, Batch, CancelToken, backend_name, get_backend, new_run_id
+from levers9.launch.cells import Cell, check_cell, make_cells
+from levers9.launch.policy import check_policy
+from levers9.launch.progress import Reporter
+from levers9.launch.runner import add_note
+from levers9.launch.settings import load_settings
+from levers9.launch.spec import JobSpec, Retries, build_spec
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+log = logging.getLogger("levers9.launch")
+
+
+class JobFunction(Generic[P, R]):
+    """A function plus what its jobs ask for. Calling it runs it here; .remote/.spawn/.map run jobs."""
+
+    def __init__(self, func: Callable[P, R], spec: JobSpec, backend: str | None) -> None:
+        self.func = func
+        self.spec = spec
+        self.backend = backend
+        functools.update_wrapper(self, func)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run the function in this process, as if it were not decorated."""
+        return self.func(*args, **kwargs)
+
+    def local(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Same as calling the function: in this process, no job, no card lease."""
+        return self.func(*args, **kwargs)
+
+    def remote(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run one job and return its result, or raise its exception; cancels the job if interrupted."""
+        cell = Cell(0, tuple(args), dict(kwargs))
+        check_cell(self.func, cell, label=f"{self.spec.name}{cell.describe()}")
+        futures, cancel = self._submit([cell], label="")
+        try:
+            return futures[0].result()
+        finally:
+            cancel.cancel()
+
+    def spawn(self, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
+        """Start one job and return a concurrent.futures.Future for its result (cancel() works while it queues)."""
+        cell = Cell(0, tuple(args), dict(kwargs))
+        check_cell(self.func, cell, label=f"{self.spec.name}{cell.describe()}")
+        futures, _cancel = self._submit([cell], label="")
+        return futures[0]
+
+    def map(
+        self,
+        cells: Iterable[Any],
+        *,
+        return_exceptions: bool = False,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> MapResults[R]:
+        """Run each cell as its own job, all at once; iterate the results in input order.
+
+        A tuple is positional arguments, a dict keyword arguments, anything else one argument;
+        `kwargs` is added to every cell. Every cell is checked before any starts. The first failure
+        raises (with the cell's index and arguments in a note) and cancels the rest, unless
+        return_exceptions=True puts the exception in its slot. Leaving the loop early (break, close,
+        garbage collection) cancels the cells not yet finished and kills the running ones.
+        """
+        checked = make_cells(self.func, cells, kwargs=kwargs)
+        if not checked:
+            return MapResults([], [], CancelToken(), return_exceptions, None)
+        reporter = Reporter(self.spec.name, len(checked))
+        futures, cancel = self._submit(checked, label=self.spec.name, reporter=reporter)
+        return MapResults(checked, futures, cancel, return_exceptions, reporter)
+
+    def _submit(
+        self, cells: Sequence[Cell], *, label: str, reporter: Reporter | None = None
+    ) -> tuple[list[Future[Any]], CancelToken]:
+        check_policy(self.spec, load_settings())
+        backend: Backend = get_backend(backend_name(self.backend))
+        reporter = reporter or Reporter(self.spec.name, len(cells), show_progress=False)
+        batch = Batch(
+            spec=self.spec,
+            func=self.func,
+            cells=cells,
+            run_id=new_run_id(self.spec.name),
+            events=reporter,
+            label=label,
+        )
+        reporter.batch = batch
+        return backend.submit(batch), batch.cancel
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle by reference when importable (module.qualname), else by value."""
+        module, qualname = self.func.__module__, self.func.__qualname__
+        if module != "__main__" and "<locals>" not in qualname:
+            return (_resolve_job, (module, qualname))
+        return (JobFunction, (self.func, self.spec, self.backend))
+
+    def __repr__(self) -> str:
+        return f"<job {self.spec.name} ({self.spec.describe_cards()})>"
+
+
+def _resolve_job(module: str, qualname: str) -> Any:
+    import importlib
+
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class MapResults(Generic[R]):
+    """The results of a map, in input order. Closing it (or dropping it) cancels what has not finished."""
+
+    def __init__(
+        self,
+        cells: list[Cell],
+        futures: list[Future[Any]],
+        cancel: CancelToken,
+        return_exceptions: bool,
+        reporter: Reporter | None,
+    ) -> None:
+        self._cells = cells
+        self._futures = futures
+        self._cancel = cancel
+        self._return_exceptions = return_exceptions
+        self._reporter = reporter
+        self._next = 0
+        self._closed = False
+
+    def __iter__(self) -> Iterator[R]:
+        return self
+
+    def __next__(self) -> R:
+        if self._closed or self._next >= len(self._futures):
+            self.close()
+            raise StopIteration
+        index = self._next
+        self._next += 1
+        future = self._futures[index]
+        try:
+            result: R = future.result()
+            return result
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)) or future.cancelled() or not future.done():
+                self.close()
+                raise
+            cell = self._cells[index]
+            if self._return_exceptions:
+                return exc  # type: ignore[return-value]
+            self.close()
+            add_note(exc, f"levers9: cell #{cell.index} {cell.describe()} failed; the cells not yet finished were cancelled")
+            raise
+
+    def close(self) -> None:
+        """Cancel every cell not yet finished, kill running jobs and wait until they have ended."""
+        if self._closed:
+            return
+        self._closed = True
+        self._cancel.cancel()
+        for future in self._futures:
+            try:
+                future.exception()
+            except BaseException:
+                pass
+        if self._reporter is not None:
+            self._reporter.close()
+
+    def __enter__(self) -> MapResults[R]:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    def __len__(self) -> int:
+        return len(self._futures)
+
+
+@overload
+def job(func: Callable[P, R], /) -> JobFunction[P, R]: ...
+
+
+@overload
+def job(
+    func: None = None,
+    /,
+    *,
+    gpu: str | Sequence[str] | None = None,
+    gpu_count: int | None = None,
+    timeout: float | None = None,
+    retries: int | Retries = 0,
+    env: Mapping[str, str] | None = None,
+    cpu: float | str | None = None,
+    memory: int | str | None = None,
+    name: str | None = None,
+    queue_timeout: float | None = None,
+    kill_grace: float = 10.0,
+    stream_output: bool = True,
+    backend: str | None = None,
+) -> Callable[[Callable[P, R]], JobFunction[P, R]]: ...
+
+
+def job(
+    func: Callable[P, R] | None = None,
+    /,
+    *,
+    gpu: str | Sequence[str] | None = None,
+    gpu_count: int | None = None,
+    timeout: float | None = None,
+    retries: int | Retries = 0,
+    env: Mapping[str, str] | None = None,
+    cpu: float | str | None = None,
+    memory: int | str | None = None,
+    name: str | None = None,
+    queue_timeout: float | None = None,
+    kill_grace: float = 10.0,
+    stream_output: bool = True,
+    backend: str | None = None,
+) -> JobFunction[P, R] | Callable[[Callable[P, R]], JobFunction[P, R]]:
+    """Make `func` runnable as jobs. Arguments are checked now; JobConfigError names the bad one.
+
+    gpu: a type ('RTXPro6000', 'H100', 'A100-80', 'any'), a list in order of preference, or 'H100:8'
+        (type and count); None with gpu_count=0 (the default) is a CPU job, which gets no card.
+    gpu_count: cards held by one job at the same moment (default 1 when gpu is set).
+    timeout: seconds per attempt, from the job's start; None (the default) for no limit. The job's
+        whole process group is killed and its cards freed when it runs out.
+    retries: re-runs of a crashed or timed-out job (an int, or Retries(...) for backoff and which
+        failures count). Default 0: a local crash rarely goes away by itself, and re-running an
+        8-card training silently is expensive.
+    env: variables set in the job process (str values; CUDA_VISIBLE_DEVICES and LEVERS9_* are refused).
+    cpu, memory: advisory on this machine (cpu sets OMP_NUM_THREADS / MKL_NUM_THREADS); requests on a cluster.
+    name: for logs and messages (default: the function's qualified name).
+    queue_timeout: seconds a job may wait for free cards before JobTimeout; None waits as long as needed.
+    kill_grace: seconds between SIGTERM and SIGKILL when a job is timed out or cancelled.
+    stream_output: copy each job's output to this process, prefixed with its cell (it is logged to a
+        file under the run folder either way).
+    backend: 'local' (this machine; the default) or 'ray'; $LEVERS9_BACKEND sets the default.
+    """
+
+    def decorate(fn: Callable[P, R]) -> JobFunction[P, R]:
+        _check_callable(fn)
+        spec = build_spec(
+            name=name or str(getattr(fn, "__qualname__", repr(fn))),
+            gpu=gpu,
+            gpu_count=gpu_count,
+            timeout=timeout,
+            retries=retries,
+            env=env,
+            cpu=cpu,
+            memory=memory,
+            queue_timeout=queue_timeout,
+            kill_grace=kill_grace,
+            stream_output=stream_output,
+        )
+        if backend is not None:
+            backend_name(backend)
+        return JobFunction(fn, spec, backend)
+
+    if func is not None:
+        return decorate(func)
+    return decorate
+
+
+def _check_callable(fn: Any) -> None:
+    if isinstance(fn, JobFunction):
+        raise JobConfigError(f"{fn.spec.name} is already a job; apply @job once.")
+    if inspect.isclass(fn):
+        raise JobConfigError(f"@job decorates functions, not classes ({fn.__qualname__}). Decorate a function that builds and uses it.")
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        raise JobConfigError(f"@job does not run async functions yet ({fn.__qualname__}); make it a plain def.")
+    if inspect.isgeneratorfunction(fn):
+        raise JobConfigError(f"@job functions return one result; {fn.__qualname__} is a generator. Return a list instead.")
+    if not callable(fn):
+        raise JobConfigError(f"@job needs a function, got {type(fn).__name__}.")

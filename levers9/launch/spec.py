@@ -1,0 +1,236 @@
+"""What a job asks for (`JobSpec`), built from @job's arguments and checked once, at decoration time.
+
+Every rule here is static: no file or hardware is read. The workspace policy (cap, switch) and the
+machine's feasibility are checked per call, in policy.py and by the backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from levers9.distributed.gpu_types import parse_gpu_type
+from levers9.errors import JobConfigError
+
+ANY = "any"
+RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_MEMORY = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|KB|MB|GB|TB|K|M|G|T)?\s*\Z", re.IGNORECASE)
+_MIB_PER_UNIT = {
+    None: 1.0,
+    "ki": 1 / 1024, "mi": 1.0, "gi": 1024.0, "ti": 1024.0**2,
+    "kb": 1000 / 2**20, "mb": 1e6 / 2**20, "gb": 1e9 / 2**20, "tb": 1e12 / 2**20,
+    "k": 1 / 1024, "m": 1.0, "g": 1024.0, "t": 1024.0**2,
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Retries:
+    """How often a failed job is run again, and how long to wait between attempts.
+
+    `on` lists what counts: "crash" (the process died: signal, os._exit, out-of-memory kill),
+    "timeout" (it outlived timeout=) and "exception" (the function raised). The default retries
+    crashes and timeouts only: an exception is usually a bug that would repeat.
+    """
+
+    max_retries: int
+    backoff_coefficient: float = 2.0
+    initial_delay: float = 1.0
+    max_delay: float = 60.0
+    on: tuple[str, ...] = ("crash", "timeout")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or not 0 <= self.max_retries <= 10:
+            raise JobConfigError(f"Retries(max_retries={self.max_retries!r}): expected an int from 0 to 10.")
+        if not 1.0 <= self.backoff_coefficient <= 10.0:
+            raise JobConfigError(f"Retries(backoff_coefficient={self.backoff_coefficient!r}): expected 1.0 to 10.0.")
+        if not 0.0 <= self.initial_delay <= 60.0:
+            raise JobConfigError(f"Retries(initial_delay={self.initial_delay!r}): expected 0 to 60 seconds.")
+        if not 0.0 <= self.max_delay <= 60.0:
+            raise JobConfigError(f"Retries(max_delay={self.max_delay!r}): expected 0 to 60 seconds.")
+        bad = [kind for kind in self.on if kind not in ("crash", "timeout", "exception")]
+        if bad or isinstance(self.on, str):
+            raise JobConfigError(
+                f"Retries(on={self.on!r}): expected a tuple of 'crash', 'timeout' and 'exception'."
+            )
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before attempt number `attempt` (2 is the first retry)."""
+        return min(self.max_delay, self.initial_delay * self.backoff_coefficient ** max(0, attempt - 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """A job's request, as a backend sees it. `gpu_types` empty means any type; gpu_count 0 is a CPU job."""
+
+    name: str
+    gpu_types: tuple[str, ...] = ()
+    gpu_count: int = 0
+    timeout: float | None = None
+    retries: Retries = Retries(0)
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    cpu: float | None = None
+    memory_mib: int | None = None
+    queue_timeout: float | None = None
+    kill_grace: float = 10.0
+    stream_output: bool = True
+
+    def describe_cards(self) -> str:
+        """'2 RTXPro6000 cards', '1 card of any type', 'no card'."""
+        if self.gpu_count == 0:
+            return "no card"
+        kind = "/".join(self.gpu_types) if self.gpu_types else ""
+        noun = "card" if self.gpu_count == 1 else "cards"
+        return f"{self.gpu_count} {kind} {noun}" if kind else f"{self.gpu_count} {noun} of any type"
+
+
+def build_spec(
+    *,
+    name: str,
+    gpu: str | Sequence[str] | None,
+    gpu_count: Any,
+    timeout: Any,
+    retries: Any,
+    env: Any,
+    cpu: Any,
+    memory: Any,
+    queue_timeout: Any,
+    kill_grace: Any,
+    stream_output: bool,
+) -> JobSpec:
+    """Check @job's arguments and return the spec; JobConfigError (seen, expected, fix) on the first bad one."""
+    types, count = _gpu(gpu, gpu_count)
+    return JobSpec(
+        name=name,
+        gpu_types=types,
+        gpu_count=count,
+        timeout=_seconds("timeout", timeout),
+        retries=_retries(retries),
+        env=_env(env),
+        cpu=_cpu(cpu),
+        memory_mib=_memory(memory),
+        queue_timeout=_seconds("queue_timeout", queue_timeout),
+        kill_grace=_seconds("kill_grace", kill_grace) or 0.0,
+        stream_output=bool(stream_output),
+    )
+
+
+def _gpu(gpu: str | Sequence[str] | None, gpu_count: Any) -> tuple[tuple[str, ...], int]:
+    if gpu_count is not None and (isinstance(gpu_count, bool) or not isinstance(gpu_count, int)):
+        raise JobConfigError(
+            f"gpu_count must be an int, got {type(gpu_count).__name__} {gpu_count!r}. "
+            f"Use gpu_count=1, 2, 4 or 8 (or leave gpu and gpu_count out for a CPU job)."
+        )
+    if gpu_count is not None and gpu_count < 0:
+        raise JobConfigError(f"gpu_count must be 0 or more, got {gpu_count}. Use gpu_count=1, 2, 4 or 8.")
+    if gpu is None:
+        return (), (gpu_count or 0)
+    texts = [gpu] if isinstance(gpu, str) else list(gpu)
+    if not texts:
+        raise JobConfigError("gpu=[] lists no GPU type. Name one (gpu='RTXPro6000'), or use gpu=None for a CPU job.")
+    types: list[str] = []
+    suffix_count: int | None = None
+    for text in texts:
+        if not isinstance(text, str):
+            raise JobConfigError(f"gpu={gpu!r}: expected a GPU type name such as 'RTXPro6000', got {text!r}.")
+        base, _, suffix = text.partition(":")
+        if suffix:
+            if not suffix.strip().isdigit() or int(suffix) < 1:
+                raise JobConfigError(
+                    f"Invalid GPU count in gpu={text!r}: must be a positive integer, as in 'H100:8'."
+                )
+            suffix_count = int(suffix)
+        name = ANY if base.strip().lower() == ANY else parse_gpu_type(base)
+        if name not in types:
+            types.append(name)
+    if ANY in types and len(types) > 1:
+        raise JobConfigError(f"gpu={gpu!r}: 'any' must be used alone. Use gpu='any' or list only named types.")
+    if suffix_count is not None:
+        if gpu_count is not None and gpu_count != suffix_count:
+            raise JobConfigError(
+                f"gpu={gpu!r} already asks for {suffix_count} cards but gpu_count={gpu_count}; drop one of them."
+            )
+        gpu_count = suffix_count
+    if gpu_count is None:
+        gpu_count = 1
+    if gpu_count == 0:
+        raise JobConfigError(
+            f"gpu={gpu!r} with gpu_count=0 asks for a card type but no cards. "
+            f"Use gpu_count=1 or more, or gpu=None for a CPU job."
+        )
+    return (() if types == [ANY] else tuple(types)), gpu_count
+
+
+def _seconds(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        if name == "kill_grace" and isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+            return 0.0
+        raise JobConfigError(
+            f"{name} must be a positive number of seconds, or None for no limit; got {value!r}."
+        )
+    return float(value)
+
+
+def _retries(value: Any) -> Retries:
+    if isinstance(value, Retries):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10:
+        raise JobConfigError(
+            f"retries must be an int from 0 to 10 or levers9.launch.Retries(...), got {value!r}."
+        )
+    return Retries(value)
+
+
+def _env(value: Any) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise JobConfigError(f"env must be a dict of str to str, got {type(value).__name__}.")
+    out: dict[str, str] = {}
+    for key, val in value.items():
+        if not isinstance(key, str) or not _ENV_KEY.match(key):
+            raise JobConfigError(f"env key {key!r} is not a valid environment variable name (letters, digits, _).")
+        if key in RESERVED_ENV or key.startswith("LEVERS9_"):
+            raise JobConfigError(
+                f"env may not set {key}: levers9 pins cards and sets LEVERS9_* itself. "
+                f"Choose the cards with gpu= and gpu_count= instead."
+            )
+        if not isinstance(val, str):
+            raise JobConfigError(
+                f"env[{key!r}] must be a str, got {type(val).__name__} {val!r}. Write env={{{key!r}: {str(val)!r}}}."
+            )
+        out[key] = val
+    return out
+
+
+def _cpu(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, str) and value.endswith("m") and value[:-1].isdigit():
+        value = int(value[:-1]) / 1000
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.1 <= value <= 256:
+        raise JobConfigError(f"cpu must be a number of cores from 0.1 to 256 (or '500m'), got {value!r}.")
+    return float(value)
+
+
+def _memory(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise JobConfigError(f"memory must be MiB as an int or a size such as '64Gi', got {value!r}.")
+    if isinstance(value, (int, float)):
+        mib = float(value)
+    else:
+        match = _MEMORY.match(str(value))
+        if not match:
+            raise JobConfigError(f"memory must be MiB as an int or a size such as '64Gi' or '512Mi', got {value!r}.")
+        unit = match.group(2).lower() if match.group(2) else None
+        mib = float(match.group(1)) * _MIB_PER_UNIT[unit]
+    if mib <= 0:
+        raise JobConfigError(f"memory must be greater than 0, got {value!r}.")
+    return max(1, int(mib))
