@@ -1,0 +1,119 @@
+"""`levers9 workspace ...`: show and change the workspace settings (multi-GPU switch, per-job card cap).
+
+    levers9 workspace                    # the settings, where they live, and this machine's cards
+    levers9 workspace show --json
+    levers9 workspace multi-gpu          # on or off?
+    levers9 workspace multi-gpu on       # allow gpu_count > 1 from the next call on
+    levers9 workspace max-gpu-count 4    # the most cards one job may ask for
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from levers9.errors import Levers9Error
+from levers9.launch.settings import MAX_GPU_COUNT_LIMIT, Settings, load_settings, update_settings
+
+
+def register(subparsers: Any) -> None:
+    """Add `workspace` and its subcommands to the levers9 command."""
+    parser = subparsers.add_parser("workspace", help="show or change the workspace settings (multi-GPU switch, card cap)")
+    parser.set_defaults(handler=_show, json=False)
+    sub = parser.add_subparsers(dest="workspace_command", metavar="SETTING")
+    show = sub.add_parser("show", help="the settings, where they come from, and this machine's cards")
+    show.add_argument("--json", action="store_true", help="print JSON")
+    show.set_defaults(handler=_show)
+    multi = sub.add_parser("multi-gpu", help="read or set the multi-GPU switch (gates gpu_count > 1)")
+    multi.add_argument("state", nargs="?", choices=["on", "off"], help="omit to print the current state")
+    multi.set_defaults(handler=_multi_gpu)
+    cap = sub.add_parser("max-gpu-count", help="read or set the most cards one job may ask for")
+    cap.add_argument("count", nargs="?", type=_count, help=f"1 to {MAX_GPU_COUNT_LIMIT}; omit to print it")
+    cap.set_defaults(handler=_max_gpu_count)
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of cards, got {text!r}") from None
+    if not 1 <= value <= MAX_GPU_COUNT_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected 1 to {MAX_GPU_COUNT_LIMIT} cards, got {value}")
+    return value
+
+
+def _on_off(value: bool) -> str:
+    return "on" if value else "off"
+
+
+def _cards_line() -> str:
+    try:
+        from levers9.launch.pool import local_pool
+
+        settings = load_settings()
+        return local_pool(simulate=settings.simulate_gpus).describe()
+    except Levers9Error as exc:
+        return f"unknown ({exc})"
+
+
+def _show(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings()
+    except Levers9Error as exc:
+        print(f"levers9: {exc}", file=sys.stderr)
+        return 1
+    source = "" if settings.exists else " (no file yet: the defaults)"
+    if args.json:
+        print(json.dumps({
+            "path": str(settings.path),
+            "exists": settings.exists,
+            "multi_gpu": settings.multi_gpu,
+            "max_gpu_count": settings.max_gpu_count,
+            "simulate_gpus": settings.simulate_gpus,
+            "cards": _cards_line(),
+        }, indent=2))  # fmt: skip
+        return 0
+    print(f"Workspace settings: {settings.path}{source}")
+    print(f"  multi-GPU jobs:  {_on_off(settings.multi_gpu)}    (levers9 workspace multi-gpu on|off)")
+    print(f"  max GPU count:   {settings.max_gpu_count} per job    (levers9 workspace max-gpu-count N)")
+    if settings.simulate_gpus:
+        print(f"  simulated cards: {settings.simulate_gpus}")
+    print(f"  this machine:    {_cards_line()}")
+    return 0
+
+
+def _multi_gpu(args: argparse.Namespace) -> int:
+    try:
+        if args.state is None:
+            settings = load_settings()
+            print(f"Multi-GPU jobs: {_on_off(settings.multi_gpu)} ({settings.path}).")
+            return 0
+        before, after = update_settings(multi_gpu=args.state == "on")
+    except Levers9Error as exc:
+        print(f"levers9: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"Multi-GPU jobs: {_on_off(after.multi_gpu)} (was {_on_off(before.multi_gpu)}). Takes effect on the next "
+        f"call. Per-job limit: {after.max_gpu_count} cards (this machine: {_cards_line()}). Saved in {after.path}."
+    )
+    return 0
+
+
+def _max_gpu_count(args: argparse.Namespace) -> int:
+    try:
+        if args.count is None:
+            settings: Settings = load_settings()
+            print(f"Max GPU count per job: {settings.max_gpu_count} ({settings.path}).")
+            return 0
+        before, after = update_settings(max_gpu_count=args.count)
+    except Levers9Error as exc:
+        print(f"levers9: {exc}", file=sys.stderr)
+        return 1
+    switch = "" if after.multi_gpu or after.max_gpu_count == 1 else " Multi-GPU jobs are off: levers9 workspace multi-gpu on"
+    print(
+        f"Max GPU count per job: {after.max_gpu_count} (was {before.max_gpu_count}). Takes effect on the next call. "
+        f"Saved in {after.path}.{switch}"
+    )
+    return 0
