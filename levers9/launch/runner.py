@@ -12,7 +12,6 @@ import math
 import os
 import signal
 import sys
-import threading
 import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -73,7 +72,7 @@ def run_cell(
     if "LEVERS9_SIMULATED" not in env:
         os.environ.pop("LEVERS9_SIMULATED", None)
     if lifeline_fd is not None:
-        threading.Thread(target=_watch_lifeline, args=(lifeline_fd,), name="levers9-lifeline", daemon=True).start()
+        start_watchdog(lifeline_fd)
     try:
         gpu_count = int(env.get("LEVERS9_GPU_COUNT", "0"))
         if gpu_count > 0 and env.get("LEVERS9_SIMULATED") != "1":
@@ -131,17 +130,29 @@ def _write(path: Path, outcome: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _watch_lifeline(fd: int) -> None:
-    """Kill this job's whole process group once the caller's end of the lifeline closes (the caller died)."""
-    while True:
-        try:
-            if not os.read(fd, 1):
+def start_watchdog(lifeline_fd: int) -> int:
+    """Fork a tiny process into this job's group that kills the whole group once the lifeline reads end
+    of file (the caller died). A process, not a thread: it works while the job holds the GIL, and
+    it outlives the job process, so the job's own children die too."""
+    pid = os.fork()
+    if pid != 0:
+        os.close(lifeline_fd)
+        return pid
+    try:
+        os.closerange(0, lifeline_fd)
+        os.closerange(lifeline_fd + 1, 4096)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        while True:
+            try:
+                if not os.read(lifeline_fd, 1):
+                    break
+            except InterruptedError:
+                continue
+            except OSError:
                 break
-        except InterruptedError:
-            continue
-        except OSError:
-            break
-    os.killpg(os.getpgrp(), signal.SIGKILL)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    finally:
+        os._exit(0)
 
 
 def read_outcome(job_dir: Path, label: str) -> tuple[bool, Any] | None:

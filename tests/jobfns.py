@@ -1,0 +1,120 @@
+"""Importable job functions for the job-layer tests (a fresh interpreter imports them by name)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+class CellError(Exception):
+    """A user exception that pickles and unpickles (rebuilt with its type)."""
+
+
+class Unrebuildable(Exception):
+    """A user exception whose __init__ signature breaks unpickling (comes back as RemoteError)."""
+
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__(f"a={a} b={b}")
+
+
+def report(tag: Any, seconds: float = 0.3) -> dict[str, Any]:
+    """Sleep, and say which cards this job saw and when it ran."""
+    start = time.time()
+    time.sleep(seconds)
+    return {
+        "tag": tag,
+        "cards": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "order": os.environ.get("CUDA_DEVICE_ORDER"),
+        "simulated": os.environ.get("LEVERS9_SIMULATED"),
+        "gpu_count": os.environ.get("LEVERS9_GPU_COUNT"),
+        "start": start,
+        "end": time.time(),
+        "pid": os.getpid(),
+    }
+
+
+def add(a: int, b: int = 0) -> int:
+    return a + b
+
+
+def fail(kind: str, message: str = "boom") -> None:
+    """Fail the way `kind` says: an exception, an exit code, or a signal."""
+    print(f"about to fail: {kind}", flush=True)
+    if kind == "value":
+        raise ValueError(message)
+    if kind == "custom":
+        raise CellError(message)
+    if kind == "unrebuildable":
+        raise Unrebuildable(1, 2)
+    if kind == "exit":
+        os._exit(3)
+    if kind == "sys.exit":
+        sys.exit(4)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError(kind)
+
+
+def crash_once(marker: str) -> str:
+    """Crash (exit code 3) on the first attempt, succeed on the next; counts attempts in the marker file."""
+    path = Path(marker)
+    attempts = int(path.read_text()) if path.exists() else 0
+    path.write_text(str(attempts + 1))
+    if attempts == 0:
+        os._exit(3)
+    return f"ok after {attempts + 1} attempts"
+
+
+def pid_and_sleep(folder: str, tag: Any, seconds: float) -> str:
+    """Write this job's pid to folder/<tag>.pid (and a child's pid to <tag>.child), then sleep."""
+    child = os.fork()
+    if child == 0:
+        time.sleep(seconds)
+        os._exit(0)
+    Path(folder, f"{tag}.child").write_text(str(child))
+    Path(folder, f"{tag}.pid").write_text(str(os.getpid()))
+    time.sleep(seconds)
+    return str(tag)
+
+
+def quick_or_slow(folder: str, index: int) -> int:
+    """Cell 0 returns at once; the others write a pid file and sleep long."""
+    if index == 0:
+        return 0
+    Path(folder, f"{index}.pid").write_text(str(os.getpid()))
+    time.sleep(60)
+    return index
+
+
+def noisy(lines: int) -> int:
+    for i in range(lines):
+        print(f"line {i} to stdout", flush=True)
+    print("a line to stderr", file=sys.stderr, flush=True)
+    return lines
+
+
+def unpicklable_result() -> Any:
+    return lambda: None  # cloudpickle pickles lambdas; a lock it cannot
+    
+
+def lock_result() -> Any:
+    import threading
+
+    return threading.Lock()
+
+
+def train_one_rank(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A rank of distributed.run inside a job: reports the world it sees."""
+    from levers9 import distributed as dist
+
+    return {"world_size": dist.world_size(), "rank": dist.rank(), "cfg": cfg}
+
+
+def run_distributed(steps: int) -> Any:
+    from levers9 import distributed as dist
+
+    return dist.run(train_one_rank, {"steps": steps})

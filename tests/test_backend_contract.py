@@ -1,0 +1,284 @@
+"""The backend contract: what every backend (local now, Ray later) must do, with real job processes.
+
+Jobs are short sleepers that report the CUDA_VISIBLE_DEVICES they saw and when they ran; the
+`backend` fixture names the backend and sets up its cards (4 simulated RTXPro6000 for "local").
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from levers9.errors import (
+    InfeasibleJobError,
+    JobCrashed,
+    JobTimeout,
+    RemoteError,
+    WorkspacePolicyError,
+)
+from levers9.launch import Retries, job
+from levers9.launch.settings import update_settings
+from tests import jobfns
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKENDS = ["local"]  # the Ray backend adds "ray"
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A backend name, with four RTXPro6000 cards to run on."""
+    if request.param == "local":
+        monkeypatch.setenv("LEVERS9_SIMULATE_GPUS", "RTXPro6000:4")
+    yield request.param
+
+
+@pytest.fixture
+def multi_gpu() -> None:
+    update_settings(multi_gpu=True)
+
+
+def _overlapping_jobs_share_no_card(results: list[dict[str, Any]]) -> None:
+    for i, a in enumerate(results):
+        for b in results[i + 1 :]:
+            if a["start"] < b["end"] and b["start"] < a["end"]:
+                shared = set(a["cards"].split(",")) & set(b["cards"].split(","))
+                assert not shared, f"{a['tag']} and {b['tag']} overlapped in time on card(s) {shared}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its parent) counts as dead
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_dead(pids: list[int], within: float) -> list[int]:
+    deadline = time.monotonic() + within
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _pid_alive(p)]
+        time.sleep(0.05)
+    return alive
+
+
+def test_map_runs_each_cell_on_its_own_card_in_input_order(backend: str) -> None:
+    fn = job(gpu="RTXPro6000", gpu_count=1, backend=backend)(jobfns.report)
+    cells = [(i, 0.6 - 0.1 * (i % 4)) for i in range(8)]  # later cells finish first
+    results = list(fn.map(cells))
+    assert [r["tag"] for r in results] == list(range(8))
+    assert all(r["cards"] in {"0", "1", "2", "3"} for r in results)
+    assert all(r["order"] == "PCI_BUS_ID" and r["gpu_count"] == "1" for r in results)
+    _overlapping_jobs_share_no_card(results)
+    # eight cells on four cards: about two rounds, not eight
+    span = max(r["end"] for r in results) - min(r["start"] for r in results)
+    assert span < 8 * 0.3
+
+
+def test_cells_expand_tuple_dict_and_single_argument(backend: str) -> None:
+    fn = job(backend=backend)(jobfns.add)
+    assert list(fn.map([(1, 2), {"a": 3, "b": 4}, 5])) == [3, 7, 5]
+    assert list(fn.map([1, 2], kwargs={"b": 10})) == [11, 12]
+
+
+def test_remote_and_spawn(backend: str) -> None:
+    fn = job(gpu="RTXPro6000", backend=backend)(jobfns.report)
+    assert fn.remote("r", 0.05)["cards"] in {"0", "1", "2", "3"}
+    future = fn.spawn("s", 0.05)
+    assert future.result(timeout=30)["tag"] == "s"
+    assert fn("here", 0)["pid"] == os.getpid()  # a plain call runs in place
+
+
+def test_cpu_job_gets_no_card(backend: str) -> None:
+    fn = job(backend=backend)(jobfns.report)
+    result = fn.remote("cpu", 0)
+    assert result["cards"] == "" and result["gpu_count"] == "0" and result["pid"] != os.getpid()
+
+
+def test_gang_allocation_takes_all_cards_at_once(backend: str, multi_gpu: None) -> None:
+    pair = job(gpu="RTXPro6000", gpu_count=2, backend=backend)(jobfns.report)
+    single = job(gpu="RTXPro6000", gpu_count=1, backend=backend)(jobfns.report)
+    futures = [pair.spawn(f"pair{i}", 0.3) for i in range(3)] + [single.spawn(f"one{i}", 0.3) for i in range(3)]
+    results = [f.result(timeout=60) for f in futures]
+    for r in results[:3]:
+        assert len(set(r["cards"].split(","))) == 2 and r["gpu_count"] == "2"
+    _overlapping_jobs_share_no_card(results)
+
+
+def test_first_come_first_served_does_not_starve_a_big_job(backend: str, multi_gpu: None) -> None:
+    single = job(gpu="RTXPro6000", gpu_count=1, backend=backend)(jobfns.report)
+    whole = job(gpu="RTXPro6000", gpu_count=4, backend=backend)(jobfns.report)
+    early = [single.spawn(f"early{i}", 0.6) for i in range(3)]
+    time.sleep(0.2)  # the early ones hold three cards
+    big = whole.spawn("big", 0.2)
+    time.sleep(0.1)
+    late = [single.spawn(f"late{i}", 0.2) for i in range(4)]
+    big_result = big.result(timeout=60)
+    late_results = [f.result(timeout=60) for f in late]
+    assert all(r["start"] >= big_result["end"] - 0.05 for r in late_results), "a later 1-card job jumped the queue"
+    _overlapping_jobs_share_no_card([f.result() for f in early] + [big_result, *late_results])
+
+
+def test_infeasible_job_fails_at_once(backend: str, multi_gpu: None) -> None:
+    too_many = job(gpu="RTXPro6000", gpu_count=8, backend=backend)(jobfns.report)
+    started = time.monotonic()
+    with pytest.raises(InfeasibleJobError, match="RTXPro6000"):
+        list(too_many.map([1, 2]))
+    wrong_type = job(gpu="H100", backend=backend)(jobfns.report)
+    with pytest.raises(InfeasibleJobError, match="RTXPro6000"):
+        wrong_type.remote(1)
+    assert time.monotonic() - started < 5
+
+
+def test_switch_flipped_between_calls_changes_only_the_second(backend: str) -> None:
+    pair = job(gpu="RTXPro6000", gpu_count=2, backend=backend)(jobfns.report)
+    with pytest.raises(WorkspacePolicyError, match="levers9 workspace multi-gpu on"):
+        pair.remote("refused", 0)
+    update_settings(multi_gpu=True)
+    running = pair.spawn("first", 0.5)
+    update_settings(multi_gpu=False)
+    with pytest.raises(WorkspacePolicyError, match="multi_gpu"):
+        pair.spawn("second", 0)
+    assert running.result(timeout=60)["gpu_count"] == "2"  # the accepted call was not affected
+
+
+def test_cap_refuses_more_cards_than_allowed(backend: str, multi_gpu: None) -> None:
+    update_settings(max_gpu_count=2)
+    four = job(gpu="RTXPro6000", gpu_count=4, backend=backend)(jobfns.report)
+    with pytest.raises(WorkspacePolicyError, match="GPU count must be 2 or less"):
+        four.remote("x", 0)
+
+
+def test_timeout_kills_the_job_and_frees_its_cards(backend: str, tmp_path: Path, multi_gpu: None) -> None:
+    sleeper = job(gpu="RTXPro6000", gpu_count=4, timeout=1.0, kill_grace=1.0, backend=backend)(jobfns.pid_and_sleep)
+    started = time.monotonic()
+    with pytest.raises(JobTimeout, match="timeout=1s"):
+        sleeper.remote(str(tmp_path), "t", 60)
+    assert time.monotonic() - started < 10
+    pids = [int((tmp_path / name).read_text()) for name in ("t.pid", "t.child")]
+    assert _wait_dead(pids, 5) == [], "the job or its child outlived the timeout"
+    fn = job(gpu="RTXPro6000", gpu_count=4, queue_timeout=5, backend=backend)(jobfns.report)
+    assert fn.remote("after", 0)["gpu_count"] == "4"  # all four cards are free again
+
+
+@pytest.mark.parametrize(("kind", "expected"), [("exit", "code 3"), ("kill", "SIGKILL"), ("sys.exit", "code 4")])
+def test_crash_is_reported_with_exit_status_and_last_output(backend: str, kind: str, expected: str) -> None:
+    fn = job(gpu="RTXPro6000", backend=backend)(jobfns.fail)
+    with pytest.raises(JobCrashed, match=expected) as info:
+        fn.remote(kind)
+    assert "about to fail" in str(info.value)
+
+
+def test_crash_is_retried(backend: str, tmp_path: Path) -> None:
+    marker = tmp_path / "attempts"
+    fn = job(gpu="RTXPro6000", retries=Retries(1, initial_delay=0), backend=backend)(jobfns.crash_once)
+    assert fn.remote(str(marker)) == "ok after 2 attempts"
+    marker.unlink()
+    no_retry = job(gpu="RTXPro6000", backend=backend)(jobfns.crash_once)
+    with pytest.raises(JobCrashed, match="attempt 1 of 1"):
+        no_retry.remote(str(marker))
+
+
+def test_exceptions_keep_their_type_and_traceback(backend: str) -> None:
+    fn = job(gpu="RTXPro6000", backend=backend)(jobfns.fail)
+    with pytest.raises(ValueError, match="boom") as value_error:
+        fn.remote("value")
+    notes = "\n".join(getattr(value_error.value, "__notes__", []))
+    assert "jobfns.py" in notes and "raise ValueError" in notes
+    with pytest.raises(jobfns.CellError):
+        fn.remote("custom")
+    with pytest.raises(RemoteError, match="Unrebuildable") as remote:
+        fn.remote("unrebuildable")
+    assert "a=1 b=2" in str(remote.value)
+
+
+def test_map_raises_the_first_failure_with_its_cell(backend: str) -> None:
+    fn = job(gpu="RTXPro6000", backend=backend)(jobfns.fail)
+    with pytest.raises(ValueError) as info:
+        list(fn.map([("value", "first"), ("custom", "second")]))
+    assert any("cell #0 ('value', 'first')" in note for note in info.value.__notes__)
+    results = list(fn.map([("value", "x"), ("custom", "y")], return_exceptions=True))
+    assert isinstance(results[0], ValueError) and isinstance(results[1], jobfns.CellError)
+
+
+def test_leaving_the_loop_cancels_the_rest(backend: str, tmp_path: Path) -> None:
+    fn = job(gpu="RTXPro6000", kill_grace=1.0, backend=backend)(jobfns.quick_or_slow)
+    started = time.monotonic()
+    for result in fn.map([(str(tmp_path), i) for i in range(8)]):
+        assert result == 0
+        break
+    assert time.monotonic() - started < 20
+    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    assert len(pids) < 7, "cells queued behind the four cards should never have started"
+    assert _wait_dead(pids, 5) == []
+
+
+def test_dropping_the_results_cancels_the_rest(backend: str, tmp_path: Path) -> None:
+    fn = job(gpu="RTXPro6000", kill_grace=1.0, backend=backend)(jobfns.quick_or_slow)
+    results = fn.map([(str(tmp_path), i) for i in range(1, 4)])
+    deadline = time.monotonic() + 20
+    while len(list(tmp_path.glob("*.pid"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    del results
+    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    assert len(pids) == 3
+    assert _wait_dead(pids, 5) == []
+
+
+DRIVER = """
+import sys
+from tests import jobfns
+from levers9.launch import job
+
+fn = job(gpu="RTXPro6000", backend=sys.argv[2])(jobfns.pid_and_sleep)
+print("driver started", flush=True)
+list(fn.map([(sys.argv[1], i, 60) for i in range(2)]))
+"""
+
+
+def test_the_callers_death_ends_its_jobs(backend: str, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path), backend], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.child"))) < 2 and time.monotonic() < deadline:
+            assert driver.poll() is None, "the driver exited early"
+            time.sleep(0.05)
+        pids = [int(p.read_text()) for p in (*tmp_path.glob("*.pid"), *tmp_path.glob("*.child"))]
+        assert len(pids) == 4
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        assert _wait_dead(pids, 10) == [], "jobs outlived the caller"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    fn = job(gpu="RTXPro6000", queue_timeout=10, backend=backend)(jobfns.report)
+    assert len(list(fn.map([(i, 0) for i in range(4)]))) == 4  # their cards are free again
+
+
+def test_output_is_streamed_with_the_cell_as_prefix(backend: str, capfd: pytest.CaptureFixture[str]) -> None:
+    fn = job(gpu="RTXPro6000", backend=backend)(jobfns.noisy)
+    assert list(fn.map([2, 1])) == [2, 1]
+    out, err = capfd.readouterr()
+    assert "[noisy #0] line 1 to stdout" in out and "[noisy #1] line 0 to stdout" in out
+    assert "[noisy #1] a line to stderr" in err
+
+
+def test_multi_card_job_runs_distributed_ranks(backend: str, multi_gpu: None) -> None:
+    fn = job(gpu="RTXPro6000", gpu_count=2, timeout=120, backend=backend)(jobfns.run_distributed)
+    result = fn.remote(3)
+    assert result == {"world_size": 2, "rank": 0, "cfg": {"steps": 3}}
