@@ -89,20 +89,43 @@ def grandchild_then_fail(cfg: Any) -> None:
     time.sleep(60)
 
 
-def train_steps(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A tiny DDP training with a fixed seed: the same losses on every launcher."""
-    torch.manual_seed(0)
-    model = dist.wrap(torch.nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(1)
-    rows = [(torch.randn(4, generator=g), torch.randn(1, generator=g)) for _ in range(16)]
-    losses = []
-    for step in range(cfg.get("steps", 3)):
-        x, y = rows[(step * dist.world_size() + dist.rank()) % len(rows)]
-        loss = torch.nn.functional.mse_loss(model(x.to(dist.device())), y.to(dist.device()))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(round(dist.all_reduce_mean(loss).item(), 6))
+def helper_answers(cfg: Any) -> dict[str, Any]:
+    """What each helper answers on this rank, reduced or gathered so rank 0 can return all of it."""
+    x = torch.tensor([1.0, 2.0]) * (dist.rank() + 1)
+    before = x.clone()
+    mean = dist.all_reduce_mean(x)
+    ints = dist.all_reduce_mean(torch.tensor([dist.rank() * 3]))
+    number = dist.all_reduce_mean(dist.rank() * 10)
+    rows = list(range(7))
+    mine = dist.shard(rows)
+    padded = dist.shard(rows, pad=True)
+    lengths = dist.all_reduce_mean(torch.tensor([float(len(mine))])) * dist.world_size()
+    dist.print0(f"print0 from rank {dist.rank()}")
     dist.barrier()
-    return {"losses": losses, "world_size": dist.world_size()}
+    model = dist.wrap(torch.nn.Linear(2, 1), find_unused_parameters=False)
+    return {
+        "mean": mean.tolist(),
+        "input_untouched": bool(torch.equal(x, before)),
+        "ints": (ints.item(), str(ints.dtype)),
+        "number": number.item(),
+        "rows_covered": lengths.item(),
+        "rank0_rows": list(mine),
+        "padded": (padded.rows, padded.padding),
+        "ddp": type(model).__name__,
+        "device": str(dist.device()),
+    }
+
+
+def accelerate_adopts(cfg: Any) -> dict[str, Any]:
+    """accelerate's PartialState / Accelerator created inside fn join the group run() made."""
+    from accelerate import Accelerator, PartialState
+
+    state = PartialState(cpu=True)  # on a CPU box accelerate itself needs cpu=True (as under `accelerate launch`)
+    acc = Accelerator(cpu=True)
+    t = acc.reduce(torch.tensor([float(acc.process_index)]), reduction="sum")
+    return {
+        "num_processes": state.num_processes,
+        "process_index": state.process_index,
+        "accelerator_processes": acc.num_processes,
+        "sum": t.item(),
+    }

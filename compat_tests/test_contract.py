@@ -1,0 +1,82 @@
+"""The contract script under every launcher prints the same numbers (real processes, gloo on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.proc_util import children_of, wait_gone
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = str(REPO / "compat_tests" / "contract_script.py")
+BIN = Path(sys.executable).parent
+
+
+def _tool(name: str) -> str:
+    path = BIN / name
+    found = str(path) if path.exists() else shutil.which(name)
+    assert found, f"{name} is not installed: pip install -e '.[test]'"
+    return found
+
+
+LAUNCHES = {
+    "plain python": [sys.executable, SCRIPT, "--mode", "direct"],
+    "distributed.run nprocs=2": [sys.executable, SCRIPT, "--mode", "run", "--nprocs", "2"],
+    "torchrun 2": ["torchrun", "--nproc-per-node", "2", SCRIPT, "--mode", "direct"],
+    "torchrun 2 + distributed.run": ["torchrun", "--nproc-per-node", "2", SCRIPT, "--mode", "run"],
+    "accelerate launch 2": ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", SCRIPT, "--mode", "run"],
+    "accelerate launch 1": ["accelerate", "launch", "--num_processes", "1", SCRIPT, "--mode", "run"],
+    "classic DDP script under torchrun": ["torchrun", "--nproc-per-node", "2", SCRIPT, "--mode", "own-init"],
+}
+EXPECTED_LAUNCHER = {
+    "plain python": "single",
+    "distributed.run nprocs=2": "single",
+    "torchrun 2": "torchrun",
+    "torchrun 2 + distributed.run": "torchrun",
+    "accelerate launch 2": "accelerate",
+    "accelerate launch 1": "accelerate",
+    "classic DDP script under torchrun": "torchrun",
+}
+
+
+def _launch(name: str) -> tuple[dict, dict]:
+    cmd = LAUNCHES[name]
+    if cmd[0] in ("torchrun", "accelerate"):
+        cmd = [_tool(cmd[0]), *cmd[1:]]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{name} failed:\n{done.stdout}\n{done.stderr}"
+    lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith(("CONTRACT ", "WORLD "))}
+    assert "CONTRACT" in lines, f"{name} printed no CONTRACT line:\n{done.stdout}\n{done.stderr}"
+    assert done.stdout.count("CONTRACT ") == 1, f"{name}: only rank 0 may print:\n{done.stdout}"
+    return lines["CONTRACT"], lines["WORLD"]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, tuple[dict, dict]]:
+    return {name: _launch(name) for name in LAUNCHES}
+
+
+def test_every_launcher_is_detected(results: dict[str, tuple[dict, dict]]) -> None:
+    assert {name: world["launcher"] for name, (_, world) in results.items()} == EXPECTED_LAUNCHER
+
+
+def test_every_launcher_prints_the_same_numbers(results: dict[str, tuple[dict, dict]]) -> None:
+    single = results["plain python"][0]
+    assert single["world_size"] == 1 and single["row_total"] == sum(range(1, 18))
+    for name, (numbers, _) in results.items():
+        assert numbers["losses"] == single["losses"], name
+        assert numbers["row_total"] == single["row_total"], name
+        expected = results["plain python"][0] if numbers["world_size"] == 1 else results["distributed.run nprocs=2"][0]
+        assert numbers == expected, name
+    assert results["torchrun 2"][0]["world_size"] == 2
+
+
+def test_nothing_is_left_running(results: dict[str, tuple[dict, dict]]) -> None:
+    assert wait_gone(children_of(os.getpid()), 5) == []
