@@ -58,6 +58,12 @@ def register(subparsers: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Collect, print, optionally probe; the exit status."""
+    if not args.probe_timeout > 0:
+        print(
+            f"levers9 doctor: --probe-timeout {args.probe_timeout:g}; expected a positive number of seconds (default 60).",
+            file=sys.stderr,
+        )
+        return 2
     report = collect(nprocs=args.nprocs)
     if args.probe:
         report["probe"] = probe(len(report["cards"]["cards"]), timeout=args.probe_timeout)
@@ -191,7 +197,7 @@ def probe(ncards: int, *, timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
 def _probe_once(ncards: int, extra: dict[str, str], timeout: float) -> dict[str, Any]:
     env = dict(os.environ, **extra)
     env["LEVERS9_PG_TIMEOUT"] = str(max(5.0, timeout - 10))  # NCCL's own watchdog fires before we kill
-    code = f"from levers9.doctor import _probe_child; _probe_child({ncards}, {timeout - 5!r})"
+    code = f"from levers9.doctor import _probe_child; _probe_child({ncards}, {max(1.0, timeout - 5)!r})"
     start = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
