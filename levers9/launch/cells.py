@@ -75,8 +75,12 @@ def check_cell(func: Callable[..., Any], cell: Cell, *, label: str | None = None
         try:
             signature.bind(*cell.args, **cell.kwargs)
         except TypeError as exc:
+            bare = signature.replace(
+                parameters=[p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()],
+                return_annotation=inspect.Signature.empty,
+            )
             raise JobConfigError(
-                f"{label} {cell.describe()} does not fit {func.__name__}{signature}: {exc}. "
+                f"{label} {cell.describe()} does not fit {func.__name__}{bare}: {exc}. "
                 f"Pass a tuple for positional arguments or a dict for keyword arguments."
             ) from None
     for where, value in [*((f"argument {i}", a) for i, a in enumerate(cell.args)), *cell.kwargs.items()]:
