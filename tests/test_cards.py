@@ -85,7 +85,10 @@ def test_fastest_first_unless_pci_bus_id(monkeypatch: pytest.MonkeyPatch) -> Non
     assert [c.type_name for c in cards.visible_cards({})] == ["B200", "A100-80"]
     pci = cards.visible_cards({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
     assert [(c.index, c.type_name) for c in pci] == [(0, "A100-80"), (1, "B200")]
-    assert [c.type_name for c in cards.visible_cards({"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1"})] == ["B200"]
+    assert [
+        c.type_name
+        for c in cards.visible_cards({"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1"})
+    ] == ["B200"]
 
 
 def test_one_nvml_read_per_process_until_refresh(monkeypatch: pytest.MonkeyPatch) -> None:
