@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.fakes import build_fake_nccl
 from tests.fakes.machines import FAKES_DIR, H100, RTX_PRO_6000_SERVER, machine, uuid_of
 
@@ -117,3 +119,14 @@ def test_a_hung_probe_is_killed_with_everything_it_started() -> None:
     assert "as levers9 runs it: hung (no result after 0.3 s)" in r.stdout
     assert "NCCL_CUMEM_HOST_ENABLE=0: hung" in r.stdout
     assert _probe_children() == []
+
+
+def test_real_pynvml_without_a_driver_says_no_cards() -> None:
+    """This CPU box as it is: the installed nvidia-ml-py finds no NVML library; doctor says so and exits 0."""
+    from levers9.distributed.cards import _DRIVER_MARKERS
+
+    if any(os.path.exists(p) for p in _DRIVER_MARKERS):
+        pytest.skip("this machine has an NVIDIA driver")
+    r = doctor()
+    assert r.returncode == 0, r.stderr
+    assert "No NVIDIA cards visible to this process" in r.stdout
