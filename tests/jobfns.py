@@ -97,11 +97,8 @@ def noisy(lines: int) -> int:
     return lines
 
 
-def unpicklable_result() -> Any:
-    return lambda: None  # cloudpickle pickles lambdas; a lock it cannot
-    
-
 def lock_result() -> Any:
+    """A result that cannot be pickled."""
     import threading
 
     return threading.Lock()

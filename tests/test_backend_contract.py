@@ -21,6 +21,7 @@ from levers9.errors import (
     InfeasibleJobError,
     JobCrashed,
     JobTimeout,
+    NotShippableError,
     RemoteError,
     WorkspacePolicyError,
 )
@@ -111,7 +112,9 @@ def test_cpu_job_gets_no_card(backend: str) -> None:
 def test_gang_allocation_takes_all_cards_at_once(backend: str, multi_gpu: None) -> None:
     pair = job(gpu="RTXPro6000", gpu_count=2, backend=backend)(jobfns.report)
     single = job(gpu="RTXPro6000", gpu_count=1, backend=backend)(jobfns.report)
-    futures = [pair.spawn(f"pair{i}", 0.3) for i in range(3)] + [single.spawn(f"one{i}", 0.3) for i in range(3)]
+    futures = [pair.spawn(f"pair{i}", 0.3) for i in range(3)] + [
+        single.spawn(f"one{i}", 0.3) for i in range(3)
+    ]
     results = [f.result(timeout=60) for f in futures]
     for r in results[:3]:
         assert len(set(r["cards"].split(","))) == 2 and r["gpu_count"] == "2"
@@ -128,7 +131,9 @@ def test_first_come_first_served_does_not_starve_a_big_job(backend: str, multi_g
     late = [single.spawn(f"late{i}", 0.2) for i in range(4)]
     big_result = big.result(timeout=60)
     late_results = [f.result(timeout=60) for f in late]
-    assert all(r["start"] >= big_result["end"] - 0.05 for r in late_results), "a later 1-card job jumped the queue"
+    assert all(r["start"] >= big_result["end"] - 0.05 for r in late_results), (
+        "a later 1-card job jumped the queue"
+    )
     _overlapping_jobs_share_no_card([f.result() for f in early] + [big_result, *late_results])
 
 
@@ -163,7 +168,9 @@ def test_cap_refuses_more_cards_than_allowed(backend: str, multi_gpu: None) -> N
 
 
 def test_timeout_kills_the_job_and_frees_its_cards(backend: str, tmp_path: Path, multi_gpu: None) -> None:
-    sleeper = job(gpu="RTXPro6000", gpu_count=4, timeout=1.0, kill_grace=1.0, backend=backend)(jobfns.pid_and_sleep)
+    sleeper = job(gpu="RTXPro6000", gpu_count=4, timeout=1.0, kill_grace=1.0, backend=backend)(
+        jobfns.pid_and_sleep
+    )
     started = time.monotonic()
     with pytest.raises(JobTimeout, match="timeout=1s"):
         sleeper.remote(str(tmp_path), "t", 60)
@@ -174,7 +181,9 @@ def test_timeout_kills_the_job_and_frees_its_cards(backend: str, tmp_path: Path,
     assert fn.remote("after", 0)["gpu_count"] == "4"  # all four cards are free again
 
 
-@pytest.mark.parametrize(("kind", "expected"), [("exit", "code 3"), ("kill", "SIGKILL"), ("sys.exit", "code 4")])
+@pytest.mark.parametrize(
+    ("kind", "expected"), [("exit", "code 3"), ("kill", "SIGKILL"), ("sys.exit", "code 4")]
+)
 def test_crash_is_reported_with_exit_status_and_last_output(backend: str, kind: str, expected: str) -> None:
     fn = job(gpu="RTXPro6000", backend=backend)(jobfns.fail)
     with pytest.raises(JobCrashed, match=expected) as info:
@@ -203,6 +212,12 @@ def test_exceptions_keep_their_type_and_traceback(backend: str) -> None:
     with pytest.raises(RemoteError, match="Unrebuildable") as remote:
         fn.remote("unrebuildable")
     assert "a=1 b=2" in str(remote.value)
+
+
+def test_an_unpicklable_result_is_a_clear_error(backend: str) -> None:
+    fn = job(backend=backend)(jobfns.lock_result)
+    with pytest.raises(NotShippableError, match="cannot be pickled"):
+        fn.remote()
 
 
 def test_map_raises_the_first_failure_with_its_cell(backend: str) -> None:

@@ -16,7 +16,11 @@ from levers9.launch.settings import load_settings, settings_path, update_setting
 
 def levers9(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "levers9", *args], capture_output=True, text=True, env=dict(os.environ), timeout=60
+        [sys.executable, "-m", "levers9", *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=60,
     )
 
 
@@ -37,7 +41,10 @@ def test_round_trip_is_atomic_and_leaves_no_temporary_files() -> None:
     assert (before.multi_gpu, after.multi_gpu, after.max_gpu_count) == (False, True, 4)
     reread = load_settings()
     assert (reread.multi_gpu, reread.max_gpu_count, reread.exists) == (True, 4, True)
-    assert sorted(p.name for p in settings_path().parent.iterdir()) == ["workspace.toml", "workspace.toml.lock"]
+    assert sorted(p.name for p in settings_path().parent.iterdir()) == [
+        "workspace.toml",
+        "workspace.toml.lock",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -45,7 +52,10 @@ def test_round_trip_is_atomic_and_leaves_no_temporary_files() -> None:
     [
         ("[workspace\nmulti_gpu = true\n", "is not valid TOML"),
         ("[workspace]\nmulti_gpu = 'yes'\n", "workspace.multi_gpu must be true or false, got 'yes'"),
-        ("[limits]\nmax_gpu_count = '8'\n", "limits.max_gpu_count must be an integer from 1 to 1024, got '8'"),
+        (
+            "[limits]\nmax_gpu_count = '8'\n",
+            "limits.max_gpu_count must be an integer from 1 to 1024, got '8'",
+        ),
         ("[limits]\nmax_gpu_count = 0\n", "limits.max_gpu_count must be an integer"),
     ],
 )
@@ -62,7 +72,10 @@ def test_cli_multi_gpu_switch_end_to_end() -> None:
     assert "multi-GPU jobs:  off" in shown.stdout and "max GPU count:   8" in shown.stdout
     assert levers9("workspace", "multi-gpu").stdout.startswith("Multi-GPU jobs: off")
     turned = levers9("workspace", "multi-gpu", "on")
-    assert turned.returncode == 0 and "Multi-GPU jobs: on (was off). Takes effect on the next call." in turned.stdout
+    assert (
+        turned.returncode == 0
+        and "Multi-GPU jobs: on (was off). Takes effect on the next call." in turned.stdout
+    )
     assert load_settings().multi_gpu is True
     assert levers9("workspace", "multi-gpu").stdout.startswith("Multi-GPU jobs: on")
     assert levers9("workspace", "multi-gpu", "off").returncode == 0

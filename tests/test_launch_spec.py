@@ -100,7 +100,9 @@ def test_cells_expand_tuple_dict_else_one_argument() -> None:
 
 
 def test_every_cell_is_checked_before_any_starts() -> None:
-    with pytest.raises(JobConfigError, match=r"cell #2 \(1, 2, 3\) does not fit add\(a, b=0\): too many positional"):
+    with pytest.raises(
+        JobConfigError, match=r"cell #2 \(1, 2, 3\) does not fit add\(a, b=0\): too many positional"
+    ):
         make_cells(jobfns.add, [(1,), (1, 2), (1, 2, 3)])
     with pytest.raises(JobConfigError, match="cell #1"):
         make_cells(jobfns.add, [{"a": 1}, {"c": 2}])
@@ -124,7 +126,9 @@ def test_bad_map_starts_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
 def test_policy_cap_then_switch() -> None:
     settings = load_settings()
     assert settings.multi_gpu is False and settings.max_gpu_count == 8
-    with pytest.raises(WorkspacePolicyError, match=r"GPU count must be 8 or less .*levers9 workspace max-gpu-count 16"):
+    with pytest.raises(
+        WorkspacePolicyError, match=r"GPU count must be 8 or less .*levers9 workspace max-gpu-count 16"
+    ):
         check_policy(spec(gpu="H100", gpu_count=16), settings)  # type: ignore[arg-type]
     with pytest.raises(WorkspacePolicyError, match=r"asks for 2 cards.*levers9 workspace multi-gpu on"):
         check_policy(spec(gpu="H100", gpu_count=2), settings)  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
 """The job layer: `@job` functions run as jobs on this machine's cards (or a Ray cluster).
 
-    from levers9.launch import job, Retries
+from levers9.launch import job, Retries
 """
 
 from __future__ import annotations

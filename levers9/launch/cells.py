@@ -36,7 +36,9 @@ class Cell:
 
     def describe(self) -> str:
         """'(16, 0.0001)' or '(16, lr=0.0001)', shortened for messages."""
-        parts = [_short.repr(a) for a in self.args] + [f"{k}={_short.repr(v)}" for k, v in self.kwargs.items()]
+        parts = [_short.repr(a) for a in self.args] + [
+            f"{k}={_short.repr(v)}" for k, v in self.kwargs.items()
+        ]
         return "(" + ", ".join(parts) + ")"
 
 
@@ -76,7 +78,9 @@ def check_cell(func: Callable[..., Any], cell: Cell, *, label: str | None = None
             signature.bind(*cell.args, **cell.kwargs)
         except TypeError as exc:
             bare = signature.replace(
-                parameters=[p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()],
+                parameters=[
+                    p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()
+                ],
                 return_annotation=inspect.Signature.empty,
             )
             raise JobConfigError(

@@ -170,7 +170,10 @@ class MapResults(Generic[R]):
             if self._return_exceptions:
                 return exc  # type: ignore[return-value]
             self.close()
-            add_note(exc, f"levers9: cell #{cell.index} {cell.describe()} failed; the cells not yet finished were cancelled")
+            add_note(
+                exc,
+                f"levers9: cell #{cell.index} {cell.describe()} failed; the cells not yet finished were cancelled",
+            )
             raise
 
     def close(self) -> None:
@@ -190,7 +193,9 @@ class MapResults(Generic[R]):
     def __enter__(self) -> MapResults[R]:
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def __del__(self) -> None:
@@ -293,10 +298,16 @@ def _check_callable(fn: Any) -> None:
     if isinstance(fn, JobFunction):
         raise JobConfigError(f"{fn.spec.name} is already a job; apply @job once.")
     if inspect.isclass(fn):
-        raise JobConfigError(f"@job decorates functions, not classes ({fn.__qualname__}). Decorate a function that builds and uses it.")
+        raise JobConfigError(
+            f"@job decorates functions, not classes ({fn.__qualname__}). Decorate a function that builds and uses it."
+        )
     if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
-        raise JobConfigError(f"@job does not run async functions yet ({fn.__qualname__}); make it a plain def.")
+        raise JobConfigError(
+            f"@job does not run async functions yet ({fn.__qualname__}); make it a plain def."
+        )
     if inspect.isgeneratorfunction(fn):
-        raise JobConfigError(f"@job functions return one result; {fn.__qualname__} is a generator. Return a list instead.")
+        raise JobConfigError(
+            f"@job functions return one result; {fn.__qualname__} is a generator. Return a list instead."
+        )
     if not callable(fn):
         raise JobConfigError(f"@job needs a function, got {type(fn).__name__}.")

@@ -97,11 +97,15 @@ class LocalBackend:
         for cell in batch.cells:
             future: Future[Any] = Future()
             ticket = leases.take_ticket(_eligible(groups)) if leases is not None else None
-            sup = _Supervisor(batch, cell, future, pool, leases, groups, ticket, cpu_slots, use_fork, shipped, run_dir)
+            sup = _Supervisor(
+                batch, cell, future, pool, leases, groups, ticket, cpu_slots, use_fork, shipped, run_dir
+            )
             futures.append(future)
             supervisors.append(sup)
         for sup in supervisors:
-            threading.Thread(target=sup.run, name=f"levers9-{batch.cell_label(sup.cell)}", daemon=True).start()
+            threading.Thread(
+                target=sup.run, name=f"levers9-{batch.cell_label(sup.cell)}", daemon=True
+            ).start()
         return futures
 
 
@@ -182,8 +186,13 @@ class _Supervisor:
                 except BaseException as exc:
                     kind = _failure_kind(exc)
                     if kind in retries.on and attempt <= retries.max_retries and not self.stopped():
-                        log.info("%s: %s; retrying (attempt %d of %d)", self.label, kind, attempt + 1,
-                                 retries.max_retries + 1)
+                        log.info(
+                            "%s: %s; retrying (attempt %d of %d)",
+                            self.label,
+                            kind,
+                            attempt + 1,
+                            retries.max_retries + 1,
+                        )
                         attempt += 1
                         if self.batch.cancel.wait(retries.delay(attempt)):
                             continue  # the next attempt notices the cancel
@@ -254,7 +263,9 @@ class _Supervisor:
         spec, cell = self.batch.spec, self.cell
         job_dir = self.run_dir / f"{cell.index:04d}-{attempt}"
         job_dir.mkdir(parents=True, exist_ok=True)
-        cards = [self.pool.cards[s] for s in lease.slots] if lease is not None and self.pool is not None else []
+        cards = (
+            [self.pool.cards[s] for s in lease.slots] if lease is not None and self.pool is not None else []
+        )
         env = runner.job_env(
             spec,
             nvml_indices=[c.nvml_index for c in cards],
@@ -274,7 +285,9 @@ class _Supervisor:
             if self.use_fork:
                 proc = _ForkedJob.start(self.batch.func, cell, env, job_dir, out_w, err_w, lifeline, lock_fds)
             else:
-                proc = _ExecJob.start(self.batch, cell, self.shipped, env, job_dir, out_w, err_w, lifeline, lock_fds)
+                proc = _ExecJob.start(
+                    self.batch, cell, self.shipped, env, job_dir, out_w, err_w, lifeline, lock_fds
+                )
         finally:
             fds.close(out_w)
             fds.close(err_w)
@@ -282,8 +295,12 @@ class _Supervisor:
                 lease.release()  # the job process holds the locks now
         tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         readers = [
-            threading.Thread(target=self._pump, args=(out_r, "stdout", job_dir / "stdout.log", tail), daemon=True),
-            threading.Thread(target=self._pump, args=(err_r, "stderr", job_dir / "stderr.log", tail), daemon=True),
+            threading.Thread(
+                target=self._pump, args=(out_r, "stdout", job_dir / "stdout.log", tail), daemon=True
+            ),
+            threading.Thread(
+                target=self._pump, args=(err_r, "stderr", job_dir / "stderr.log", tail), daemon=True
+            ),
         ]
         for reader in readers:
             reader.start()
@@ -308,8 +325,16 @@ class _Supervisor:
             )
         outcome = runner.read_outcome(job_dir, self.label)
         if outcome is None:
-            how = f"was killed by {signal_name(signum)}" if signum is not None else f"exited with code {exitcode}"
-            hint = " (SIGKILL with no one asking is usually the out-of-memory killer)" if signum == signal.SIGKILL else ""
+            how = (
+                f"was killed by {signal_name(signum)}"
+                if signum is not None
+                else f"exited with code {exitcode}"
+            )
+            hint = (
+                " (SIGKILL with no one asking is usually the out-of-memory killer)"
+                if signum == signal.SIGKILL
+                else ""
+            )
             last = "".join(tail).rstrip() or "(no output)"
             failure = RankFailure(
                 rank=cell.index, pid=proc.pid, exitcode=exitcode, signal=signum, output_tail="".join(tail)
@@ -461,17 +486,31 @@ class _ForkedJob(_JobProcess):
             os.dup2(err_w, 2)
             os.close(out_w)
             os.close(err_w)
-            sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
-                                          errors="backslashreplace", line_buffering=True)
-            sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
-                                          errors="backslashreplace", line_buffering=True)
+            sys.stdout = io.TextIOWrapper(
+                io.FileIO(1, "w", closefd=False),
+                encoding="utf-8",
+                errors="backslashreplace",
+                line_buffering=True,
+            )
+            sys.stderr = io.TextIOWrapper(
+                io.FileIO(2, "w", closefd=False),
+                encoding="utf-8",
+                errors="backslashreplace",
+                line_buffering=True,
+            )
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
             die_with_parent(parent)
             code = 70
             try:
-                code = runner.run_cell(func, cell.args, cell.kwargs, env=env,
-                                       result_path=job_dir / runner.RESULT_FILE, lifeline_fd=lifeline)
+                code = runner.run_cell(
+                    func,
+                    cell.args,
+                    cell.kwargs,
+                    env=env,
+                    result_path=job_dir / runner.RESULT_FILE,
+                    lifeline_fd=lifeline,
+                )
             finally:
                 with contextlib.suppress(Exception):
                     sys.stdout.flush()

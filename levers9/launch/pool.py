@@ -107,7 +107,8 @@ def _real_pool(env: Mapping[str, str]) -> Pool:
         return Pool("nvml", (), False, "NVML")
     found = visible_cards(env)
     cards = tuple(
-        PoolCard(slot, c.nvml_index, c.type_name, "card-" + c.uuid.replace("/", "_")) for slot, c in enumerate(found)
+        PoolCard(slot, c.nvml_index, c.type_name, "card-" + c.uuid.replace("/", "_"))
+        for slot, c in enumerate(found)
     )
     return Pool("nvml", cards, False, "NVML")
 

@@ -98,7 +98,9 @@ def load_settings(path: Path | None = None) -> Settings:
     except FileNotFoundError:
         return Settings(path=path)
     except OSError as exc:
-        raise SettingsError(f"Cannot read the workspace settings file {path}: {exc}. Fix its permissions.") from exc
+        raise SettingsError(
+            f"Cannot read the workspace settings file {path}: {exc}. Fix its permissions."
+        ) from exc
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:

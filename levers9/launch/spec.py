@@ -43,10 +43,16 @@ class Retries:
     on: tuple[str, ...] = ("crash", "timeout")
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or not 0 <= self.max_retries <= 10:
+        if (
+            isinstance(self.max_retries, bool)
+            or not isinstance(self.max_retries, int)
+            or not 0 <= self.max_retries <= 10
+        ):
             raise JobConfigError(f"Retries(max_retries={self.max_retries!r}): expected an int from 0 to 10.")
         if not 1.0 <= self.backoff_coefficient <= 10.0:
-            raise JobConfigError(f"Retries(backoff_coefficient={self.backoff_coefficient!r}): expected 1.0 to 10.0.")
+            raise JobConfigError(
+                f"Retries(backoff_coefficient={self.backoff_coefficient!r}): expected 1.0 to 10.0."
+            )
         if not 0.0 <= self.initial_delay <= 60.0:
             raise JobConfigError(f"Retries(initial_delay={self.initial_delay!r}): expected 0 to 60 seconds.")
         if not 0.0 <= self.max_delay <= 60.0:
@@ -130,7 +136,9 @@ def _gpu(gpu: str | Sequence[str] | None, gpu_count: Any) -> tuple[tuple[str, ..
         return (), (gpu_count or 0)
     texts = [gpu] if isinstance(gpu, str) else list(gpu)
     if not texts:
-        raise JobConfigError("gpu=[] lists no GPU type. Name one (gpu='RTXPro6000'), or use gpu=None for a CPU job.")
+        raise JobConfigError(
+            "gpu=[] lists no GPU type. Name one (gpu='RTXPro6000'), or use gpu=None for a CPU job."
+        )
     types: list[str] = []
     suffix_count: int | None = None
     for text in texts:
@@ -147,7 +155,9 @@ def _gpu(gpu: str | Sequence[str] | None, gpu_count: Any) -> tuple[tuple[str, ..
         if name not in types:
             types.append(name)
     if ANY in types and len(types) > 1:
-        raise JobConfigError(f"gpu={gpu!r}: 'any' must be used alone. Use gpu='any' or list only named types.")
+        raise JobConfigError(
+            f"gpu={gpu!r}: 'any' must be used alone. Use gpu='any' or list only named types."
+        )
     if suffix_count is not None:
         if gpu_count is not None and gpu_count != suffix_count:
             raise JobConfigError(
@@ -167,8 +177,18 @@ def _gpu(gpu: str | Sequence[str] | None, gpu_count: Any) -> tuple[tuple[str, ..
 def _seconds(name: str, value: Any) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        if name == "kill_grace" and isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        if (
+            name == "kill_grace"
+            and isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and value == 0
+        ):
             return 0.0
         raise JobConfigError(
             f"{name} must be a positive number of seconds, or None for no limit; got {value!r}."
@@ -194,7 +214,9 @@ def _env(value: Any) -> dict[str, str]:
     out: dict[str, str] = {}
     for key, val in value.items():
         if not isinstance(key, str) or not _ENV_KEY.match(key):
-            raise JobConfigError(f"env key {key!r} is not a valid environment variable name (letters, digits, _).")
+            raise JobConfigError(
+                f"env key {key!r} is not a valid environment variable name (letters, digits, _)."
+            )
         if key in RESERVED_ENV or key.startswith("LEVERS9_"):
             raise JobConfigError(
                 f"env may not set {key}: levers9 pins cards and sets LEVERS9_* itself. "
@@ -228,7 +250,9 @@ def _memory(value: Any) -> int | None:
     else:
         match = _MEMORY.match(str(value))
         if not match:
-            raise JobConfigError(f"memory must be MiB as an int or a size such as '64Gi' or '512Mi', got {value!r}.")
+            raise JobConfigError(
+                f"memory must be MiB as an int or a size such as '64Gi' or '512Mi', got {value!r}."
+            )
         unit = match.group(2).lower() if match.group(2) else None
         mib = float(match.group(1)) * _MIB_PER_UNIT[unit]
     if mib <= 0:

@@ -40,7 +40,12 @@ def main(argv: list[str]) -> int:
         func = cloudpickle.loads(data["func"])
     args, kwargs = cloudpickle.loads(data["arguments"])
     return run_cell(
-        func, args, kwargs, env=data["env"], result_path=Path(data["result_path"]), lifeline_fd=data["lifeline_fd"]
+        func,
+        args,
+        kwargs,
+        env=data["env"],
+        result_path=Path(data["result_path"]),
+        lifeline_fd=data["lifeline_fd"],
     )
 
 

@@ -1,10 +1,10 @@
 """`levers9 workspace ...`: show and change the workspace settings (multi-GPU switch, per-job card cap).
 
-    levers9 workspace                    # the settings, where they live, and this machine's cards
-    levers9 workspace show --json
-    levers9 workspace multi-gpu          # on or off?
-    levers9 workspace multi-gpu on       # allow gpu_count > 1 from the next call on
-    levers9 workspace max-gpu-count 4    # the most cards one job may ask for
+levers9 workspace                    # the settings, where they live, and this machine's cards
+levers9 workspace show --json
+levers9 workspace multi-gpu          # on or off?
+levers9 workspace multi-gpu on       # allow gpu_count > 1 from the next call on
+levers9 workspace max-gpu-count 4    # the most cards one job may ask for
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from levers9.launch.settings import MAX_GPU_COUNT_LIMIT, Settings, load_settings
 
 def register(subparsers: Any) -> None:
     """Add `workspace` and its subcommands to the levers9 command."""
-    parser = subparsers.add_parser("workspace", help="show or change the workspace settings (multi-GPU switch, card cap)")
+    parser = subparsers.add_parser(
+        "workspace", help="show or change the workspace settings (multi-GPU switch, card cap)"
+    )
     parser.set_defaults(handler=_show, json=False)
     sub = parser.add_subparsers(dest="workspace_command", metavar="SETTING")
     show = sub.add_parser("show", help="the settings, where they come from, and this machine's cards")
@@ -111,7 +113,11 @@ def _max_gpu_count(args: argparse.Namespace) -> int:
     except Levers9Error as exc:
         print(f"levers9: {exc}", file=sys.stderr)
         return 1
-    switch = "" if after.multi_gpu or after.max_gpu_count == 1 else " Multi-GPU jobs are off: levers9 workspace multi-gpu on"
+    switch = (
+        ""
+        if after.multi_gpu or after.max_gpu_count == 1
+        else " Multi-GPU jobs are off: levers9 workspace multi-gpu on"
+    )
     print(
         f"Max GPU count per job: {after.max_gpu_count} (was {before.max_gpu_count}). Takes effect on the next call. "
         f"Saved in {after.path}.{switch}"

@@ -1,0 +1,234 @@
+"""The local executor's own promises: leases shared across processes, the fresh-interpreter path,
+log folders, queue timeouts and the progress line."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from levers9.errors import JobCrashed, JobTimeout, RemoteError
+from levers9.launch import job
+from levers9.launch.backend import Batch
+from levers9.launch.cells import Cell
+from levers9.launch.leases import LeaseDir
+from levers9.launch.progress import Reporter
+from levers9.launch.settings import lease_dir, runs_dir
+from levers9.launch.spec import JobSpec
+from tests import jobfns
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def four_cards(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LEVERS9_SIMULATE_GPUS", "RTXPro6000:4")
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+SWEEP = """
+import json, sys
+from levers9.launch import job
+from tests import jobfns
+
+fn = job(gpu="RTXPro6000", stream_output=False)(jobfns.report)
+print(json.dumps(list(fn.map([(sys.argv[1] + str(i), 0.4) for i in range(4)]))))
+"""
+
+
+def test_two_sweeps_in_two_processes_never_share_a_card() -> None:
+    drivers = [
+        subprocess.Popen([sys.executable, "-c", SWEEP, tag], env=_env(), stdout=subprocess.PIPE, text=True)
+        for tag in "ab"
+    ]
+    results = []
+    for driver in drivers:
+        out, _ = driver.communicate(timeout=120)
+        assert driver.returncode == 0
+        results += json.loads(out)
+    assert len(results) == 8
+    for i, a in enumerate(results):
+        for b in results[i + 1 :]:
+            if a["start"] < b["end"] and b["start"] < a["end"]:
+                assert a["cards"] != b["cards"], f"{a['tag']} and {b['tag']} shared card {a['cards']}"
+
+
+def test_fresh_interpreter_path_keeps_the_semantics(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LEVERS9_JOB_START", "exec")
+    fn = job(gpu="RTXPro6000")(jobfns.report)
+    results = list(fn.map([(i, 0.1) for i in range(4)]))
+    assert sorted(r["cards"] for r in results) == ["0", "1", "2", "3"]
+    assert all(r["simulated"] == "1" for r in results)
+    failing = job(gpu="RTXPro6000")(jobfns.fail)
+    with pytest.raises(jobfns.CellError):
+        failing.remote("custom")
+    with pytest.raises(RemoteError):
+        failing.remote("unrebuildable")
+    with pytest.raises(JobCrashed, match="code 3"):
+        failing.remote("exit")
+
+
+NOTEBOOK_STYLE = """
+import os
+from levers9.launch import job
+
+SCALE = 10
+
+@job(gpu="RTXPro6000")
+def scaled(x):
+    return x * SCALE, os.environ["CUDA_VISIBLE_DEVICES"]
+
+print(list(scaled.map([1, 2, 3])))
+"""
+
+
+@pytest.mark.parametrize("start", ["fork", "exec"])
+def test_functions_defined_in_main_run_without_a_main_guard(start: str, tmp_path: Path) -> None:
+    script = tmp_path / "sweep.py"
+    script.write_text(NOTEBOOK_STYLE)
+    env = {**_env(), "LEVERS9_JOB_START": start}
+    result = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "[(10, " in result.stdout and "(30, " in result.stdout
+
+
+def test_each_job_keeps_its_output_and_facts_in_a_log_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    fn = job(gpu="RTXPro6000", stream_output=False)(jobfns.fail)
+    with pytest.raises(JobCrashed) as info:
+        fn.remote("exit")
+    folder = Path(str(info.value).rsplit("Logs: ", 1)[1].strip())
+    assert folder.is_relative_to(runs_dir())
+    assert "about to fail: exit" in (folder / "stdout.log").read_text()
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["exit_code"] == 3 and meta["cards"] in {"0", "1", "2", "3"}
+
+
+def test_queue_timeout_says_how_many_cards_are_free() -> None:
+    hog = job(gpu="RTXPro6000", gpu_count=1)(jobfns.report)
+    held = [hog.spawn(i, 1.0) for i in range(4)]
+    time.sleep(0.3)
+    waiter = job(gpu="RTXPro6000", queue_timeout=0.3)(jobfns.report)
+    with pytest.raises(
+        JobTimeout, match=r"waited 0.3 s \(queue_timeout\) for 1 RTXPro6000 card at once; 0 of"
+    ):
+        waiter.remote("late", 0)
+    assert all(f.result(timeout=30)["cards"] for f in held)
+
+
+def test_a_spawned_job_can_be_cancelled_while_it_queues() -> None:
+    hog = job(gpu="RTXPro6000", gpu_count=1)(jobfns.report)
+    held = [hog.spawn(i, 0.6) for i in range(4)]
+    time.sleep(0.2)
+    queued = hog.spawn("queued", 0)
+    assert queued.cancel()
+    for f in held:
+        f.result(timeout=30)
+    assert queued.cancelled()
+
+
+def test_leases_fifo_and_dead_waiters_are_skipped(tmp_path: Path) -> None:
+    leases = LeaseDir(tmp_path / "pool", ["c0", "c1"])
+    holder = leases.acquire(leases.take_ticket([0, 1]), 1, [[0, 1]])
+    assert holder is not None and holder.slots == [0]
+    big = leases.take_ticket([0, 1])  # waits for both cards
+    with pytest.raises(TimeoutError):  # card 1 is free, but a later 1-card waiter must not overtake
+        leases.acquire(leases.take_ticket([0, 1]), 1, [[0, 1]], timeout=0.3)
+    holder.release()
+    lease = leases.acquire(big, 2, [[0, 1]], timeout=5)
+    assert lease is not None and sorted(lease.slots) == [0, 1]
+    lease.release()
+    # a waiter that died holding the oldest ticket does not block the queue
+    code = (
+        "import sys, time; from pathlib import Path; from levers9.launch.leases import LeaseDir; "
+        "d = LeaseDir(Path(sys.argv[1]), ['c0', 'c1']); d.take_ticket([0, 1]); print('ok', flush=True); time.sleep(60)"
+    )
+    dead = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path / "pool")], stdout=subprocess.PIPE, text=True
+    )
+    assert dead.stdout is not None and dead.stdout.readline().strip() == "ok"
+    dead.send_signal(signal.SIGKILL)
+    dead.wait()
+    lease = leases.acquire(leases.take_ticket([0, 1]), 2, [[0, 1]], timeout=5)
+    assert lease is not None
+    lease.release()
+    assert leases.free_slots() == [0, 1]
+
+
+def test_lease_folder_is_under_the_state_dir() -> None:
+    fn = job(gpu="RTXPro6000")(jobfns.add)
+    assert fn.remote(1, 2) == 3
+    assert lease_dir().is_relative_to(Path(os.environ["LEVERS9_STATE_DIR"]))
+    assert any(lease_dir().iterdir())
+
+
+def test_progress_line_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    stderr = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    reporter = Reporter("sweep", 3, show_progress=True)
+    reporter.batch = Batch(
+        JobSpec("sweep"), jobfns.add, [Cell(i, (i,), {}) for i in range(3)], "run", label="sweep"
+    )
+    reporter.started(Cell(0, (0,), {}), "0", 1)
+    reporter.finished(Cell(0, (0,), {}), True)
+    reporter.output(Cell(1, (1,), {}), "stderr", "hello")
+    reporter.close()
+    text = stderr.getvalue()
+    assert "sweep: 1/3 done, 0 running, 2 waiting, 0 failed" in text
+    assert "[sweep #1] hello\n" in text
+    assert Reporter("sweep", 3).show is False  # not a terminal: no progress line
+
+
+def test_job_env_is_exactly_its_cards_and_the_user_env() -> None:
+    fn = job(gpu="RTXPro6000", env={"EXTRA": "yes"}, cpu=2)(_env_probe)
+    env = fn.remote()
+    assert env["EXTRA"] == "yes" and env["OMP_NUM_THREADS"] == "2"
+    assert env["CUDA_VISIBLE_DEVICES"] in {"0", "1", "2", "3"} and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert env["LEVERS9_SIMULATED"] == "1" and env["LEVERS9_GPU_TYPE"] == "RTXPro6000"
+
+
+def _env_probe() -> dict[str, str]:
+    return dict(os.environ)
+
+
+def test_script_style_usage_in_a_subprocess_leaves_nothing_running(tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            from levers9.launch import job
+            from tests import jobfns
+            fn = job(gpu="RTXPro6000")(jobfns.pid_and_sleep)
+            fut = fn.spawn({str(tmp_path)!r}, "bg", 60)   # never collected: the interpreter exits while it runs
+            import time, pathlib
+            while not pathlib.Path({str(tmp_path)!r}, "bg.child").exists():
+                time.sleep(0.05)
+            """
+        )
+    )
+    subprocess.run([sys.executable, str(script)], env=_env(), timeout=60, check=True)
+    pids = [int((tmp_path / n).read_text()) for n in ("bg.pid", "bg.child")]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
