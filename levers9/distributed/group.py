@@ -148,6 +148,8 @@ def join_launcher_group(info: LaunchInfo, *, backend: str | None = None, timeout
 
 def ensure_group() -> None:
     """Make sure a group exists when the launcher says there are several ranks (helpers call this lazily)."""
+    if world.live_group() is not None:
+        return
     info = world.launch_info()
-    if info.world_size > 1 and world.live_group() is None and join_launcher_group(info):
+    if info.world_size > 1 and join_launcher_group(info):
         atexit.register(destroy_own_group)

@@ -13,19 +13,19 @@ if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
-_device_cache: dict[tuple[int, bool], Any] = {}
+_device_cache: dict[tuple[int, str | None, str | None], torch.device] = {}
 
 
 def device() -> torch.device:
     """This rank's card (`cuda:<local rank>`, made the current device), else `cpu`."""
     import torch
 
-    use_cuda = group.wants_cuda()
     local = world.local_rank()
-    key = (local, use_cuda)
+    key = (local, os.environ.get("LEVERS9_DEVICE"), os.environ.get("ACCELERATE_USE_CPU"))
     cached = _device_cache.get(key)
     if cached is not None:
-        return cached  # type: ignore[no-any-return]
+        return cached
+    use_cuda = group.wants_cuda()
     dev = torch.device("cuda", group.cuda_index_for_local_rank(local)) if use_cuda else torch.device("cpu")
     _device_cache[key] = dev
     return dev
@@ -99,22 +99,25 @@ def all_reduce_mean(x: Any) -> torch.Tensor:
         out = torch.tensor(x, dtype=torch.float64)
     if not out.is_floating_point() and not out.is_complex():
         out = out.to(torch.get_default_dtype())
-    group.ensure_group()
-    if world.world_size() <= 1:
+    td = world.live_group()
+    if td is None:
+        group.ensure_group()  # under a launcher with several ranks, join its group now
+        td = world.live_group()
+        if td is None:
+            return out
+    ranks = td.get_world_size()
+    if ranks == 1:
         return out
-    import torch.distributed as td
-
-    backend = td.get_backend()
-    home = out.device
-    if backend == "nccl" and home.type != "cuda":
+    if td.get_backend() == "nccl" and not out.is_cuda:
         work = out.to(device())
-    elif backend == "gloo" and home.type != "cpu":
+        td.all_reduce(work)
+        return work.div_(ranks).to(out.device)
+    if out.is_cuda and td.get_backend() == "gloo":
         work = out.cpu()
-    else:
-        work = out
-    td.all_reduce(work, op=td.ReduceOp.SUM)
-    work.div_(td.get_world_size())
-    return work if work.device == home else work.to(home)
+        td.all_reduce(work)
+        return work.div_(ranks).to(out.device)
+    td.all_reduce(out)
+    return out.div_(ranks)
 
 
 def print0(*args: Any, **kwargs: Any) -> None:
