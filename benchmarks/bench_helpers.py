@@ -60,7 +60,9 @@ def bench(cfg: dict[str, int]) -> dict[str, Any]:
     for size, calls in ((1, 2000), (1_000_000, 40)):
         x = torch.randn(size)
         rows[f"all_reduce_mean, {size:,} floats"] = alternate(
-            lambda: per_call(dist.all_reduce_mean, x, calls), lambda: per_call(hand_mean, x, calls), cfg["rounds"]
+            lambda x=x, calls=calls: per_call(dist.all_reduce_mean, x, calls),
+            lambda x=x, calls=calls: per_call(hand_mean, x, calls),
+            cfg["rounds"],
         )
     wrapped, plain = dist.wrap(model()), DistributedDataParallel(model())
     rows["DDP step (steps/s)"] = alternate(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,7 @@ import pytest
 from levers9 import distributed as dist
 from levers9.errors import NotShippableError, RankCrashed, RankFailed, RunTimeout
 from tests import rankfns
-from tests.proc_util import alive, children_of, wait_gone
+from tests.proc_util import children_of, wait_gone
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -106,7 +105,7 @@ def test_death_by_signal_names_the_signal(signum: int) -> None:
     start = time.monotonic()
     with pytest.raises(RankCrashed) as info:
         dist.run(rankfns.kill_self_on_rank_1, signum, nprocs=2)
-    assert f"rank 1" in str(info.value) and signal.Signals(signum).name in str(info.value)
+    assert "rank 1" in str(info.value) and signal.Signals(signum).name in str(info.value)
     assert info.value.failure is not None and info.value.failure.signal == signum
     if signum == signal.SIGSEGV:  # faulthandler's dump of the Python stack is in the report
         assert "kill_self_on_rank_1" in str(info.value)
@@ -261,6 +260,6 @@ def test_eight_runs_at_once_all_succeed(tmp_path: Path) -> None:
         for _ in range(8)
     ]
     outputs = [p.communicate(timeout=240)[0].decode() for p in procs]
-    for p, out in zip(procs, outputs):
+    for p, out in zip(procs, outputs, strict=False):
         assert p.returncode == 0, out
         assert "RESULT 1.5" in out, out

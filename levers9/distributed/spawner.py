@@ -93,9 +93,8 @@ class Layout:
 
 def visible_card_count() -> int:
     """How many cards this process may use, without initialising CUDA (NVML-based count)."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        import torch
+    import torch
+
     if not (torch.version.cuda or getattr(torch.version, "hip", None)):
         return 0
     return int(torch.cuda.device_count())
