@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from levers9.errors import JobCrashed, JobTimeout, RemoteError
+from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, RemoteError
 from levers9.launch import job
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
@@ -232,3 +232,24 @@ def _alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_real_cards_skip_other_peoples_processes_and_honour_visible_devices(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    from levers9.distributed import cards
+    from tests.fakes import use_fake_pynvml
+    from tests.fakes.machines import RTX_PRO_6000_SERVER, machine
+
+    request.addfinalizer(cards.clear_cache)  # the fake machine must not outlive this test
+    monkeypatch.delenv("LEVERS9_SIMULATE_GPUS")
+    use_fake_pynvml(monkeypatch, machine(*[RTX_PRO_6000_SERVER] * 4, pids={2: (4242,)}))
+    fn = job(gpu="RTXPro6000", stream_output=False)(jobfns.report)
+    results = list(fn.map([(i, 0.2) for i in range(6)]))
+    assert {r["cards"] for r in results} <= {"0", "1", "3"}  # card 2 runs someone else's process
+    assert all(r["simulated"] is None for r in results)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    results = list(fn.map([(i, 0.1) for i in range(3)]))
+    assert {r["cards"] for r in results} <= {"3", "1"}  # NVML indices, in PCI_BUS_ID order
+    with pytest.raises(InfeasibleJobError, match="2× RTXPro6000"):
+        job(gpu="H100")(jobfns.report).remote(0)

@@ -24,7 +24,7 @@ class Reporter:
         self.batch: Batch | None = None
         self.label = batch_label
         self.total = total
-        self.running = 0
+        self._running: set[int] = set()
         self.done = 0
         self.failed = 0
         self.start = time.monotonic()
@@ -34,14 +34,19 @@ class Reporter:
             show_progress = total > 1 and _isatty(sys.stderr)
         self.show = show_progress
 
+    @property
+    def running(self) -> int:
+        """Cells started and not yet finished (a retried cell counts once)."""
+        return len(self._running)
+
     def started(self, cell: Cell, cards: str, attempt: int) -> None:
         with self._lock:
-            self.running += 1
+            self._running.add(cell.index)
             self._draw()
 
     def finished(self, cell: Cell, ok: bool) -> None:
         with self._lock:
-            self.running = max(0, self.running - 1)
+            self._running.discard(cell.index)
             self.done += 1
             self.failed += 0 if ok else 1
             self._draw()
