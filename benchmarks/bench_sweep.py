@@ -56,7 +56,9 @@ CASES = [
 
 def main() -> None:
     """Time each case `--repeat` times and print medians and ratios to the in-place run."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--no-torch", action="store_true", help="do not import torch in the processes")
