@@ -5,39 +5,34 @@ caller when that is safe, which costs milliseconds; a fresh interpreter otherwis
 output to the caller and to a log folder, enforces the timeout on the job's whole process group,
 retries as the spec says and resolves the cell's Future. The job process holds its card locks
 itself, so its cards come free when it dies, whoever kills it. It leaves with the caller: a
-lifeline pipe (end of file means the caller died) and PR_SET_PDEATHSIG.
+watchdog in its process group reads a lifeline pipe whose end of file means the caller died, and
+PR_SET_PDEATHSIG backs it up. How job processes are started and killed is in process.py.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import io
 import json
 import logging
 import os
-import select
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
-
-from levers9.distributed.forking import die_with_parent, fork_is_safe
-from levers9.errors import JobCrashed, JobTimeout, NotShippableError, RankFailure, signal_name
+from levers9.distributed.forking import fork_is_safe
+from levers9.errors import JobCrashed, JobTimeout, RankFailure, signal_name
 from levers9.launch import fds, runner
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.leases import Lease, LeaseDir
 from levers9.launch.policy import check_feasible
 from levers9.launch.pool import Pool, local_pool
+from levers9.launch.process import ExecJob, ForkedJob, JobProcess, lifeline_read_end, ship_function
 from levers9.launch.settings import lease_dir, load_settings, runs_dir
 
 log = logging.getLogger("levers9.launch")
@@ -45,26 +40,6 @@ log = logging.getLogger("levers9.launch")
 START_VAR = "LEVERS9_JOB_START"  # "exec" forces a fresh interpreter per job even where fork is safe
 KEEP_RUNS = 50  # run folders kept under runs_dir(); older ones are removed when a new run starts
 TAIL_LINES = 40
-
-_lifeline_lock = threading.Lock()
-_lifeline: tuple[int, int] | None = None
-
-
-def _lifeline_read_end() -> int:
-    """The read end of this process's lifeline pipe; the write end stays open until this process dies."""
-    global _lifeline
-    with _lifeline_lock:
-        if _lifeline is None:
-            _lifeline = fds.pipe()
-        return _lifeline[0]
-
-
-def _forget_lifeline() -> None:
-    global _lifeline
-    _lifeline = None
-
-
-os.register_at_fork(after_in_child=_forget_lifeline)
 
 
 class _Cancelled(Exception):
@@ -87,7 +62,7 @@ class LocalBackend:
         use_fork, why = fork_is_safe()
         if os.environ.get(START_VAR) == "exec":
             use_fork, why = False, f"{START_VAR}=exec"
-        shipped = None if use_fork else _ship_function(batch.func)
+        shipped = None if use_fork else ship_function(batch.func)
         if not use_fork:
             log.debug("starting jobs as fresh interpreters: %s", why)
         run_dir = _new_run_dir(batch.run_id)
@@ -111,27 +86,6 @@ class LocalBackend:
 
 def _eligible(groups: list[list[int]]) -> list[int]:
     return sorted({s for g in groups for s in g})
-
-
-def _ship_function(func: Callable[..., Any]) -> tuple[tuple[str, str] | None, bytes | None]:
-    """(module, qualname) when a fresh interpreter can import `func`, else its cloudpickle by value."""
-    module, qualname = getattr(func, "__module__", None), getattr(func, "__qualname__", "")
-    if module and module != "__main__" and "<locals>" not in qualname:
-        try:
-            from levers9.launch.worker import resolve
-
-            if resolve(module, qualname) is func:
-                return (module, qualname), None
-        except Exception:
-            pass
-    try:
-        return None, cloudpickle.dumps(func)
-    except Exception as exc:
-        raise NotShippableError(
-            f"{qualname or func!r} cannot be sent to a fresh interpreter ({type(exc).__name__}: {exc}), which is "
-            f"how jobs start when this process has already initialised CUDA. Define it at module level, "
-            f"or start the jobs before touching CUDA in this process."
-        ) from exc
 
 
 def _new_run_dir(run_id: str) -> Path:
@@ -278,16 +232,14 @@ class _Supervisor:
         )
         out_r, out_w = fds.pipe()
         err_r, err_w = fds.pipe()
-        lifeline = _lifeline_read_end()
+        lifeline = lifeline_read_end()
         lock_fds = list(lease.fds) if lease is not None else []
-        proc: _JobProcess
+        proc: JobProcess
         try:
             if self.use_fork:
-                proc = _ForkedJob.start(self.batch.func, cell, env, job_dir, out_w, err_w, lifeline, lock_fds)
+                proc = ForkedJob.start(self.batch.func, cell, env, job_dir, out_w, err_w, lifeline, lock_fds)
             else:
-                proc = _ExecJob.start(
-                    self.batch, cell, self.shipped, env, job_dir, out_w, err_w, lifeline, lock_fds
-                )
+                proc = ExecJob.start(cell, self.shipped, env, job_dir, out_w, err_w, lifeline, lock_fds)
         finally:
             fds.close(out_w)
             fds.close(err_w)
@@ -389,193 +341,3 @@ def _write_meta(
     }
     with contextlib.suppress(OSError):
         (job_dir / "meta.json").write_text(json.dumps(meta, indent=1))
-
-
-class _JobProcess:
-    """A started job process: wait on it with a timeout, kill its group, read how it ended."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self._status: tuple[int | None, int | None] | None = None
-        try:
-            self._pidfd: int | None = os.pidfd_open(pid)
-        except (AttributeError, OSError):
-            self._pidfd = None
-
-    def _reap(self, block: bool) -> bool:
-        raise NotImplementedError
-
-    def _wait(self, timeout: float | None) -> bool:
-        """True once the process has ended (reaped), False if `timeout` passed first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._reap(block=False):
-            left = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
-            if left <= 0:
-                return False
-            if self._pidfd is not None:
-                select.select([self._pidfd], [], [], left)
-            else:
-                time.sleep(min(left, 0.01))
-        return True
-
-    def watch(self, timeout: float | None, grace: float, cancel: Any, future: Future[Any]) -> str | None:
-        """Wait for the end; kill the group on timeout or cancel. Returns None, 'timeout' or 'cancel'."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        reason: str | None = None
-        kill = threading.Event()
-        unregister = cancel.on_cancel(kill.set)
-        try:
-            while True:
-                left = None if deadline is None else deadline - time.monotonic()
-                step = 0.1 if left is None else max(0.0, min(0.1, left))
-                if self._wait(step):
-                    return reason
-                if kill.is_set() or future.cancelled():
-                    reason = "cancel"
-                elif deadline is not None and time.monotonic() >= deadline:
-                    reason = "timeout"
-                else:
-                    continue
-                self._kill(grace)
-                return reason
-        finally:
-            unregister()
-            if self._pidfd is not None:
-                fds_close_plain(self._pidfd)
-                self._pidfd = None
-
-    def _kill(self, grace: float) -> None:
-        """SIGTERM the job's process group, SIGKILL it after `grace` seconds, and reap the job."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGTERM)
-        if not self._wait(grace):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pid, signal.SIGKILL)
-            self._wait(None)
-
-    def status(self) -> tuple[int | None, int | None]:
-        """(exit code, None) or (None, signal number) of the ended process."""
-        assert self._status is not None
-        return self._status
-
-    @staticmethod
-    def _decode(status: int) -> tuple[int | None, int | None]:
-        if os.WIFSIGNALED(status):
-            return None, os.WTERMSIG(status)
-        return os.WEXITSTATUS(status), None
-
-
-def fds_close_plain(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
-
-class _ForkedJob(_JobProcess):
-    """A job forked from the caller: no interpreter start, no second `import torch`."""
-
-    @classmethod
-    def start(
-        cls, func: Callable[..., Any], cell: Cell, env: dict[str, str], job_dir: Path,
-        out_w: int, err_w: int, lifeline: int, lock_fds: list[int],
-    ) -> _ForkedJob:  # fmt: skip
-        parent = os.getpid()
-
-        def child() -> None:
-            os.setsid()
-            os.dup2(out_w, 1)
-            os.dup2(err_w, 2)
-            os.close(out_w)
-            os.close(err_w)
-            sys.stdout = io.TextIOWrapper(
-                io.FileIO(1, "w", closefd=False),
-                encoding="utf-8",
-                errors="backslashreplace",
-                line_buffering=True,
-            )
-            sys.stderr = io.TextIOWrapper(
-                io.FileIO(2, "w", closefd=False),
-                encoding="utf-8",
-                errors="backslashreplace",
-                line_buffering=True,
-            )
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            die_with_parent(parent)
-            code = 70
-            try:
-                code = runner.run_cell(
-                    func,
-                    cell.args,
-                    cell.kwargs,
-                    env=env,
-                    result_path=job_dir / runner.RESULT_FILE,
-                    lifeline_fd=lifeline,
-                )
-            finally:
-                with contextlib.suppress(Exception):
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                os._exit(code)
-
-        pid = fds.fork_job([out_w, err_w, lifeline, *lock_fds], child)
-        return cls(pid)
-
-    def _reap(self, block: bool) -> bool:
-        if self._status is not None:
-            return True
-        try:
-            pid, status = os.waitpid(self.pid, 0 if block else os.WNOHANG)
-        except ChildProcessError:
-            self._status = (None, None)
-            return True
-        if pid == 0:
-            return False
-        self._status = self._decode(status)
-        return True
-
-
-class _ExecJob(_JobProcess):
-    """A job started as a fresh interpreter (`python -m levers9.launch.worker`)."""
-
-    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
-        self.popen = popen
-        super().__init__(popen.pid)
-
-    @classmethod
-    def start(
-        cls, batch: Batch, cell: Cell, shipped: tuple[tuple[str, str] | None, bytes | None] | None,
-        env: dict[str, str], job_dir: Path, out_w: int, err_w: int, lifeline: int, lock_fds: list[int],
-    ) -> _ExecJob:  # fmt: skip
-        assert shipped is not None
-        func_ref, func_blob = shipped
-        payload = {
-            "parent_pid": os.getpid(),
-            "sys_path": [p for p in sys.path if p],
-            "func_ref": func_ref,
-            "func": func_blob,
-            "arguments": cloudpickle.dumps((cell.args, dict(cell.kwargs))),
-            "env": env,
-            "result_path": str(job_dir / runner.RESULT_FILE),
-            "lifeline_fd": lifeline,
-        }
-        input_path = job_dir / "input.pkl"
-        input_path.write_bytes(cloudpickle.dumps(payload))
-        popen = subprocess.Popen(
-            [sys.executable, "-m", "levers9.launch.worker", str(input_path)],
-            env={**os.environ, **env},
-            stdin=subprocess.DEVNULL,
-            stdout=out_w,
-            stderr=err_w,
-            pass_fds=[lifeline, *lock_fds],
-            start_new_session=True,
-        )
-        return cls(popen)
-
-    def _reap(self, block: bool) -> bool:
-        if self._status is not None:
-            return True
-        code = self.popen.wait() if block else self.popen.poll()
-        if code is None:
-            return False
-        self._status = (None, -code) if code < 0 else (code, None)
-        return True
