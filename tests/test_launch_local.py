@@ -253,3 +253,36 @@ def test_real_cards_skip_other_peoples_processes_and_honour_visible_devices(
     assert {r["cards"] for r in results} <= {"3", "1"}  # NVML indices, in PCI_BUS_ID order
     with pytest.raises(InfeasibleJobError, match="2× RTXPro6000"):
         job(gpu="H100")(jobfns.report).remote(0)
+
+
+CTRL_C = """
+import sys
+from levers9.launch import job
+from tests import jobfns
+
+fn = job(gpu="RTXPro6000", kill_grace=1.0)(jobfns.pid_and_sleep)
+try:
+    list(fn.map([(sys.argv[1], i, 60) for i in range(2)]))
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(130)
+"""
+
+
+def test_ctrl_c_in_the_caller_stops_the_sweep_and_raises_keyboard_interrupt(tmp_path: Path) -> None:
+    driver = subprocess.Popen(
+        [sys.executable, "-c", CTRL_C, str(tmp_path)], env=_env(), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.child"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [int(p.read_text()) for p in (*tmp_path.glob("*.pid"), *tmp_path.glob("*.child"))]
+        driver.send_signal(signal.SIGINT)
+        out, _ = driver.communicate(timeout=30)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert driver.returncode == 130 and "interrupted" in out
+    assert not any(_alive(p) for p in pids)  # every job was gone before KeyboardInterrupt reached the caller
