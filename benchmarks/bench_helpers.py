@@ -1,5 +1,6 @@
-"""Helper overhead on 2 gloo ranks: all_reduce_mean vs a hand-written all_reduce + divide, and a DDP
-training step through `wrap` vs hand-written DistributedDataParallel.
+"""Helper overhead on 2 gloo ranks: all_reduce_mean vs a hand-written all_reduce + divide, the stall
+tracking on every collective vs torch's own all_reduce, and a DDP training step through `wrap` vs
+hand-written DistributedDataParallel.
 
     python benchmarks/bench_helpers.py --rounds 7
 
@@ -64,6 +65,12 @@ def bench(cfg: dict[str, int]) -> dict[str, Any]:
             lambda x=x, calls=calls: per_call(hand_mean, x, calls),
             cfg["rounds"],
         )
+    tracked = td.all_reduce  # inside distributed.run: wrapped so stalls can be seen
+    untracked = tracked.__wrapped__  # type: ignore[attr-defined]
+    one = torch.randn(1)
+    rows["all_reduce with stall tracking, 1 float"] = alternate(
+        lambda: per_call(tracked, one, 2000), lambda: per_call(untracked, one, 2000), cfg["rounds"]
+    )
     wrapped, plain = dist.wrap(model()), DistributedDataParallel(model())
     rows["DDP step (steps/s)"] = alternate(
         lambda: steps_per_second(wrapped, 30), lambda: steps_per_second(plain, 30), cfg["rounds"]

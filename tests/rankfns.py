@@ -129,3 +129,28 @@ def accelerate_adopts(cfg: Any) -> dict[str, Any]:
         "accelerator_processes": acc.num_processes,
         "sum": t.item(),
     }
+
+
+def rank1_sleeps_before_all_reduce(cfg: Any) -> None:
+    """Rank 0 waits in all_reduce while rank 1 sleeps (alive, not in a collective)."""
+    if dist.rank() == 1:
+        time.sleep(60)  # STALL-LINE rank 1
+    torch.distributed.all_reduce(torch.ones(1))
+
+
+def rank1_skips_barrier(cfg: Any) -> None:
+    """Rank 1 skips the barrier rank 0 waits in, and keeps computing."""
+    if dist.rank() == 0:
+        dist.barrier()
+    else:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # SKIP-LINE rank 1
+            sum(range(1000))
+
+
+def slow_but_progressing(cfg: Any) -> int:
+    """Many collectives, each rank arriving up to `cfg` seconds late: slow, never stalled."""
+    for step in range(8):
+        time.sleep(cfg if (step + dist.rank()) % 2 else 0.0)
+        torch.distributed.all_reduce(torch.ones(1))
+    return 8

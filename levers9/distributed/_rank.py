@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from levers9.distributed import forking
+from levers9.distributed import forking, stalls
 
 _HEADER = struct.Struct("!Q")
 
@@ -49,6 +49,7 @@ class RankSpec:
     parent_pid: int
     env: dict[str, str]
     call_without_cfg: bool
+    run_folder: str
     pg_timeout: float | None = None
 
 
@@ -193,6 +194,8 @@ def rank_main(spec: RankSpec, fn: Callable[..., Any], cfg: Any, msg_fd: int) -> 
     faulthandler.enable(file=sys.stderr, all_threads=True)
     status = 0
     try:
+        stalls.enable_stack_dumps(spec.run_folder, spec.rank)
+        stalls.instrument_collectives(stalls.RankSlot(spec.run_folder, spec.rank))
         _join_group(spec)
         result = fn() if spec.call_without_cfg else fn(cfg)
         payload = None

@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from levers9.distributed import _rank, forking, group, world
+from levers9.distributed import _rank, forking, group, stalls, world
 from levers9.distributed.detect import LaunchInfo
-from levers9.errors import NotShippableError, RankCrashed, RankFailed, RankFailure, RunTimeout
+from levers9.errors import NotShippableError, RankCrashed, RankFailed, RankFailure, RunTimeout, StallError
 
 log = logging.getLogger("levers9.distributed")
 
@@ -46,6 +46,7 @@ def run(
     nprocs: int | None = None,
     backend: str | None = None,
     timeout: float | None = None,
+    stall_timeout: float | None = None,
     start_method: str | None = None,
     prefix_output: bool = True,
     disable_quirks: tuple[str, ...] = (),
@@ -56,12 +57,15 @@ def run(
     run in place as a world of one). Under torchrun / accelerate / SLURM / MPI / levers9: spawn
     nothing; join (or reuse) the process group and call fn. `fn()` is called without an argument
     when `cfg` is None and fn takes no parameters. `timeout` (seconds) stops a run that takes
-    longer; `start_method` ("fork" or "spawn") overrides the automatic choice; `prefix_output`
-    puts "[rank N] " before lines from ranks other than 0.
+    longer; `stall_timeout` (seconds) stops a run as soon as a rank has waited that long in a
+    collective while no rank finished one, naming the ranks and where each one is (both reports
+    carry every rank's Python stack); `start_method` ("fork" or "spawn") overrides the automatic
+    choice; `prefix_output` puts "[rank N] " before lines from ranks other than 0.
     """
     _check_callable(fn)
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout={timeout!r}; expected a positive number of seconds, or None for no limit.")
+    for name, value in (("timeout", timeout), ("stall_timeout", stall_timeout)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ValueError(f"{name}={value!r}; expected a positive number of seconds, or None for no limit.")
     call_without_cfg = cfg is None and _takes_no_arguments(fn)
     info = world.launch_info()
     if info.launcher != "single" or world.live_group() is not None:
@@ -75,6 +79,7 @@ def run(
         call_without_cfg,
         layout,
         timeout=timeout,
+        stall_timeout=stall_timeout,
         start_method=start_method or os.environ.get("LEVERS9_START_METHOD") or "auto",
         prefix_output=prefix_output,
         disable_quirks=disable_quirks,
@@ -243,6 +248,7 @@ class _Spawn:
         layout: Layout,
         *,
         timeout: float | None,
+        stall_timeout: float | None,
         start_method: str,
         prefix_output: bool,
         disable_quirks: tuple[str, ...],
@@ -250,6 +256,8 @@ class _Spawn:
         self.fn, self.cfg, self.call_without_cfg = fn, cfg, call_without_cfg
         self.layout = layout
         self.timeout = timeout
+        self.stall_timeout = stall_timeout
+        self.folder: stalls.RunFolder | None = None
         self.prefix_output = prefix_output
         self.disable_quirks = disable_quirks
         self.start_method = self._choose_start_method(start_method)
@@ -277,6 +285,7 @@ class _Spawn:
         child_env = self._child_env()
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         store = None
+        self.folder = stalls.RunFolder(self.layout.nprocs)
         try:
             listener.bind(("127.0.0.1", 0))
             listener.listen(128)
@@ -302,14 +311,17 @@ class _Spawn:
                     parent_pid=os.getpid(),
                     env={**child_env, **_rank_env(rank, self.layout.nprocs, port)},
                     call_without_cfg=self.call_without_cfg,
+                    run_folder=str(self.folder.path),
                 )
                 self.ranks.append(self._start(spec, payload))
+            self.folder.write_pids(os.getpid(), [p.pid for p in self.ranks])
             return self._watch()
         finally:
             self._stop_all()
             self._close()
             listener.close()
             del store
+            self.folder.remove()
 
     def _payload(self) -> bytes:
         """fn and cfg pickled by value where needed (cloudpickle), or a clear error naming what cannot be."""
@@ -416,6 +428,9 @@ class _Spawn:
                 return self._rank0_result()
             if deadline is not None and time.monotonic() >= deadline:
                 self._raise_timeout()
+            if self.stall_timeout is not None and self.folder is not None:
+                if stalls.stalled(self.folder.states(), self.stall_timeout, time.monotonic()):
+                    self._raise_stall()
 
     def _pump(self, wait: float) -> None:
         """Read whatever is ready: messages go to their rank, output is forwarded line by line."""
@@ -534,18 +549,41 @@ class _Spawn:
         )
         raise original from wrapper
 
+    def _where_ranks_are(self) -> str:
+        """Every live rank's collective state and Python stack, asked for now (SIGUSR1 to each)."""
+        assert self.folder is not None
+        live = {p.rank: p.pid for p in self.ranks if not p.poll()}
+        dumps = stalls.collect_stacks(live, self.folder.path)
+        return stalls.describe_ranks(self.folder.states(), dumps, time.monotonic())
+
+    def _output_tails(self, lines: int = 10) -> str:
+        return "".join(
+            f"\n\nLast output of rank {p.rank}:\n" + "\n".join(list(p.tail)[-lines:]) for p in self.ranks if p.tail
+        )
+
     def _raise_timeout(self) -> None:
         running = [p.rank for p in self.ranks if not p.poll()]
+        where = self._where_ranks_are()
         self._stop_all()
         self._drain(0.3)
-        tails = "\n\n".join(
-            f"Last output of rank {p.rank}:\n" + output_excerpt(list(p.tail)) for p in self.ranks if p.tail
-        )
+        where += self._output_tails()
         raise RunTimeout(
             f"distributed.run timed out: still running after {self.timeout:g} s (timeout={self.timeout:g}); "
             f"rank(s) {', '.join(map(str, running))} had not finished and every rank was stopped. Expected the "
-            f"run to finish within the timeout; pass a larger timeout=, or None for no limit."
-            + (f"\n\n{tails}" if tails else "")
+            f"run to finish within the timeout; pass a larger timeout=, or None for no limit. Where each rank "
+            f"was:\n{where}"
+        )
+
+    def _raise_stall(self) -> None:
+        where = self._where_ranks_are()
+        self._stop_all()
+        self._drain(0.3)
+        where += self._output_tails()
+        raise StallError(
+            f"distributed.run stalled: a rank waited in a collective for {self.stall_timeout:g} s while no rank "
+            f"finished one (stall_timeout={self.stall_timeout:g}); every rank was stopped. The rank that is not "
+            f"in a collective, or is in a different one, is usually the cause: a skipped collective, uneven data, "
+            f"or a loader that hangs. Pass a larger stall_timeout= if a step legitimately takes longer.\n{where}"
         )
 
     def _stop_all(self) -> None:

@@ -1,0 +1,287 @@
+"""Seeing stalled ranks: which rank waits in which collective, and where every rank is.
+
+Each run started by `distributed.run` gets a private run folder holding
+- `progress.bin`: one slot per rank, written by the rank whenever it enters or leaves a collective
+  (how many it finished, whether it is in one now, which, and since when, on the machine-wide
+  monotonic clock), read by the parent to notice a stall;
+- `stack-<rank>.txt`: where a rank's faulthandler writes every thread's Python stack when it gets
+  SIGUSR1, so the parent (or `levers9 stacks <pid>` from another terminal) can say where it is;
+- `ranks.json`: the caller's pid and the ranks' pids, for `levers9 stacks`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import functools
+import json
+import mmap
+import os
+import re
+import shutil
+import signal
+import struct
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+STACK_SIGNAL = signal.SIGUSR1
+_SLOT = struct.Struct("=QQdd24s")  # finished, in_collective, entered_at, last_finished_at, name
+RUN_DIR_PREFIX = "levers9-run-"
+
+# The torch.distributed calls that block until every rank takes part.
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "recv",
+)
+
+
+def runs_root() -> Path:
+    """Where run folders live: /dev/shm when it exists (memory, never a slow disk), else the temp dir."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotState:
+    """One rank's collective progress as last written."""
+
+    finished: int
+    in_collective: bool
+    entered_at: float
+    last_finished_at: float
+    name: str
+
+
+class RunFolder:
+    """The parent's side: creates the folder and the progress board, reads them, removes them."""
+
+    def __init__(self, nprocs: int) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=runs_root()))
+        self.nprocs = nprocs
+        board = self.path / "progress.bin"
+        now = time.monotonic()
+        with open(board, "wb") as f:
+            for _ in range(nprocs):
+                f.write(_SLOT.pack(0, 0, 0.0, now, b""))
+        self._file = open(board, "r+b")  # noqa: SIM115 - closed in remove()
+        self._map = mmap.mmap(self._file.fileno(), _SLOT.size * nprocs)
+
+    def stack_file(self, rank: int) -> Path:
+        return self.path / f"stack-{rank}.txt"
+
+    def write_pids(self, parent: int, pids: list[int]) -> None:
+        (self.path / "ranks.json").write_text(json.dumps({"parent": parent, "pids": pids}))
+
+    def states(self) -> list[SlotState]:
+        return [read_slot(self._map, rank) for rank in range(self.nprocs)]
+
+    def remove(self) -> None:
+        self._map.close()
+        self._file.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def read_slot(board: mmap.mmap, rank: int) -> SlotState:
+    finished, busy, entered, last, name = _SLOT.unpack_from(board, rank * _SLOT.size)
+    return SlotState(finished, bool(busy), entered, last, name.rstrip(b"\0").decode(errors="replace"))
+
+
+class RankSlot:
+    """A rank's side: records entering and leaving collectives in its slot of the board."""
+
+    def __init__(self, folder: str, rank: int) -> None:
+        self._file = open(os.path.join(folder, "progress.bin"), "r+b")  # noqa: SIM115 - lives as long as the rank
+        self._map = mmap.mmap(self._file.fileno(), 0)
+        self._offset = rank * _SLOT.size
+        self._finished = 0
+        self._entered = 0.0
+        self._last_finished = read_slot(self._map, rank).last_finished_at
+
+    def enter(self, name: str) -> None:
+        self._entered = time.monotonic()
+        _SLOT.pack_into(self._map, self._offset, self._finished, 1, self._entered, self._last_finished, name.encode()[:24])
+
+    def leave(self, name: str) -> None:
+        self._finished += 1
+        self._last_finished = time.monotonic()
+        _SLOT.pack_into(self._map, self._offset, self._finished, 0, self._entered, self._last_finished, name.encode()[:24])
+
+
+def instrument_collectives(slot: RankSlot) -> None:
+    """Wrap torch.distributed's blocking collectives so the slot knows when this rank is in one."""
+    import torch.distributed as td
+
+    for name in COLLECTIVES:
+        original = getattr(td, name, None)
+        if original is None or getattr(original, "__levers9_wrapped__", False):
+            continue
+        setattr(td, name, _tracked(original, name, slot))
+
+
+def _tracked(original: Callable[..., Any], name: str, slot: RankSlot) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("async_op"):
+            return original(*args, **kwargs)
+        slot.enter(name)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            slot.leave(name)
+
+    tracked.__levers9_wrapped__ = True  # type: ignore[attr-defined]
+    return tracked
+
+
+def enable_stack_dumps(folder: str, rank: int) -> None:
+    """Have this rank write every thread's Python stack to its stack file on SIGUSR1."""
+    handle = open(os.path.join(folder, f"stack-{rank}.txt"), "w")  # noqa: SIM115 - faulthandler keeps it
+    faulthandler.register(STACK_SIGNAL, file=handle, all_threads=True, chain=False)
+    global _stack_handle
+    _stack_handle = handle
+
+
+_stack_handle: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} in {self.function}"
+
+
+_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+_LIBRARY_PARTS = (f"{os.sep}torch{os.sep}", f"{os.sep}levers9{os.sep}", f"{os.sep}threading.py", "<frozen ")
+
+
+def main_thread_frames(dump: str) -> list[Frame]:
+    """The frames (most recent first) of the thread in a faulthandler dump that runs the rank's fn."""
+    threads = re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump.strip())
+    parsed = [[Frame(m["file"], int(m["line"]), m["func"]) for m in map(_FRAME.match, t.splitlines()) if m] for t in threads]
+    for frames in parsed:
+        entry = next((i for i, f in enumerate(frames) if f.function == "rank_main"), None)
+        if entry is not None:
+            return frames[:entry]  # what the rank's fn called, not how levers9 got there
+    return parsed[0] if parsed else []
+
+
+def user_frame(frames: list[Frame]) -> Frame | None:
+    """The most recent frame outside torch and levers9: where the user's code is."""
+    return next((f for f in frames if not any(part in f.file for part in _LIBRARY_PARTS)), frames[0] if frames else None)
+
+
+def collect_stacks(pids: dict[int, int], folder: Path, wait_s: float = 1.0) -> dict[int, str]:
+    """Ask each rank (rank -> pid) for its stacks with SIGUSR1; return the new text of each stack file."""
+    sizes = {}
+    for rank, pid in pids.items():
+        path = folder / f"stack-{rank}.txt"
+        sizes[rank] = path.stat().st_size if path.exists() else 0
+        try:
+            os.kill(pid, STACK_SIGNAL)
+        except ProcessLookupError:
+            continue
+    dumps: dict[int, str] = {}
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        time.sleep(0.05)
+        for rank in pids:
+            path = folder / f"stack-{rank}.txt"
+            if path.exists() and path.stat().st_size > sizes[rank]:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    f.seek(sizes[rank])
+                    dumps[rank] = f.read()
+        if len(dumps) == len(pids):
+            time.sleep(0.05)  # let the last dump finish writing
+            for rank in pids:
+                with open(folder / f"stack-{rank}.txt", encoding="utf-8", errors="replace") as f:
+                    f.seek(sizes[rank])
+                    dumps[rank] = f.read()
+            break
+    return dumps
+
+
+def describe_ranks(states: list[SlotState], dumps: dict[int, str], now: float) -> str:
+    """One line per rank (waiting in which collective for how long, or where it is), then every rank's stack."""
+    lines = []
+    for rank, state in enumerate(states):
+        frames = main_thread_frames(dumps.get(rank, ""))
+        where = user_frame(frames)
+        at = f" at {where}" if where else " (no stack: the rank did not answer)"
+        if state.in_collective:
+            lines.append(f"  rank {rank}: waiting in {state.name} for {now - state.entered_at:.1f} s{at}")
+        else:
+            lines.append(f"  rank {rank}: not in a collective{at}")
+    stacks = []
+    for rank in range(len(states)):
+        frames = main_thread_frames(dumps.get(rank, ""))
+        if frames:
+            stacks.append(f"Rank {rank} (most recent call first):\n" + "\n".join(f"  {f}" for f in frames))
+    return "\n".join(lines) + ("\n\n" + "\n\n".join(stacks) if stacks else "")
+
+
+def stalled(states: list[SlotState], stall_timeout: float, now: float) -> bool:
+    """True when some rank waits in a collective and no rank has finished one for `stall_timeout` seconds."""
+    if not any(s.in_collective and now - s.entered_at >= stall_timeout for s in states):
+        return False
+    return now - max(s.last_finished_at for s in states) >= stall_timeout
+
+
+def find_run(pid: int) -> Path | None:
+    """The run folder of the run whose caller or one of whose ranks has `pid`."""
+    root = runs_root()
+    for folder in sorted(root.glob(f"{RUN_DIR_PREFIX}*")):
+        info = folder / "ranks.json"
+        try:
+            data = json.loads(info.read_text())
+        except (OSError, ValueError):
+            continue
+        if pid == data.get("parent") or pid in data.get("pids", []):
+            return folder
+    return None
+
+
+def live_runs() -> Iterator[tuple[Path, dict[str, Any]]]:
+    """Every run folder whose caller is still alive, with its ranks.json."""
+    for folder in sorted(runs_root().glob(f"{RUN_DIR_PREFIX}*")):
+        try:
+            data = json.loads((folder / "ranks.json").read_text())
+            os.kill(int(data["parent"]), 0)
+        except (OSError, ValueError, KeyError):
+            continue
+        yield folder, data
+
+
+def report_for_run(folder: Path) -> str:
+    """The stall-style report for a live run, taken on demand without stopping it."""
+    data = json.loads((folder / "ranks.json").read_text())
+    pids = {rank: pid for rank, pid in enumerate(data["pids"])}
+    with open(folder / "progress.bin", "rb") as f:
+        board = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        states = [read_slot(board, rank) for rank in pids]
+        board.close()
+    dumps = collect_stacks(pids, folder)
+    return f"levers9 run of pid {data['parent']} ({len(pids)} ranks):\n" + describe_ranks(states, dumps, time.monotonic())

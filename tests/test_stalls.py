@@ -1,0 +1,117 @@
+"""Stalled ranks are named, with where each one is, within seconds: real 2-rank gloo runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from levers9 import distributed as dist
+from levers9.distributed import stalls
+from levers9.errors import StallError
+from tests import rankfns
+from tests.proc_util import children_of, wait_gone
+
+REPO = Path(__file__).resolve().parents[1]
+RANKFNS = str(REPO / "tests" / "rankfns.py")
+
+
+def _line_of(marker: str) -> int:
+    return next(i for i, line in enumerate(Path(RANKFNS).read_text().splitlines(), 1) if marker in line)
+
+
+@pytest.fixture(autouse=True)
+def nothing_left() -> None:
+    yield
+    assert wait_gone(children_of(os.getpid()), 5) == []
+    assert not list(stalls.runs_root().glob(f"{stalls.RUN_DIR_PREFIX}{os.getpid()}-*")), "run folder left behind"
+
+
+def test_a_sleeping_rank_is_named_with_its_line_and_the_waiting_rank_with_its_collective() -> None:
+    start = time.monotonic()
+    with pytest.raises(StallError) as info:
+        dist.run(rankfns.rank1_sleeps_before_all_reduce, None, nprocs=2, stall_timeout=2)
+    elapsed = time.monotonic() - start
+    text = str(info.value)
+    assert elapsed < 2 + 6, f"took {elapsed:.1f}s"
+    assert "rank 0: waiting in all_reduce" in text
+    assert f"rank 1: not in a collective at {RANKFNS}:{_line_of('STALL-LINE')} in rank1_sleeps_before_all_reduce" in text
+
+
+def test_a_rank_that_skips_a_barrier_is_named() -> None:
+    with pytest.raises(StallError) as info:
+        dist.run(rankfns.rank1_skips_barrier, None, nprocs=2, stall_timeout=2)
+    text = str(info.value)
+    assert "rank 0: waiting in barrier" in text
+    assert "rank 1: not in a collective at" in text and "rank1_skips_barrier" in text
+
+
+def test_a_slow_but_progressing_run_is_never_reported() -> None:
+    assert dist.run(rankfns.slow_but_progressing, 0.6, nprocs=2, stall_timeout=1.5) == 8
+
+
+def test_a_hang_without_stall_timeout_ends_at_timeout_with_the_same_report() -> None:
+    with pytest.raises(TimeoutError) as info:
+        dist.run(rankfns.rank1_sleeps_before_all_reduce, None, nprocs=2, timeout=3)
+    text = str(info.value)
+    assert "rank 0: waiting in all_reduce" in text and "rank 1: not in a collective at" in text
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "5"])
+def test_bad_stall_timeout_is_refused(value: object) -> None:
+    with pytest.raises(ValueError, match="stall_timeout="):
+        dist.run(rankfns.describe, None, nprocs=2, stall_timeout=value)  # type: ignore[arg-type]
+
+
+DRIVER = """
+import sys, time, torch
+from levers9 import distributed as dist
+
+def fn(cfg):
+    if dist.rank() == 1:
+        time.sleep(120)  # LIVE-LINE
+    torch.distributed.all_reduce(torch.ones(1))
+
+if __name__ == "__main__":
+    print("started", flush=True)
+    dist.run(fn, None, nprocs=2)
+"""
+
+
+def test_levers9_stacks_reports_a_live_run_without_stopping_it(tmp_path: Path) -> None:
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 30
+        folder = None
+        while time.monotonic() < end and folder is None:
+            time.sleep(0.2)
+            folder = stalls.find_run(proc.pid)
+        assert folder is not None, "the run folder never appeared"
+        time.sleep(1.0)
+        done = subprocess.run(
+            [sys.executable, "-m", "levers9", "stacks", str(proc.pid)], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        assert "rank 0: waiting in all_reduce" in done.stdout
+        assert f"{script}:7 in fn" in done.stdout
+        assert proc.poll() is None, "asking for stacks must not stop the run"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    end = time.monotonic() + 10
+    while time.monotonic() < end and stalls.find_run(proc.pid) is not None:
+        time.sleep(0.1)
+
+
+def test_levers9_stacks_for_a_pid_with_no_run_says_so() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "levers9", "stacks", "999999"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1
+    assert "no levers9 run" in done.stderr and "999999" in done.stderr
