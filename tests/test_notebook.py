@@ -332,11 +332,6 @@ def test_unshippable_cfg_in_notebook_names_the_part_and_starts_nothing(
     assert nb.left_running("left-after-unshippable") == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="spawner._payload lets cloudpickle copy a read-mode file's contents into an io.StringIO; "
-    "fork passes the real file, so fn sees different objects depending on the start method",
-)
 def test_file_open_for_reading_in_cfg_is_refused_too(notebook_run: Callable[[str], Executed]) -> None:
     nb = notebook_run("spawn")
     (error,) = nb.errors("cfg-read-file")

@@ -122,11 +122,25 @@ def unpicklable_part(value: Any, path: str = "result") -> str:
     return f"{path} (a {type(value).__module__}.{type(value).__qualname__})"
 
 
+def ship(value: Any) -> bytes:
+    """`value` pickled by value where needed (cloudpickle), refusing open files (which cloudpickle would
+    silently replace by a copy of their contents) so the receiver never gets something else than it expects."""
+    import cloudpickle
+
+    class _Shipper(cloudpickle.CloudPickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, io.IOBase) and not isinstance(obj, (io.StringIO, io.BytesIO)):
+                raise pickle.PicklingError(f"an open file ({getattr(obj, 'name', type(obj).__name__)!r}) cannot be shipped")
+            return super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    _Shipper(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buffer.getvalue()
+
+
 def _picklable(value: Any) -> bool:
     try:
-        import cloudpickle
-
-        cloudpickle.dumps(value)
+        ship(value)
         return True
     except Exception:
         return False
@@ -202,9 +216,7 @@ def rank_main(spec: RankSpec, fn: Callable[..., Any], cfg: Any, msg_fd: int) -> 
         if spec.rank == 0:
             result = to_cpu(result)
             try:
-                import cloudpickle
-
-                payload = cloudpickle.dumps(result)
+                payload = ship(result)
             except Exception as exc:
                 from levers9.errors import NotShippableError
 

@@ -56,10 +56,23 @@ GPU_TYPES: tuple[GpuType, ...] = (
     GpuType("V100", (), r"\bV100\b"),
 )
 
+def _key(text: str) -> str:
+    """A spelling with case, spaces, dashes and underscores removed: 'RTX-PRO-6000' -> 'rtxpro6000'."""
+    return re.sub(r"[\s_\-]", "", text).lower()
+
+
+def _word_key(text: str) -> str:
+    """The same with its words sorted, so 'RTX6000Pro' and 'RTXPro6000' meet."""
+    words = re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", text)
+    return "".join(sorted(word.lower() for word in words))
+
+
 _BY_KEY: dict[str, str] = {}
+_BY_WORDS: dict[str, str] = {}
 for _row in GPU_TYPES:
     for _spelling in (_row.name, *_row.aliases):
-        _BY_KEY[re.sub(r"[\s_\-]", "", _spelling).lower()] = _row.name
+        _BY_KEY[_key(_spelling)] = _row.name
+        _BY_WORDS.setdefault(_word_key(_spelling), _row.name)
 
 
 def known_types() -> list[str]:
@@ -82,9 +95,12 @@ def parse_gpu_type(text: str) -> str:
         raise JobConfigError(
             f"gpu={text!r} is not a GPU type. Expected one of: {', '.join(known_types())} (or gpu=None for a CPU job)."
         )
-    key = re.sub(r"[\s_\-]", "", text).lower()
+    key = _key(text)
     if key in _BY_KEY:
         return _BY_KEY[key]
-    close = difflib.get_close_matches(key, list(_BY_KEY), n=1, cutoff=0.6)
-    hint = f" Did you mean {_BY_KEY[close[0]]!r}?" if close else ""
+    if _word_key(text) in _BY_WORDS:  # the right words in another order
+        hint = f" Did you mean {_BY_WORDS[_word_key(text)]!r}?"
+    else:
+        close = difflib.get_close_matches(key, list(_BY_KEY), n=1, cutoff=0.6)
+        hint = f" Did you mean {_BY_KEY[close[0]]!r}?" if close else ""
     raise JobConfigError(f"Unknown GPU type {text!r}.{hint} Known types: {', '.join(known_types())}.")

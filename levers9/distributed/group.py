@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import logging
 import os
 from typing import Any
@@ -98,6 +99,9 @@ def destroy_own_group() -> None:
     _created_by_us = False
     td = world.live_group()
     if td is not None:
+        # Let DDP models and pending work objects go first: gloo threads still holding them at
+        # interpreter exit abort the process (pytorch/pytorch#190489, pytorch/pytorch#179291).
+        gc.collect()
         td.destroy_process_group()
 
 

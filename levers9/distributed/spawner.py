@@ -260,25 +260,24 @@ class _Spawn:
         self.folder: stalls.RunFolder | None = None
         self.prefix_output = prefix_output
         self.disable_quirks = disable_quirks
-        self.start_method = self._choose_start_method(start_method)
+        self.start_method, self.start_reason = self._choose_start_method(start_method)
         self.ranks: list[_RankProcess] = []
         self.selector = selectors.DefaultSelector()
-        self.failure: RankFailure | None = None
-        self.failure_report: _rank.ErrorReport | None = None
         self.started = time.monotonic()
 
     @staticmethod
-    def _choose_start_method(requested: str) -> str:
+    def _choose_start_method(requested: str) -> tuple[str, str]:
+        """The start method, and why ranks cannot be forked when they will be fresh interpreters."""
         if requested not in ("auto", "fork", "spawn"):
             raise ValueError(f"start_method={requested!r}; expected 'fork', 'spawn' or None (automatic).")
         safe, reason = forking.fork_is_safe()
         if requested == "fork" and not safe:
             raise ValueError(f"start_method='fork' is not safe here: {reason}. Pass start_method='spawn' or None.")
-        if requested == "auto":
-            if not safe:
-                log.debug("starting ranks as fresh interpreters: %s", reason)
-            return "fork" if safe else "spawn"
-        return requested
+        if requested == "spawn":
+            return "spawn", "start_method='spawn' was asked for (argument or LEVERS9_START_METHOD)"
+        if not safe:
+            log.debug("starting ranks as fresh interpreters: %s", reason)
+        return ("fork", "") if safe else ("spawn", reason)
 
     def run(self) -> Any:
         payload = self._payload() if self.start_method == "spawn" else None
@@ -325,20 +324,18 @@ class _Spawn:
 
     def _payload(self) -> bytes:
         """fn and cfg pickled by value where needed (cloudpickle), or a clear error naming what cannot be."""
-        import cloudpickle
-
         for what, value in (("fn", self.fn), ("cfg", self.cfg)):
             try:
-                cloudpickle.dumps(value)
+                _rank.ship(value)
             except Exception as exc:
                 part = _rank.unpicklable_part(value, what)
                 raise NotShippableError(
-                    f"{what} must be pickled to reach ranks started as fresh interpreters (CUDA is already "
-                    f"initialised here, so they cannot be forked), but {part} cannot be: {type(exc).__name__}: "
-                    f"{exc}. Expected plain data and importable or notebook-defined functions; pass paths or "
-                    f"settings instead of open files, locks or live objects, and open them inside fn."
+                    f"{what} must be pickled to reach ranks started as fresh interpreters ({self.start_reason}, "
+                    f"so they are not forked), but {part} cannot be: {type(exc).__name__}: {exc}. Expected plain "
+                    f"data and importable or notebook-defined functions; pass paths or settings instead of open "
+                    f"files, locks or live objects, and open them inside fn."
                 ) from exc
-        return cloudpickle.dumps((self.fn, self.cfg))
+        return _rank.ship((self.fn, self.cfg))
 
     def _child_env(self) -> dict[str, str]:
         """Variables every rank gets on top of the caller's environment (quirk defaults included)."""
