@@ -14,6 +14,7 @@ averages the gradients, so the losses are the same on 1 or 2 ranks. Rank 0 print
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 from typing import Any
@@ -71,6 +72,7 @@ def main() -> None:
 
         td.init_process_group("gloo")  # the classic DDP script: its own group, from torchrun's env://
         result = contract(cfg)
+        gc.collect()  # DDP's pending gloo work must go before the group (pytorch/pytorch#190489)
         td.destroy_process_group()
     else:
         result = contract(cfg)

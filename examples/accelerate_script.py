@@ -1,0 +1,16 @@
+"""The seed's loop launched by `accelerate launch`: the helpers read the variables accelerate sets,
+and an Accelerator created inside the loop would share the same process group.
+
+    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_script.py   # works on a CPU too
+    accelerate launch examples/accelerate_script.py                                 # one process
+"""
+
+from __future__ import annotations
+
+from train_ddp import train_one_rank
+
+from levers9 import distributed as dist
+
+if __name__ == "__main__":
+    result = dist.run(train_one_rank, {"steps": 20, "lr": 0.05})
+    dist.print0(f"launcher={dist.launcher()} result={result}")

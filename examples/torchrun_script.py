@@ -1,0 +1,15 @@
+"""The seed's loop launched by torchrun: the process is already a rank, and the helpers read
+torchrun's RANK / WORLD_SIZE / LOCAL_RANK.
+
+    torchrun --nproc-per-node 2 examples/torchrun_script.py
+"""
+
+from __future__ import annotations
+
+from train_ddp import train_one_rank
+
+from levers9 import distributed as dist
+
+if __name__ == "__main__":
+    result = dist.run(train_one_rank, {"steps": 20, "lr": 0.05})  # joins torchrun's group; spawns nothing
+    dist.print0(f"launcher={dist.launcher()} result={result}")
