@@ -154,3 +154,12 @@ def slow_but_progressing(cfg: Any) -> int:
         time.sleep(cfg if (step + dist.rank()) % 2 else 0.0)
         torch.distributed.all_reduce(torch.ones(1))
     return 8
+
+
+def rank0_ahead_by_an_async_collective(cfg: Any) -> None:
+    """Rank 0 issues an all_reduce and moves on (as NCCL's return-on-enqueue does); rank 1 never issues it."""
+    if dist.rank() == 0:
+        torch.distributed.all_reduce(torch.ones(1), async_op=True)
+        time.sleep(60)  # AHEAD-LINE
+    else:
+        time.sleep(60)  # BEHIND-LINE

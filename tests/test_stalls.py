@@ -39,7 +39,10 @@ def test_a_sleeping_rank_is_named_with_its_line_and_the_waiting_rank_with_its_co
     text = str(info.value)
     assert elapsed < 2 + 6, f"took {elapsed:.1f}s"
     assert "rank 0: waiting in all_reduce" in text
-    assert f"rank 1: not in a collective at {RANKFNS}:{_line_of('STALL-LINE')} in rank1_sleeps_before_all_reduce" in text
+    assert (
+        f"rank 1: not in a collective (0 collective(s) issued) at {RANKFNS}:{_line_of('STALL-LINE')} "
+        "in rank1_sleeps_before_all_reduce" in text
+    )
 
 
 def test_a_rank_that_skips_a_barrier_is_named() -> None:
@@ -47,7 +50,7 @@ def test_a_rank_that_skips_a_barrier_is_named() -> None:
         dist.run(rankfns.rank1_skips_barrier, None, nprocs=2, stall_timeout=2)
     text = str(info.value)
     assert "rank 0: waiting in barrier" in text
-    assert "rank 1: not in a collective at" in text and "rank1_skips_barrier" in text
+    assert "rank 1: not in a collective (0 collective(s) issued) at" in text and "rank1_skips_barrier" in text
 
 
 def test_a_slow_but_progressing_run_is_never_reported() -> None:
@@ -58,7 +61,16 @@ def test_a_hang_without_stall_timeout_ends_at_timeout_with_the_same_report() -> 
     with pytest.raises(TimeoutError) as info:
         dist.run(rankfns.rank1_sleeps_before_all_reduce, None, nprocs=2, timeout=3)
     text = str(info.value)
-    assert "rank 0: waiting in all_reduce" in text and "rank 1: not in a collective at" in text
+    assert "rank 0: waiting in all_reduce" in text and "rank 1: not in a collective (0 collective(s) issued) at" in text
+
+
+def test_ranks_that_issued_different_numbers_of_collectives_are_a_stall() -> None:
+    """NCCL returns once a collective is enqueued: the rank ahead then blocks elsewhere (here: sleeps)."""
+    with pytest.raises(StallError) as info:
+        dist.run(rankfns.rank0_ahead_by_an_async_collective, None, nprocs=2, stall_timeout=2)
+    text = str(info.value)
+    assert f"rank 0: not in a collective (1 collective(s) issued, the last all_reduce) at {RANKFNS}:{_line_of('AHEAD-LINE')}" in text
+    assert f"rank 1: not in a collective (0 collective(s) issued) at {RANKFNS}:{_line_of('BEHIND-LINE')}" in text
 
 
 @pytest.mark.parametrize("value", [0, -1, True, "5"])

@@ -141,9 +141,7 @@ def instrument_collectives(slot: RankSlot) -> None:
 def _tracked(original: Callable[..., Any], name: str, slot: RankSlot) -> Callable[..., Any]:
     @functools.wraps(original)
     def tracked(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("async_op"):
-            return original(*args, **kwargs)
-        slot.enter(name)
+        slot.enter(name)  # async calls (and NCCL's, which return once enqueued) count as issued too
         try:
             return original(*args, **kwargs)
         finally:
@@ -231,10 +229,13 @@ def describe_ranks(states: list[SlotState], dumps: dict[int, str], now: float) -
         frames = main_thread_frames(dumps.get(rank, ""))
         where = user_frame(frames)
         at = f" at {where}" if where else " (no stack: the rank did not answer)"
+        issued = f"{state.finished + state.in_collective} collective(s) issued" + (
+            f", the last {state.name}" if state.name else ""
+        )
         if state.in_collective:
-            lines.append(f"  rank {rank}: waiting in {state.name} for {now - state.entered_at:.1f} s{at}")
+            lines.append(f"  rank {rank}: waiting in {state.name} for {now - state.entered_at:.1f} s ({issued}){at}")
         else:
-            lines.append(f"  rank {rank}: not in a collective{at}")
+            lines.append(f"  rank {rank}: not in a collective ({issued}){at}")
     stacks = []
     for rank in range(len(states)):
         frames = main_thread_frames(dumps.get(rank, ""))
@@ -244,10 +245,17 @@ def describe_ranks(states: list[SlotState], dumps: dict[int, str], now: float) -
 
 
 def stalled(states: list[SlotState], stall_timeout: float, now: float) -> bool:
-    """True when some rank waits in a collective and no rank has finished one for `stall_timeout` seconds."""
-    if not any(s.in_collective and now - s.entered_at >= stall_timeout for s in states):
+    """True when nothing moved for `stall_timeout` seconds while the ranks are not all in step.
+
+    Not in step: a rank waits inside a blocking collective (gloo, barriers), or the ranks have issued
+    different numbers of collectives (NCCL returns once a collective is enqueued, so a rank that is
+    ahead waits further on, e.g. in `.item()`, while the one behind never issued it).
+    """
+    last_move = max(max(s.entered_at, s.last_finished_at) for s in states)
+    if now - last_move < stall_timeout:
         return False
-    return now - max(s.last_finished_at for s in states) >= stall_timeout
+    waiting = any(s.in_collective for s in states)
+    return waiting or len({s.finished for s in states}) > 1
 
 
 def find_run(pid: int) -> Path | None:
