@@ -12,49 +12,12 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
-import torch
-from tiny import batch, load_model, make_rows
+from sweep import cell  # @job(gpu="any", gpu_count=1): one sweep cell
+from train_ddp import train_one_rank  # the seed's training loop, one call per rank
 
 from levers9 import distributed as dist
-from levers9 import job
 from levers9.distributed.cards import visible_cards
-
-
-@job(gpu="any", gpu_count=1, timeout=600)
-def cell(lora_r: int, lr: float) -> dict[str, Any]:
-    """One sweep cell: fine-tune the adapter of rank `lora_r` at `lr` on this job's own card."""
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(lora_r).to(dev)
-    opt = torch.optim.Adam(model.lora.parameters() if model.lora is not None else model.parameters(), lr=lr)
-    rows = make_rows()
-    for step in range(100):
-        x, y = batch(rows[(step * 16) % 256 : (step * 16) % 256 + 16], dev)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return {"lora_r": lora_r, "lr": lr, "loss": round(loss.item(), 4), "card": os.environ.get("CUDA_VISIBLE_DEVICES")}
-
-
-def train_one_rank(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The seed's loop: each rank trains on its own rows; DDP averages the gradients."""
-    dev = dist.device()
-    model = dist.wrap(load_model().to(dev))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    rows = make_rows()
-    for step in range(cfg["steps"]):
-        start = (step * dist.world_size() + dist.rank()) * 8
-        x, y = batch([rows[(start + i) % len(rows)] for i in range(8)], dev)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if step % 5 == 0 or step == cfg["steps"] - 1:
-            dist.print0(f"  step {step:>2} loss={dist.all_reduce_mean(loss).item():.4f}")
-    dist.barrier()
-    return {"world_size": dist.world_size(), "device": str(dev)} if dist.is_main() else {}
 
 
 def main() -> None:
@@ -74,7 +37,7 @@ def main() -> None:
     nprocs = None if cards else 2
     print(f"\n2. One training, many cards: distributed.run with {len(cards) or 2} ranks")
     start = time.perf_counter()
-    result = dist.run(train_one_rank, {"steps": 20}, nprocs=nprocs)
+    result = dist.run(train_one_rank, {"steps": 20, "lr": 0.05}, nprocs=nprocs)
     print(f"  rank 0 returned {result}")
     print(f"  training took {time.perf_counter() - start:.1f} s")
 

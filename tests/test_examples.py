@@ -35,8 +35,8 @@ def test_quickstart_runs_both_shapes() -> None:
     cards = re.findall(r"lora_r=\s*(\d+) .* on card (\d)", out)
     assert [r for r, _ in cards] == ["8", "16", "32", "64"]  # input order
     assert sorted(c for _, c in cards) == ["0", "1", "2", "3"]  # one card each
-    assert "rank 0 returned {'world_size': 2, 'device': 'cpu'}" in out
-    assert out.count("step  0 loss=") == 1  # print0: rank 0 only
+    assert "rank 0 returned {'world_size': 2, 'final_loss':" in out
+    assert out.count("step 0 loss=") == 1  # print0: rank 0 only
 
 
 def test_sweep() -> None:

@@ -41,16 +41,20 @@ def wants_cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def visible_devices_note() -> str:
+    """' (CUDA_VISIBLE_DEVICES=...)' when that variable is set, for messages about card counts."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+
+
 def cuda_index_for_local_rank(local_rank: int) -> int:
     """The card index for this local rank, set as the current device; DeviceError if there is no such card."""
     import torch
 
     count = torch.cuda.device_count()
     if local_rank >= count:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
         raise DeviceError(
-            f"LOCAL_RANK={local_rank} but this process sees only {count} card(s){shown}: local rank "
+            f"LOCAL_RANK={local_rank} but this process sees only {count} card(s){visible_devices_note()}: local rank "
             f"{local_rank} has no card of its own. Expected one card per local rank; start at most {count} "
             f"processes per node (e.g. `torchrun --nproc-per-node {count}`, or distributed.run(..., nprocs={count}))."
         )

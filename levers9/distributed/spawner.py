@@ -123,10 +123,8 @@ def plan_layout(nprocs: int | None, backend: str | None) -> Layout:
             "pass backend='gloo' (or leave backend unset) to run on the CPU."
         )
     if nprocs is not None and nprocs > cards:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
         raise ValueError(
-            f"nprocs={nprocs} but only {cards} card(s) are visible{shown}: ranks {cards}..{nprocs - 1} would "
+            f"nprocs={nprocs} but only {cards} card(s) are visible{group.visible_devices_note()}: ranks {cards}..{nprocs - 1} would "
             f"have no card. Expected one card per rank; pass nprocs<={cards}, or backend='gloo' to run "
             f"{nprocs} ranks on the CPU."
         )
@@ -558,12 +556,16 @@ class _Spawn:
             f"\n\nLast output of rank {p.rank}:\n" + "\n".join(list(p.tail)[-lines:]) for p in self.ranks if p.tail
         )
 
-    def _raise_timeout(self) -> None:
-        running = [p.rank for p in self.ranks if not p.poll()]
+    def _stop_with_report(self) -> str:
+        """Ask every rank where it is, stop them all, and return that report with their last output."""
         where = self._where_ranks_are()
         self._stop_all()
         self._drain(0.3)
-        where += self._output_tails()
+        return where + self._output_tails()
+
+    def _raise_timeout(self) -> None:
+        running = [p.rank for p in self.ranks if not p.poll()]
+        where = self._stop_with_report()
         raise RunTimeout(
             f"distributed.run timed out: still running after {self.timeout:g} s (timeout={self.timeout:g}); "
             f"rank(s) {', '.join(map(str, running))} had not finished and every rank was stopped. Expected the "
@@ -572,15 +574,13 @@ class _Spawn:
         )
 
     def _raise_stall(self) -> None:
-        where = self._where_ranks_are()
-        self._stop_all()
-        self._drain(0.3)
-        where += self._output_tails()
+        where = self._stop_with_report()
         raise StallError(
-            f"distributed.run stalled: a rank waited in a collective for {self.stall_timeout:g} s while no rank "
-            f"finished one (stall_timeout={self.stall_timeout:g}); every rank was stopped. The rank that is not "
-            f"in a collective, or is in a different one, is usually the cause: a skipped collective, uneven data, "
-            f"or a loader that hangs. Pass a larger stall_timeout= if a step legitimately takes longer.\n{where}"
+            f"distributed.run stalled: no rank issued or finished a collective for {self.stall_timeout:g} s "
+            f"(stall_timeout={self.stall_timeout:g}) while the ranks were out of step; every rank was stopped. "
+            f"The rank that is not in a collective, or issued fewer, is usually the cause: a skipped collective, "
+            f"uneven data, or a loader that hangs. Pass a larger stall_timeout= if a step legitimately takes "
+            f"longer.\n{where}"
         )
 
     def _stop_all(self) -> None:
