@@ -8,7 +8,12 @@ import logging
 import sys
 
 # Modules that each add one subcommand (and its options) to the parser.
-COMMAND_MODULES: tuple[str, ...] = ("levers9.launch.workspace_cli", "levers9.doctor", "levers9.stacks_cli")
+COMMAND_MODULES: tuple[str, ...] = (
+    "levers9.launch.workspace_cli",
+    "levers9.doctor",
+    "levers9.stacks_cli",
+    "levers9.launch.ray_cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

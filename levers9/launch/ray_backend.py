@@ -1,0 +1,686 @@
+"""The Ray backend: the same @job cells, each one Ray task holding its cards on one node at once.
+
+    @job(gpu="RTXPro6000", gpu_count=2, backend="ray")      # or LEVERS9_BACKEND=ray
+    RAY_ADDRESS=head:6379 python sweep.py                   # no RAY_ADDRESS: a local Ray on this machine
+
+Ray's scheduler does the gang allocation: a task asks for `num_gpus=N` and, for a named type, the
+custom resource `levers9_<type>: N` that `levers9 ray node-args` declares on each node. Before
+anything is submitted, the alive nodes are read and a job no node could ever hold fails at once.
+
+Inside the task runs the local executor's job machinery: the task is only a supervisor that starts
+the job as its own process (runner.run_cell, by fork when safe), pins exactly the task's cards,
+enforces the timeout on the job's process group, and streams output lines and the outcome file back
+as the items of a Ray generator. The caller turns them into the same results, exceptions, logs and
+retries as locally. Cancelling kills the task with ray.cancel(force=True); the job process notices
+through its lifeline pipe and its whole group dies with the task.
+
+First come, first served: Ray dispatches queued tasks of different shapes in no fixed order, so a
+4-card job could wait forever behind a stream of 1-card ones. This process therefore holds a task
+back while an earlier task of another shape has not started yet. That order holds per caller; two
+callers sharing a cluster are ordered by Ray.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError, Future
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import ray
+
+from levers9.distributed.forking import fork_is_safe
+from levers9.errors import (
+    InfeasibleJobError,
+    JobCrashed,
+    JobTimeout,
+    NotShippableError,
+    RankFailure,
+    signal_name,
+)
+from levers9.launch import fds, runner
+from levers9.launch.backend import Batch, CancelToken
+from levers9.launch.cells import Cell
+from levers9.launch.local import START_VAR, TAIL_LINES, _new_run_dir
+from levers9.launch.process import ExecJob, ForkedJob, JobProcess, lifeline_read_end, ship_function
+from levers9.launch.ray_cli import RESOURCE_PREFIX, node_resources, resource_name
+from levers9.launch.spec import JobSpec
+from levers9.launch.worker import resolve
+
+log = logging.getLogger("levers9.launch.ray")
+
+OUTPUT_EVERY = 0.1  # seconds between batches of output lines sent back from a task
+CANCEL_EVERY = 0.5  # seconds between repeats of ray.cancel until a cancelled task is over
+_connect_lock = threading.Lock()
+
+
+class _Cancelled(Exception):
+    """The batch (or the cell's Future) was cancelled while this cell waited or ran."""
+
+
+class RayBackend:
+    """Runs batches as Ray tasks on the cluster at RAY_ADDRESS, or on a local Ray started on demand."""
+
+    def __init__(self) -> None:
+        self.admission = _Admission()
+
+    def submit(self, batch: Batch) -> list[Future[Any]]:
+        """Connect, check that some alive node could hold the job, then follow one Ray task per cell."""
+        connect()
+        plan = plan_job(batch.spec, alive_nodes())
+        func_ref, func_blob = ship_function(batch.func)
+        run_dir = _new_run_dir(batch.run_id)
+        sys_path = [p for p in sys.path if p]
+        cells: list[_RayCell] = []
+        for cell in batch.cells:
+            try:
+                arguments = cloudpickle.dumps((cell.args, dict(cell.kwargs)))
+            except Exception as exc:
+                raise NotShippableError(
+                    f"the arguments of {batch.cell_label(cell)} {cell.describe()} cannot be pickled "
+                    f"({type(exc).__name__}: {exc}); pass plain data, or a path to a file."
+                ) from exc
+            payload = {
+                "sys_path": sys_path,
+                "func_ref": func_ref,
+                "func": func_blob,
+                "arguments": arguments,
+                "spec": batch.spec,
+                "run_id": batch.run_id,
+                "index": cell.index,
+                "gpu_type": plan.gpu_type,
+            }
+            entry = self.admission.enter(plan.shape)
+            cells.append(_RayCell(self, batch, cell, plan, payload, entry, run_dir))
+        for ray_cell in cells:
+            threading.Thread(
+                target=ray_cell.run, name=f"levers9-ray-{batch.cell_label(ray_cell.cell)}", daemon=True
+            ).start()
+        return [c.future for c in cells]
+
+
+def connect() -> None:
+    """Use the Ray this process is connected to; else RAY_ADDRESS; else start a local Ray with this
+    machine's cards (or LEVERS9_SIMULATE_GPUS's), declared as levers9_<type> resources."""
+    with _connect_lock:
+        if ray.is_initialized():
+            return
+        address = os.environ.get("RAY_ADDRESS")
+        if address:
+            log.info("connecting to the Ray cluster at %s (RAY_ADDRESS)", address)
+            ray.init(address=address, log_to_driver=False)
+            return
+        gpus, resources = node_resources()
+        log.info("starting a local Ray with %d GPU(s) %s; set RAY_ADDRESS to use a cluster", gpus, resources)
+        ray.init(
+            address="local", num_gpus=gpus, resources=resources, include_dashboard=False, log_to_driver=False
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """An alive Ray node as the feasibility check sees it."""
+
+    address: str
+    resources: dict[str, float]
+
+    @property
+    def gpus(self) -> int:
+        return int(self.resources.get("GPU", 0))
+
+    def describe(self) -> str:
+        """'192.0.2.2 with 4× RTXPro6000' (types from its levers9_ resources)."""
+        types = {
+            k[len(RESOURCE_PREFIX) :]: int(v)
+            for k, v in self.resources.items()
+            if k.startswith(RESOURCE_PREFIX)
+        }
+        if types:
+            cards = ", ".join(f"{n}× {t}" for t, n in sorted(types.items()))
+        else:
+            cards = f"{self.gpus} GPU(s) with no levers9_<type> resource"
+        return f"{self.address} with {cards}, {self.resources.get('CPU', 0):g} CPU(s)"
+
+
+def alive_nodes() -> list[Node]:
+    """The cluster's alive nodes and their total resources."""
+    return [
+        Node(str(n.get("NodeManagerAddress", "?")), dict(n.get("Resources", {})))
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one task of the job asks Ray for."""
+
+    num_gpus: int
+    num_cpus: float
+    resources: dict[str, float]
+    memory: int | None
+    gpu_type: str  # the type chosen from the job's list ('' for any type or a CPU job)
+
+    @property
+    def shape(self) -> tuple[Any, ...]:
+        return (self.num_gpus, self.num_cpus, self.memory, tuple(sorted(self.resources.items())))
+
+    def options(self, name: str) -> dict[str, Any]:
+        opts: dict[str, Any] = {
+            "num_gpus": self.num_gpus,
+            "num_cpus": self.num_cpus,
+            "resources": self.resources,
+            "max_retries": 0,  # levers9 retries, by the job's own Retries, in this process
+            "retry_exceptions": False,
+            "name": name,
+        }
+        if self.memory is not None:
+            opts["memory"] = self.memory
+        return opts
+
+
+def plan_job(spec: JobSpec, nodes: list[Node]) -> Plan:
+    """The resources of one task; InfeasibleJobError naming the largest node if no alive node could hold it.
+
+    A GPU job reserves no CPU unless cpu= says so (the cards are what it waits for); a CPU job one
+    core, or cpu=. Of several types, the first that some node could hold is used.
+    """
+    n = spec.gpu_count
+    num_cpus = spec.cpu if spec.cpu is not None else (0.0 if n else 1.0)
+    memory = spec.memory_mib * 2**20 if spec.memory_mib is not None else None
+
+    def fits(node: Node, res: dict[str, float]) -> bool:
+        need = {"GPU": float(n), "CPU": num_cpus, **res}
+        if memory is not None:
+            need["memory"] = float(memory)
+        return all(node.resources.get(k, 0.0) >= v for k, v in need.items() if v)
+
+    cluster = (
+        f"{len(nodes)} alive node(s): " + "; ".join(nd.describe() for nd in nodes)
+        if nodes
+        else "no alive node"
+    )
+    if n == 0:
+        if not any(fits(nd, {}) for nd in nodes):
+            raise InfeasibleJobError(
+                f"Job {spec.name!r} needs {num_cpus:g} CPU(s){_mem(memory)} but no Ray node has that ({cluster}). "
+                f"Lower cpu=/memory=, or add a node with `ray start --address=...`."
+            )
+        return Plan(0, num_cpus, {}, memory, "")
+    for gpu_type in spec.gpu_types or ("",):
+        res = {resource_name(gpu_type): float(n)} if gpu_type else {}
+        if any(fits(nd, res) for nd in nodes):
+            return Plan(n, num_cpus, res, memory, gpu_type)
+    largest = max(nodes, key=lambda nd: (nd.gpus, nd.resources.get("CPU", 0)), default=None)
+    biggest = f"the largest node is {largest.describe()}" if largest else "the cluster has no alive node"
+    raise InfeasibleJobError(
+        f"Job {spec.name!r} needs {spec.describe_cards()} at once on one node{_mem(memory)}, "
+        f"and no alive Ray node could ever hold it: {biggest} ({cluster}). Ask for what a node has "
+        f"(gpu=, gpu_count=), or add a node with such cards: "
+        f"ray start --address=HEAD:6379 $(levers9 ray node-args --unquoted)"
+    )
+
+
+def _mem(memory: int | None) -> str:
+    return f" and {memory / 2**30:.1f} GiB of memory" if memory is not None else ""
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    shape: tuple[Any, ...]
+
+
+class _Admission:
+    """First come, first served across shapes: a task is submitted only when every earlier task that
+    has not started yet has the same shape (Ray keeps one shape's queue in order)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: list[_Entry] = []
+
+    def enter(self, shape: tuple[Any, ...]) -> _Entry:
+        with self._cond:
+            entry = _Entry(shape)
+            self._queue.append(entry)
+            return entry
+
+    def wait_turn(self, entry: _Entry, stop: Callable[[], bool], deadline: float | None) -> bool:
+        """True when `entry` may be submitted; False if `stop()` or the deadline came first."""
+        with self._cond:
+            while True:
+                ahead = self._queue[: self._queue.index(entry)]
+                if all(e.shape == entry.shape for e in ahead):
+                    return True
+                if stop() or (deadline is not None and time.monotonic() >= deadline):
+                    return False
+                self._cond.wait(0.1)
+
+    def leave(self, entry: _Entry) -> None:
+        with self._cond:
+            if entry in self._queue:
+                self._queue.remove(entry)
+                self._cond.notify_all()
+
+
+class _Attempt:
+    """One submitted Ray task and why this process killed it, if it did."""
+
+    def __init__(self, gen: Any) -> None:
+        self.gen = gen
+        self.started = False
+        self.killed_for: str | None = None
+        self.over = threading.Event()  # set once the caller has read the task's last item
+        self._lock = threading.Lock()
+
+    def kill(self, reason: str) -> None:
+        """ray.cancel(force=True), repeated until the task is over: a cancel that reaches a task while
+        Ray is still handing it to a worker can be lost."""
+        with self._lock:
+            if self.killed_for is not None or (reason == "queue" and self.started):
+                return
+            self.killed_for = reason
+        threading.Thread(target=self._cancel_until_over, name="levers9-ray-cancel", daemon=True).start()
+
+    def _cancel_until_over(self) -> None:
+        while not self.over.is_set():
+            with contextlib.suppress(Exception):
+                ray.cancel(self.gen, force=True)
+            self.over.wait(CANCEL_EVERY)
+
+
+class _RayCell:
+    """Runs one cell to completion on Ray: wait its turn, submit, follow, retry, resolve the Future."""
+
+    def __init__(
+        self, backend: RayBackend, batch: Batch, cell: Cell, plan: Plan,
+        payload: dict[str, Any], entry: _Entry, run_dir: Path,
+    ) -> None:  # fmt: skip
+        self.backend, self.batch, self.cell, self.plan = backend, batch, cell, plan
+        self.payload, self.entry, self.run_dir = payload, entry, run_dir
+        self.label = batch.cell_label(cell)
+        self.future: Future[Any] = Future()
+        self.current: _Attempt | None = None
+        self.future.add_done_callback(self._on_done)
+
+    def _on_done(self, future: Future[Any]) -> None:
+        if future.cancelled() and self.current is not None:
+            self.current.kill("cancel")
+
+    def stopped(self) -> bool:
+        return self.batch.cancel.cancelled or self.future.cancelled()
+
+    def run(self) -> None:
+        """Attempt the cell until it succeeds, fails for good or is cancelled; always resolves the Future."""
+        retries = self.batch.spec.retries
+        attempt = 1
+        try:
+            while True:
+                try:
+                    value = self._attempt(attempt)
+                except _Cancelled:
+                    if not self.future.cancel() and not self.future.done():
+                        self.future.set_exception(CancelledError(f"{self.label} was cancelled"))
+                    return
+                except BaseException as exc:
+                    kind = _failure_kind(exc)
+                    if kind in retries.on and attempt <= retries.max_retries and not self.stopped():
+                        log.info(
+                            "%s: %s; retrying (attempt %d of %d)",
+                            self.label, kind, attempt + 1, retries.max_retries + 1,
+                        )  # fmt: skip
+                        attempt += 1
+                        self.batch.cancel.wait(retries.delay(attempt))
+                        continue  # the next attempt notices a cancel
+                    self.batch.events.finished(self.cell, False)
+                    self._settle(exc)
+                    return
+                self.batch.events.finished(self.cell, True)
+                self.future.set_result(value)
+                return
+        except BaseException as exc:  # a bug here must still resolve the Future
+            if not self.future.done():
+                self._settle(exc)
+        finally:
+            self.backend.admission.leave(self.entry)
+
+    def _settle(self, exc: BaseException) -> None:
+        if not self.future.running() and not self.future.set_running_or_notify_cancel():
+            return
+        self.future.set_exception(exc)
+
+    def _attempt(self, attempt: int) -> Any:
+        spec = self.batch.spec
+        if self.stopped():
+            raise _Cancelled()
+        if attempt > 1:
+            self.backend.admission.leave(self.entry)
+            self.entry = self.backend.admission.enter(self.plan.shape)  # a retry queues at the back
+        deadline = None if spec.queue_timeout is None else time.monotonic() + spec.queue_timeout
+        if not self.backend.admission.wait_turn(self.entry, self.stopped, deadline):
+            if self.stopped():
+                raise _Cancelled()
+            raise self._queue_timeout()
+        gen = _node_task.options(**self.plan.options(self.label)).remote({**self.payload, "attempt": attempt})
+        current = self.current = _Attempt(gen)
+        unregister = self.batch.cancel.on_cancel(lambda: current.kill("cancel"))
+        if self.future.cancelled():
+            current.kill("cancel")
+        timer = None
+        if deadline is not None:
+            timer = threading.Timer(max(0.0, deadline - time.monotonic()), current.kill, ("queue",))
+            timer.daemon = True
+            timer.start()
+        try:
+            return self._follow(current, attempt)
+        finally:
+            current.over.set()
+            unregister()
+            if timer is not None:
+                timer.cancel()
+            self.current = None
+
+    def _queue_timeout(self) -> JobTimeout:
+        spec = self.batch.spec
+        return JobTimeout(
+            f"{self.label} waited {spec.queue_timeout:g} s (queue_timeout) for {spec.describe_cards()} at once "
+            f"on a Ray node; the cluster has {_free_gpus()} GPU(s) free now. Raise queue_timeout=, or leave it "
+            f"None to wait."
+        )
+
+    def _follow(self, current: _Attempt, attempt: int) -> Any:
+        """Read the task's items (started, output, end) into events, logs and the outcome."""
+        spec, cell = self.batch.spec, self.cell
+        job_dir = self.run_dir / f"{cell.index:04d}-{attempt}"
+        job_dir.mkdir(parents=True, exist_ok=True)
+        attempts = f"attempt {attempt} of {spec.retries.max_retries + 1}"
+        where = f"Logs: {job_dir}"
+        tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        info: dict[str, Any] = {}
+        end: dict[str, Any] | None = None
+        try:
+            with open(job_dir / "stdout.log", "a") as out_log, open(job_dir / "stderr.log", "a") as err_log:
+                for ref in current.gen:
+                    item = ray.get(ref)
+                    if item["kind"] == "started":
+                        current.started = True
+                        info = item
+                        self.backend.admission.leave(self.entry)
+                        if attempt == 1 and not self.future.set_running_or_notify_cancel():
+                            current.kill("cancel")
+                            raise _Cancelled()
+                        cards = item["cards"] or "no card"
+                        self.batch.events.started(cell, f"{cards} on {item['node']}", attempt)
+                    elif item["kind"] == "output":
+                        for stream, line in item["lines"]:
+                            (out_log if stream == "stdout" else err_log).write(line)
+                            tail.append(line if line.endswith("\n") else line + "\n")
+                            if spec.stream_output:
+                                self.batch.events.output(cell, stream, line.rstrip("\n"))
+                        out_log.flush()
+                        err_log.flush()
+                    elif item["kind"] == "end":
+                        end = item
+        except ray.exceptions.RayError as exc:
+            if current.killed_for == "cancel" or self.stopped():
+                raise _Cancelled() from None
+            if current.killed_for == "queue":
+                raise self._queue_timeout() from None
+            if isinstance(exc, ray.exceptions.TaskCancelledError):
+                raise _Cancelled() from None
+            if isinstance(exc, ray.exceptions.RayTaskError):
+                raise exc.as_instanceof_cause() from None  # levers9's own task code failed
+            last = "".join(tail).rstrip() or "(no output)"
+            raise JobCrashed(
+                f"{self.label}: the Ray task running it was lost ({type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); {attempts}. The node may have "
+                f"died or run out of memory. Last output:\n{last}\n{where}",
+                RankFailure(rank=cell.index, pid=int(info.get("pid", 0)), output_tail="".join(tail)),
+            ) from exc
+        if end is None:
+            if current.killed_for == "cancel" or self.stopped():
+                raise _Cancelled()
+            raise JobCrashed(
+                f"{self.label}: its Ray task ended without reporting an outcome; {attempts}. {where}"
+            )
+        pid = int(end["pid"])
+        _write_meta(job_dir, info, end, attempt)
+        if end["killed_for"] == "timeout":
+            raise JobTimeout(
+                f"{self.label} exceeded timeout={spec.timeout:g}s ({attempts}); its process group {pid} on "
+                f"{info.get('node', '?')} was killed and its cards freed. Raise timeout= if it needs longer. {where}"
+            )
+        if end["outcome"] is not None:
+            (job_dir / runner.RESULT_FILE).write_bytes(end["outcome"])
+        outcome = runner.read_outcome(job_dir, self.label)
+        if outcome is None:
+            exitcode, signum = end["exitcode"], end["signal"]
+            how = (
+                f"was killed by {signal_name(signum)}"
+                if signum is not None
+                else f"exited with code {exitcode}"
+            )
+            hint = (
+                " (SIGKILL with no one asking is usually the out-of-memory killer)"
+                if signum == signal.SIGKILL
+                else ""
+            )
+            last = "".join(tail).rstrip() or "(no output)"
+            raise JobCrashed(
+                f"{self.label} (pid {pid} on {info.get('node', '?')}) {how} before returning{hint}; {attempts}. "
+                f"Last output:\n{last}\n{where}",
+                RankFailure(
+                    rank=cell.index, pid=pid, exitcode=exitcode, signal=signum, output_tail="".join(tail)
+                ),
+            )
+        ok, value = outcome
+        if ok:
+            return value
+        runner.add_note(
+            value, f"levers9: {self.label} ran as pid {pid} on {info.get('node', '?')} ({attempts}). {where}"
+        )
+        raise value
+
+
+def _failure_kind(exc: BaseException) -> str:
+    if isinstance(exc, JobTimeout):
+        return "timeout" if "exceeded timeout" in str(exc) else "queue"
+    if isinstance(exc, JobCrashed):
+        return "crash"
+    return "exception"
+
+
+def _free_gpus() -> str:
+    try:
+        return f"{ray.available_resources().get('GPU', 0):g}"
+    except Exception:
+        return "an unknown number of"
+
+
+def _write_meta(job_dir: Path, info: dict[str, Any], end: dict[str, Any], attempt: int) -> None:
+    meta = {
+        "node": info.get("node"),
+        "node_id": info.get("node_id"),
+        "pid": end.get("pid"),
+        "cards": info.get("cards", ""),
+        "attempt": attempt,
+        "started": info.get("time"),
+        "ended": end.get("time"),
+        "exit_code": end.get("exitcode"),
+        "signal": end.get("signal"),
+        "killed_for": end.get("killed_for"),
+    }
+    with contextlib.suppress(OSError):
+        (job_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+# ---- inside the Ray task, on the node -------------------------------------------------------------
+
+
+def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Start the cell as a job process with exactly this task's cards, and report on it: one 'started'
+    item, 'output' items with batches of lines, one 'end' item with the outcome file's bytes."""
+    for entry in reversed(payload["sys_path"]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    func_ref, func_blob = payload["func_ref"], payload["func"]
+    func = resolve(*func_ref) if func_ref is not None else cloudpickle.loads(func_blob)
+    args, kwargs = cloudpickle.loads(payload["arguments"])
+    spec: JobSpec = payload["spec"]
+    index, attempt = int(payload["index"]), int(payload["attempt"])
+    ids = [str(i) for i in ray.get_gpu_ids()] if spec.gpu_count else []
+    simulated, gpu_type = _cards_of_task(ids, payload["gpu_type"])
+    job_dir = _scratch_dir(index, attempt)
+    proc: JobProcess | None = None
+    try:
+        env = runner.job_env(
+            spec,
+            nvml_indices=list(range(len(ids))),
+            gpu_type=gpu_type,
+            simulated=simulated,
+            run_id=payload["run_id"],
+            cell_index=index,
+            attempt=attempt,
+            job_dir=job_dir,
+        )
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)  # Ray's ids for this task; "" for a CPU job
+        cell = Cell(index, args, kwargs)
+        out_r, out_w = fds.pipe()
+        err_r, err_w = fds.pipe()
+        use_fork = fork_is_safe()[0] and os.environ.get(START_VAR) != "exec"
+        try:
+            if use_fork:
+                proc = ForkedJob.start(func, cell, env, job_dir, out_w, err_w, lifeline_read_end(), [])
+            else:
+                proc = ExecJob.start(
+                    cell, (func_ref, func_blob), env, job_dir, out_w, err_w, lifeline_read_end(), []
+                )
+        finally:
+            fds.close(out_w)
+            fds.close(err_w)
+        lines: collections.deque[tuple[str, str]] = collections.deque()
+        pumps = [
+            threading.Thread(target=_pump, args=(out_r, "stdout", lines), daemon=True),
+            threading.Thread(target=_pump, args=(err_r, "stderr", lines), daemon=True),
+        ]
+        for pump in pumps:
+            pump.start()
+        yield {
+            "kind": "started",
+            "pid": proc.pid,
+            "cards": env["CUDA_VISIBLE_DEVICES"],
+            "node": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "time": time.time(),
+        }
+        outcome: list[str | None] = []
+        running = proc
+        watcher = threading.Thread(
+            target=lambda: outcome.append(
+                running.watch(spec.timeout, spec.kill_grace, CancelToken(), Future())
+            ),
+            daemon=True,
+        )
+        watcher.start()
+        while watcher.is_alive():
+            watcher.join(OUTPUT_EVERY)
+            if lines:
+                yield {"kind": "output", "lines": _drain(lines)}
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever the job left behind in its group
+        for pump in pumps:
+            pump.join(timeout=5.0)
+        if lines:
+            yield {"kind": "output", "lines": _drain(lines)}
+        exitcode, signum = proc.status()
+        result = job_dir / runner.RESULT_FILE
+        yield {
+            "kind": "end",
+            "pid": proc.pid,
+            "killed_for": outcome[0] if outcome else None,
+            "exitcode": exitcode,
+            "signal": signum,
+            "outcome": result.read_bytes() if result.exists() else None,
+            "time": time.time(),
+        }
+    finally:
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(job_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            job_dir.parent.rmdir()  # only if no other job uses it
+
+
+_node_task = ray.remote(_run_on_node)
+
+
+def _cards_of_task(ids: list[str], gpu_type: str) -> tuple[bool, str]:
+    """(simulated, type): the task's GPUs are logical when NVML shows no card for them (a CPU node
+    declared with --num-gpus, as in tests); then the job runs its ranks on gloo, as locally."""
+    if not ids:
+        return False, ""
+    from levers9.distributed.cards import visible_cards
+
+    cards = visible_cards({"CUDA_VISIBLE_DEVICES": ",".join(ids), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+    simulated = len(cards) < len(ids)
+    if not gpu_type and cards and not simulated:
+        gpu_type = cards[0].type_name
+    return simulated, gpu_type
+
+
+def _scratch_dir(index: int, attempt: int) -> Path:
+    """A folder for the job's outcome file (LEVERS9_JOB_DIR), removed when the task ends. Folders of
+    tasks whose worker was killed (cancel, lost caller) are removed by the next task on the node."""
+    root = Path(tempfile.gettempdir()) / f"levers9-ray-{os.getuid()}"
+    for _ in range(3):
+        root.mkdir(mode=0o700, exist_ok=True)
+        with contextlib.suppress(OSError):
+            for stale in root.iterdir():
+                owner = stale.name.partition("-")[0]
+                if owner.isdigit() and not _alive(int(owner)):
+                    shutil.rmtree(stale, ignore_errors=True)
+        try:
+            return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-{index:04d}-{attempt}-", dir=root))
+        except FileNotFoundError:
+            continue  # another task removed the empty root meanwhile
+    return Path(tempfile.mkdtemp(prefix=f"levers9-ray-{os.getpid()}-"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _pump(fd: int, stream: str, lines: collections.deque[tuple[str, str]]) -> None:
+    """Queue a job's output lines for the next 'output' item."""
+    try:
+        with open(fd, "rb", closefd=False) as pipe:
+            for raw in pipe:
+                lines.append((stream, raw.decode("utf-8", errors="replace")))
+    finally:
+        fds.close(fd)
+
+
+def _drain(lines: collections.deque[tuple[str, str]]) -> list[tuple[str, str]]:
+    out = []
+    while lines:
+        out.append(lines.popleft())
+    return out
