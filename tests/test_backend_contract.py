@@ -1,7 +1,9 @@
 """The backend contract: what every backend (local now, Ray later) must do, with real job processes.
 
 Jobs are short sleepers that report the CUDA_VISIBLE_DEVICES they saw and when they ran; the
-`backend` fixture names the backend and sets up its cards (4 simulated RTXPro6000 for "local").
+`backend` fixture names the backend and sets up its cards: 4 simulated RTXPro6000 for "local", and
+for "ray" the session's one local Ray with 4 logical GPUs declared as levers9_RTXPro6000
+(tests/ray_cluster.py), reached through RAY_ADDRESS as a user's cluster would be.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from levers9.errors import (
 )
 from levers9.launch import Retries, job
 from levers9.launch.settings import update_settings
-from tests import jobfns
+from tests import jobfns, ray_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
-BACKENDS = ["local"]  # the Ray backend adds "ray"
+BACKENDS = ["local", "ray"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -38,6 +40,8 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     """A backend name, with four RTXPro6000 cards to run on."""
     if request.param == "local":
         monkeypatch.setenv("LEVERS9_SIMULATE_GPUS", "RTXPro6000:4")
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address(request.config))
     yield request.param
 
 
@@ -255,7 +259,7 @@ def test_dropping_the_results_cancels_the_rest(backend: str, tmp_path: Path) -> 
 
 DRIVER = """
 import sys
-from tests import jobfns
+from tests import jobfns, ray_cluster
 from levers9.launch import job
 
 fn = job(gpu="RTXPro6000", backend=sys.argv[2])(jobfns.pid_and_sleep)
