@@ -127,3 +127,13 @@ def test_levers9_stacks_for_a_pid_with_no_run_says_so() -> None:
     )
     assert done.returncode == 1
     assert "no levers9 run" in done.stderr and "999999" in done.stderr
+
+
+def test_stall_timeout_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """@job(stall_timeout=...) reaches distributed.run inside the job through LEVERS9_STALL_TIMEOUT."""
+    monkeypatch.setenv("LEVERS9_STALL_TIMEOUT", "2")
+    with pytest.raises(StallError, match="stall_timeout=2"):
+        dist.run(rankfns.rank1_sleeps_before_all_reduce, None, nprocs=2)
+    monkeypatch.setenv("LEVERS9_STALL_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="LEVERS9_STALL_TIMEOUT='soon'"):
+        dist.run(rankfns.describe, None, nprocs=2)

@@ -63,6 +63,8 @@ def run(
     choice; `prefix_output` puts "[rank N] " before lines from ranks other than 0.
     """
     _check_callable(fn)
+    if stall_timeout is None:
+        stall_timeout = _seconds_from_env("LEVERS9_STALL_TIMEOUT")  # set by @job(stall_timeout=...)
     for name, value in (("timeout", timeout), ("stall_timeout", stall_timeout)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise ValueError(f"{name}={value!r}; expected a positive number of seconds, or None for no limit.")
@@ -129,6 +131,20 @@ def plan_layout(nprocs: int | None, backend: str | None) -> Layout:
             f"{nprocs} ranks on the CPU."
         )
     return Layout(nprocs or cards, "nccl", use_cuda=True)
+
+
+def _seconds_from_env(name: str) -> float | None:
+    """A positive number of seconds from environment variable `name`, or None when it is unset or empty."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"{name}={text!r}; expected a positive number of seconds. Unset it or fix its value.")
+    return value
 
 
 def _check_callable(fn: Any) -> None:
