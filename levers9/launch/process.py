@@ -28,12 +28,13 @@ from typing import Any
 
 import cloudpickle
 
-from levers9.distributed.forking import die_with_parent
+from levers9.distributed.forking import die_with_parent, fork_is_safe
 from levers9.errors import NotShippableError
 from levers9.launch import fds, runner
 from levers9.launch.backend import CancelToken
 from levers9.launch.cells import Cell
 
+START_VAR = "LEVERS9_JOB_START"  # "exec" forces a fresh interpreter per job even where fork is safe
 _lifeline_lock = threading.Lock()
 _lifeline: tuple[int, int] | None = None
 
@@ -53,6 +54,40 @@ def _forget_lifeline() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_lifeline)
+
+
+def start_method() -> tuple[bool, str]:
+    """(True, reason) when this process may fork its jobs; (False, why not) when each job must be a
+    fresh interpreter: CUDA is in use here, or LEVERS9_JOB_START=exec asks for it."""
+    use_fork, why = fork_is_safe()
+    if os.environ.get(START_VAR) == "exec":
+        use_fork, why = False, f"{START_VAR}=exec"
+    return use_fork, why
+
+
+def start_job(
+    use_fork: bool, func: Callable[..., Any], shipped: tuple[tuple[str, str] | None, bytes | None] | None,
+    cell: Cell, env: dict[str, str], job_dir: Path, lock_fds: list[int],
+) -> tuple[JobProcess, int, int]:  # fmt: skip
+    """Start the cell's job process (a fork, or a fresh interpreter running `shipped`) tied to this
+    process's lifeline; returns it and the read ends of its stdout and stderr pipes."""
+    out_r, out_w = fds.pipe()
+    err_r, err_w = fds.pipe()
+    lifeline = lifeline_read_end()
+    proc: JobProcess
+    try:
+        if use_fork:
+            proc = ForkedJob.start(func, cell, env, job_dir, out_w, err_w, lifeline, lock_fds)
+        else:
+            proc = ExecJob.start(cell, shipped, env, job_dir, out_w, err_w, lifeline, lock_fds)
+    except BaseException:
+        fds.close(out_r)
+        fds.close(err_r)
+        raise
+    finally:
+        fds.close(out_w)
+        fds.close(err_w)
+    return proc, out_r, err_r
 
 
 def ship_function(func: Callable[..., Any]) -> tuple[tuple[str, str] | None, bytes | None]:
@@ -137,9 +172,13 @@ class JobProcess(abc.ABC):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGTERM)
         if not self._wait(grace):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pid, signal.SIGKILL)
+            self.kill_group()
             self._wait(None)
+
+    def kill_group(self) -> None:
+        """SIGKILL whatever is left in the job's process group (what the job started and left behind)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
 
     def status(self) -> tuple[int | None, int | None]:
         """(exit code, None) or (None, signal number) of the ended process."""
@@ -151,6 +190,13 @@ class JobProcess(abc.ABC):
         if os.WIFSIGNALED(status):
             return None, os.WTERMSIG(status)
         return os.WEXITSTATUS(status), None
+
+
+def _line_stream(fd: int) -> io.TextIOWrapper:
+    """A line-buffered UTF-8 text stream on `fd` that never fails on what it is given to write."""
+    return io.TextIOWrapper(
+        io.FileIO(fd, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
+    )
 
 
 def _close_quietly(fd: int) -> None:
@@ -174,18 +220,8 @@ class ForkedJob(JobProcess):
             os.dup2(err_w, 2)
             os.close(out_w)
             os.close(err_w)
-            sys.stdout = io.TextIOWrapper(
-                io.FileIO(1, "w", closefd=False),
-                encoding="utf-8",
-                errors="backslashreplace",
-                line_buffering=True,
-            )
-            sys.stderr = io.TextIOWrapper(
-                io.FileIO(2, "w", closefd=False),
-                encoding="utf-8",
-                errors="backslashreplace",
-                line_buffering=True,
-            )
+            sys.stdout = _line_stream(1)
+            sys.stderr = _line_stream(2)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
             die_with_parent(parent)
