@@ -25,37 +25,27 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
 import ray
 
-from levers9.distributed.forking import fork_is_safe
-from levers9.errors import (
-    InfeasibleJobError,
-    JobCrashed,
-    JobTimeout,
-    NotShippableError,
-    RankFailure,
-    signal_name,
-)
-from levers9.launch import fds, runner
+from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, NotShippableError, RankFailure
+from levers9.launch import fds, outcomes, runner
 from levers9.launch.backend import Batch, CancelToken
 from levers9.launch.cells import Cell
-from levers9.launch.local import START_VAR, TAIL_LINES, _new_run_dir
-from levers9.launch.process import ExecJob, ForkedJob, JobProcess, lifeline_read_end, ship_function
+from levers9.launch.outcomes import Cancelled, OutputTail
+from levers9.launch.process import JobProcess, ship_function, start_job, start_method
 from levers9.launch.ray_cli import RESOURCE_PREFIX, node_resources, resource_name
 from levers9.launch.spec import JobSpec
 from levers9.launch.worker import resolve
@@ -65,10 +55,6 @@ log = logging.getLogger("levers9.launch.ray")
 OUTPUT_EVERY = 0.1  # seconds between batches of output lines sent back from a task
 CANCEL_EVERY = 0.5  # seconds between repeats of ray.cancel until a cancelled task is over
 _connect_lock = threading.Lock()
-
-
-class _Cancelled(Exception):
-    """The batch (or the cell's Future) was cancelled while this cell waited or ran."""
 
 
 class RayBackend:
@@ -82,7 +68,7 @@ class RayBackend:
         connect()
         plan = plan_job(batch.spec, alive_nodes())
         func_ref, func_blob = ship_function(batch.func)
-        run_dir = _new_run_dir(batch.run_id)
+        run_dir = outcomes.new_run_dir(batch.run_id)
         sys_path = [p for p in sys.path if p]
         cells: list[_RayCell] = []
         for cell in batch.cells:
@@ -324,54 +310,22 @@ class _RayCell:
 
     def run(self) -> None:
         """Attempt the cell until it succeeds, fails for good or is cancelled; always resolves the Future."""
-        retries = self.batch.spec.retries
-        attempt = 1
         try:
-            while True:
-                try:
-                    value = self._attempt(attempt)
-                except _Cancelled:
-                    if not self.future.cancel() and not self.future.done():
-                        self.future.set_exception(CancelledError(f"{self.label} was cancelled"))
-                    return
-                except BaseException as exc:
-                    kind = _failure_kind(exc)
-                    if kind in retries.on and attempt <= retries.max_retries and not self.stopped():
-                        log.info(
-                            "%s: %s; retrying (attempt %d of %d)",
-                            self.label, kind, attempt + 1, retries.max_retries + 1,
-                        )  # fmt: skip
-                        attempt += 1
-                        self.batch.cancel.wait(retries.delay(attempt))
-                        continue  # the next attempt notices a cancel
-                    self.batch.events.finished(self.cell, False)
-                    self._settle(exc)
-                    return
-                self.batch.events.finished(self.cell, True)
-                self.future.set_result(value)
-                return
-        except BaseException as exc:  # a bug here must still resolve the Future
-            if not self.future.done():
-                self._settle(exc)
+            outcomes.attempt_cell(self.batch, self.cell, self.future, self._attempt, log)
         finally:
             self.backend.admission.leave(self.entry)
-
-    def _settle(self, exc: BaseException) -> None:
-        if not self.future.running() and not self.future.set_running_or_notify_cancel():
-            return
-        self.future.set_exception(exc)
 
     def _attempt(self, attempt: int) -> Any:
         spec = self.batch.spec
         if self.stopped():
-            raise _Cancelled()
+            raise Cancelled()
         if attempt > 1:
             self.backend.admission.leave(self.entry)
             self.entry = self.backend.admission.enter(self.plan.shape)  # a retry queues at the back
         deadline = None if spec.queue_timeout is None else time.monotonic() + spec.queue_timeout
         if not self.backend.admission.wait_turn(self.entry, self.stopped, deadline):
             if self.stopped():
-                raise _Cancelled()
+                raise Cancelled()
             raise self._queue_timeout()
         gen = _node_task.options(**self.plan.options(self.label)).remote({**self.payload, "attempt": attempt})
         current = self.current = _Attempt(gen)
@@ -403,11 +357,9 @@ class _RayCell:
     def _follow(self, current: _Attempt, attempt: int) -> Any:
         """Read the task's items (started, output, end) into events, logs and the outcome."""
         spec, cell = self.batch.spec, self.cell
-        job_dir = self.run_dir / f"{cell.index:04d}-{attempt}"
-        job_dir.mkdir(parents=True, exist_ok=True)
-        attempts = f"attempt {attempt} of {spec.retries.max_retries + 1}"
-        where = f"Logs: {job_dir}"
-        tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        run = outcomes.JobAttempt.begin(self.run_dir, self.label, cell.index, attempt, spec)
+        job_dir = run.job_dir
+        tail = OutputTail()
         info: dict[str, Any] = {}
         end: dict[str, Any] | None = None
         try:
@@ -420,13 +372,13 @@ class _RayCell:
                         self.backend.admission.leave(self.entry)
                         if attempt == 1 and not self.future.set_running_or_notify_cancel():
                             current.kill("cancel")
-                            raise _Cancelled()
+                            raise Cancelled()
                         cards = item["cards"] or "no card"
                         self.batch.events.started(cell, f"{cards} on {item['node']}", attempt)
                     elif item["kind"] == "output":
                         for stream, line in item["lines"]:
                             (out_log if stream == "stdout" else err_log).write(line)
-                            tail.append(line if line.endswith("\n") else line + "\n")
+                            tail.add(line)
                             if spec.stream_output:
                                 self.batch.events.output(cell, stream, line.rstrip("\n"))
                         out_log.flush()
@@ -435,71 +387,45 @@ class _RayCell:
                         end = item
         except ray.exceptions.RayError as exc:
             if current.killed_for == "cancel" or self.stopped():
-                raise _Cancelled() from None
+                raise Cancelled() from None
             if current.killed_for == "queue":
                 raise self._queue_timeout() from None
             if isinstance(exc, ray.exceptions.TaskCancelledError):
-                raise _Cancelled() from None
+                raise Cancelled() from None
             if isinstance(exc, ray.exceptions.RayTaskError):
                 raise exc.as_instanceof_cause() from None  # levers9's own task code failed
-            last = "".join(tail).rstrip() or "(no output)"
             raise JobCrashed(
                 f"{self.label}: the Ray task running it was lost ({type(exc).__name__}: "
-                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); {attempts}. The node may have "
-                f"died or run out of memory. Last output:\n{last}\n{where}",
-                RankFailure(rank=cell.index, pid=int(info.get("pid", 0)), output_tail="".join(tail)),
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); {run.attempts}. The node may "
+                f"have died or run out of memory. Last output:\n{tail.last_output}\n{run.where}",
+                RankFailure(rank=cell.index, pid=int(info.get("pid", 0)), output_tail=tail.text),
             ) from exc
         if end is None:
             if current.killed_for == "cancel" or self.stopped():
-                raise _Cancelled()
+                raise Cancelled()
             raise JobCrashed(
-                f"{self.label}: its Ray task ended without reporting an outcome; {attempts}. {where}"
+                f"{self.label}: its Ray task ended without reporting an outcome; {run.attempts}. {run.where}"
             )
-        pid = int(end["pid"])
-        _write_meta(job_dir, info, end, attempt)
+        pid, node = int(end["pid"]), str(info.get("node", "?"))
+        run.write_meta(
+            {
+                "node": info.get("node"),
+                "node_id": info.get("node_id"),
+                "pid": end.get("pid"),
+                "cards": info.get("cards", ""),
+                "attempt": attempt,
+                "started": info.get("time"),
+                "ended": end.get("time"),
+                "exit_code": end.get("exitcode"),
+                "signal": end.get("signal"),
+                "killed_for": end.get("killed_for"),
+            }
+        )
         if end["killed_for"] == "timeout":
-            raise JobTimeout(
-                f"{self.label} exceeded timeout={spec.timeout:g}s ({attempts}); its process group {pid} on "
-                f"{info.get('node', '?')} was killed and its cards freed. Raise timeout= if it needs longer. {where}"
-            )
+            raise outcomes.timed_out(run, spec.timeout, pid, node)
         if end["outcome"] is not None:
             (job_dir / runner.RESULT_FILE).write_bytes(end["outcome"])
-        outcome = runner.read_outcome(job_dir, self.label)
-        if outcome is None:
-            exitcode, signum = end["exitcode"], end["signal"]
-            how = (
-                f"was killed by {signal_name(signum)}"
-                if signum is not None
-                else f"exited with code {exitcode}"
-            )
-            hint = (
-                " (SIGKILL with no one asking is usually the out-of-memory killer)"
-                if signum == signal.SIGKILL
-                else ""
-            )
-            last = "".join(tail).rstrip() or "(no output)"
-            raise JobCrashed(
-                f"{self.label} (pid {pid} on {info.get('node', '?')}) {how} before returning{hint}; {attempts}. "
-                f"Last output:\n{last}\n{where}",
-                RankFailure(
-                    rank=cell.index, pid=pid, exitcode=exitcode, signal=signum, output_tail="".join(tail)
-                ),
-            )
-        ok, value = outcome
-        if ok:
-            return value
-        runner.add_note(
-            value, f"levers9: {self.label} ran as pid {pid} on {info.get('node', '?')} ({attempts}). {where}"
-        )
-        raise value
-
-
-def _failure_kind(exc: BaseException) -> str:
-    if isinstance(exc, JobTimeout):
-        return "timeout" if "exceeded timeout" in str(exc) else "queue"
-    if isinstance(exc, JobCrashed):
-        return "crash"
-    return "exception"
+        return outcomes.result(run, pid, end["exitcode"], end["signal"], tail, node)
 
 
 def _free_gpus() -> str:
@@ -507,23 +433,6 @@ def _free_gpus() -> str:
         return f"{ray.available_resources().get('GPU', 0):g}"
     except Exception:
         return "an unknown number of"
-
-
-def _write_meta(job_dir: Path, info: dict[str, Any], end: dict[str, Any], attempt: int) -> None:
-    meta = {
-        "node": info.get("node"),
-        "node_id": info.get("node_id"),
-        "pid": end.get("pid"),
-        "cards": info.get("cards", ""),
-        "attempt": attempt,
-        "started": info.get("time"),
-        "ended": end.get("time"),
-        "exit_code": end.get("exitcode"),
-        "signal": end.get("signal"),
-        "killed_for": end.get("killed_for"),
-    }
-    with contextlib.suppress(OSError):
-        (job_dir / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
 # ---- inside the Ray task, on the node -------------------------------------------------------------
@@ -557,19 +466,7 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
         )
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)  # Ray's ids for this task; "" for a CPU job
         cell = Cell(index, args, kwargs)
-        out_r, out_w = fds.pipe()
-        err_r, err_w = fds.pipe()
-        use_fork = fork_is_safe()[0] and os.environ.get(START_VAR) != "exec"
-        try:
-            if use_fork:
-                proc = ForkedJob.start(func, cell, env, job_dir, out_w, err_w, lifeline_read_end(), [])
-            else:
-                proc = ExecJob.start(
-                    cell, (func_ref, func_blob), env, job_dir, out_w, err_w, lifeline_read_end(), []
-                )
-        finally:
-            fds.close(out_w)
-            fds.close(err_w)
+        proc, out_r, err_r = start_job(start_method()[0], func, (func_ref, func_blob), cell, env, job_dir, [])
         lines: collections.deque[tuple[str, str]] = collections.deque()
         pumps = [
             threading.Thread(target=_pump, args=(out_r, "stdout", lines), daemon=True),
@@ -598,8 +495,7 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
             watcher.join(OUTPUT_EVERY)
             if lines:
                 yield {"kind": "output", "lines": _drain(lines)}
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever the job left behind in its group
+        proc.kill_group()  # whatever the job left behind in its group
         for pump in pumps:
             pump.join(timeout=5.0)
         if lines:
@@ -617,8 +513,7 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
         }
     finally:
         if proc is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill_group()
         shutil.rmtree(job_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             job_dir.parent.rmdir()  # only if no other job uses it
