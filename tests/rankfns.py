@@ -163,3 +163,8 @@ def rank0_ahead_by_an_async_collective(cfg: Any) -> None:
         time.sleep(60)  # AHEAD-LINE
     else:
         time.sleep(60)  # BEHIND-LINE
+
+
+def job_that_stalls() -> None:
+    """A job function whose distributed.run stalls (rank 1 sleeps before an all_reduce)."""
+    dist.run(rank1_sleeps_before_all_reduce, None, nprocs=2)

@@ -46,6 +46,8 @@ def spec(**kw: object) -> object:
         ({"timeout": 0}, "timeout must be a positive number of seconds"),
         ({"timeout": -5}, "timeout must be a positive number of seconds"),
         ({"timeout": "1h"}, "timeout must be a positive number of seconds"),
+        ({"stall_timeout": 0}, "stall_timeout must be a positive number of seconds"),
+        ({"stall_timeout": "1m"}, "stall_timeout must be a positive number of seconds"),
         ({"retries": -1}, "retries must be an int from 0 to 10"),
         ({"retries": 11}, "retries must be an int from 0 to 10"),
         ({"cpu": 0}, "cpu must be a number of cores"),

@@ -306,7 +306,7 @@ def test_log_says_what_was_applied(monkeypatch: pytest.MonkeyPatch, caplog: pyte
     p = plan(inv(monkeypatch, RTX_PRO_6000_WS, RTX_PRO_6000_WS), lws=2)
     with caplog.at_level(logging.INFO, logger="levers9.quirks"):
         p.log()
-    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]  # heard without configuring logging
     assert "NCCL_P2P_DISABLE=1" in caplog.records[0].getMessage()
 
 

@@ -137,3 +137,15 @@ def test_stall_timeout_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("LEVERS9_STALL_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="LEVERS9_STALL_TIMEOUT='soon'"):
         dist.run(rankfns.describe, None, nprocs=2)
+
+
+def test_job_stall_timeout_reaches_distributed_run_inside_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    from levers9 import job
+
+    monkeypatch.setenv("LEVERS9_SIMULATE_GPUS", "RTXPro6000:2")
+    stalling = job(gpu="RTXPro6000", gpu_count=1, stall_timeout=2, timeout=60)(rankfns.job_that_stalls)
+    start = time.monotonic()
+    with pytest.raises(StallError, match="stall_timeout=2") as info:
+        stalling.remote()
+    assert "rank 1: not in a collective" in str(info.value)
+    assert time.monotonic() - start < 30

@@ -123,9 +123,10 @@ class QuirkPlan:
             raise QuirkError("\n\n".join(self.errors))
 
     def log(self) -> None:
-        """One INFO line per applied quirk and one WARNING line per warning, on levers9.quirks."""
+        """One WARNING line per quirk that set something and per warning, on levers9.quirks: a changed NCCL
+        setting is something a user must hear about without configuring logging."""
         for _, sentence in self.applied:
-            log.info("%s", sentence)
+            log.warning("%s", sentence)
         for warning in self.warnings:
             log.warning("%s", warning)
 

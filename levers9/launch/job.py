@@ -229,6 +229,7 @@ def job(
     queue_timeout: float | None = None,
     kill_grace: float = 10.0,
     stream_output: bool = True,
+    stall_timeout: float | None = None,
     backend: str | None = None,
 ) -> Callable[[Callable[P, R]], JobFunction[P, R]]: ...
 
@@ -248,6 +249,7 @@ def job(
     queue_timeout: float | None = None,
     kill_grace: float = 10.0,
     stream_output: bool = True,
+    stall_timeout: float | None = None,
     backend: str | None = None,
 ) -> JobFunction[P, R] | Callable[[Callable[P, R]], JobFunction[P, R]]:
     """Make `func` runnable as jobs. Arguments are checked now; JobConfigError names the bad one.
@@ -267,6 +269,8 @@ def job(
     kill_grace: seconds between SIGTERM and SIGKILL when a job is timed out or cancelled.
     stream_output: copy each job's output to this process, prefixed with its cell (it is logged to a
         file under the run folder either way).
+    stall_timeout: seconds; distributed.run inside the job stops and names the stalled ranks when no
+        rank issued or finished a collective for that long while they were out of step.
     backend: 'local' (this machine; the default) or 'ray'; $LEVERS9_BACKEND sets the default.
     """
 
@@ -284,6 +288,7 @@ def job(
             queue_timeout=queue_timeout,
             kill_grace=kill_grace,
             stream_output=stream_output,
+            stall_timeout=stall_timeout,
         )
         if backend is not None:
             backend_name(backend)

@@ -55,6 +55,8 @@ def job_env(
     )
     if simulated and nvml_indices:
         env["LEVERS9_SIMULATED"] = "1"
+    if spec.stall_timeout is not None:
+        env["LEVERS9_STALL_TIMEOUT"] = repr(spec.stall_timeout)
     return env
 
 

@@ -83,6 +83,7 @@ class JobSpec:
     queue_timeout: float | None = None
     kill_grace: float = 10.0
     stream_output: bool = True
+    stall_timeout: float | None = None
 
     def describe_cards(self) -> str:
         """'2 RTXPro6000 cards', '1 card of any type', 'no card'."""
@@ -106,6 +107,7 @@ def build_spec(
     queue_timeout: Any,
     kill_grace: Any,
     stream_output: bool,
+    stall_timeout: Any = None,
 ) -> JobSpec:
     """Check @job's arguments and return the spec; JobConfigError (seen, expected, fix) on the first bad one."""
     types, count = _gpu(gpu, gpu_count)
@@ -121,6 +123,7 @@ def build_spec(
         queue_timeout=_seconds("queue_timeout", queue_timeout),
         kill_grace=_seconds("kill_grace", kill_grace) or 0.0,
         stream_output=bool(stream_output),
+        stall_timeout=_seconds("stall_timeout", stall_timeout),
     )
 
 
