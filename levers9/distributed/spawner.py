@@ -212,7 +212,6 @@ class _RankProcess:
     partial: dict[int, bytes] = dataclasses.field(default_factory=dict)
     tail: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=OUTPUT_TAIL_LINES))
     status: tuple[int | None, int | None] | None = None  # (exit code, signal) once reaped
-    reported: bool = False
     result: bytes | None = None
     error: _rank.ErrorReport | None = None
 
@@ -427,10 +426,8 @@ class _Spawn:
             if deadline is not None:
                 wait = max(0.0, min(wait, deadline - now))
             self._pump(wait)
-            for proc in self.ranks:
-                if proc.poll() and proc.status != (0, None) and failure_seen_at is None:
-                    failure_seen_at = time.monotonic()
-            if any(p.error is not None for p in self.ranks) and failure_seen_at is None:
+            failed = any((p.poll() and p.status != (0, None)) or p.error is not None for p in self.ranks)
+            if failed and failure_seen_at is None:
                 failure_seen_at = time.monotonic()
             if failure_seen_at is not None and time.monotonic() - failure_seen_at >= ROOT_CAUSE_WINDOW_S:
                 self._raise_root_failure()
@@ -485,10 +482,8 @@ class _Spawn:
     def _on_message(self, proc: _RankProcess, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "result":
-            proc.reported = True
             proc.result = message[2]
         elif kind == "error":
-            proc.reported = True
             proc.error = message[2]
 
     def _drain(self, seconds: float = 0.5) -> None:
