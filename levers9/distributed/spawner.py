@@ -426,7 +426,8 @@ class _Spawn:
             if deadline is not None:
                 wait = max(0.0, min(wait, deadline - now))
             self._pump(wait)
-            failed = any((p.poll() and p.status != (0, None)) or p.error is not None for p in self.ranks)
+            exited = [p.poll() for p in self.ranks]  # reap every rank, every round: a crash must be seen
+            failed = any((done and p.status != (0, None)) or p.error is not None for done, p in zip(exited, self.ranks, strict=True))
             if failed and failure_seen_at is None:
                 failure_seen_at = time.monotonic()
             if failure_seen_at is not None and time.monotonic() - failure_seen_at >= ROOT_CAUSE_WINDOW_S:
@@ -516,6 +517,8 @@ class _Spawn:
 
     def _root_cause(self) -> _RankProcess:
         """The rank whose failure came first; errors caused only by losing a peer rank last."""
+        for proc in self.ranks:
+            proc.poll()
         failed = [p for p in self.ranks if p.error is not None or (p.status is not None and p.status != (0, None))]
 
         def order(proc: _RankProcess) -> tuple[int, float]:
