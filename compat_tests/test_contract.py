@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.proc_util import children_of, wait_gone
+from tests.proc_util import children_of, left_behind
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "compat_tests" / "contract_script.py")
@@ -60,7 +60,10 @@ def _launch(name: str) -> tuple[dict, dict]:
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, tuple[dict, dict]]:
-    return {name: _launch(name) for name in LAUNCHES}
+    before = set(children_of(os.getpid()))
+    out = {name: _launch(name) for name in LAUNCHES}
+    assert left_behind(before) == [], "a launcher left processes running"
+    return out
 
 
 def test_every_launcher_is_detected(results: dict[str, tuple[dict, dict]]) -> None:
@@ -76,7 +79,3 @@ def test_every_launcher_prints_the_same_numbers(results: dict[str, tuple[dict, d
         expected = results["plain python"][0] if numbers["world_size"] == 1 else results["distributed.run nprocs=2"][0]
         assert numbers == expected, name
     assert results["torchrun 2"][0]["world_size"] == 2
-
-
-def test_nothing_is_left_running(results: dict[str, tuple[dict, dict]]) -> None:
-    assert wait_gone(children_of(os.getpid()), 5) == []

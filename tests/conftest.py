@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,3 +59,14 @@ def clean_launcher_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Itera
     monkeypatch.setenv("LEVERS9_CONFIG_DIR", str(config))
     monkeypatch.setenv("LEVERS9_STATE_DIR", str(tmp_path / "levers9-state"))
     yield
+    forget_fake_hardware()
+
+
+def forget_fake_hardware() -> None:
+    """Drop a fake pynvml a test imported and the card inventory read through it, so no later test sees them."""
+    from levers9.distributed import cards
+
+    module = sys.modules.get("pynvml")
+    if module is not None and f"{os.sep}fakes{os.sep}" in (getattr(module, "__file__", "") or ""):
+        del sys.modules["pynvml"]
+    cards.clear_cache()

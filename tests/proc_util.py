@@ -41,3 +41,12 @@ def wait_gone(pids: list[int], seconds: float = 5.0) -> list[int]:
         time.sleep(0.05)
         left = [p for p in left if alive(p)]
     return left
+
+
+def left_behind(before: set[int], seconds: float = 5.0) -> list[int]:
+    """Children of this process that were not there in `before` and are still alive after `seconds`.
+
+    Comparing with a snapshot keeps long-lived helpers of the test session (a shared Ray, say) out
+    of the answer, so only what the test itself started counts.
+    """
+    return wait_gone([p for p in children_of(os.getpid()) if p not in before], seconds)

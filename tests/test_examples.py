@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.proc_util import children_of, wait_gone
+from tests.proc_util import children_of, left_behind
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -21,11 +21,12 @@ def run(args: list[str], **env: str) -> str:
         args = [str(BIN / args[0]), *args[1:]]
     else:
         args = [sys.executable, *args]
+    before = set(children_of(os.getpid()))
     done = subprocess.run(
         args, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, f"{' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
-    assert wait_gone(children_of(os.getpid()), 5) == []
+    assert left_behind(before) == []
     return done.stdout
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,15 +16,16 @@ import pytest
 from levers9 import distributed as dist
 from levers9.errors import NotShippableError, RankCrashed, RankFailed, RunTimeout
 from tests import rankfns
-from tests.proc_util import children_of, wait_gone
+from tests.proc_util import children_of, left_behind, wait_gone
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
-def no_leftover_processes() -> None:
+def no_leftover_processes() -> Iterator[None]:
+    before = set(children_of(os.getpid()))
     yield
-    assert wait_gone(children_of(os.getpid()), 5) == [], "distributed.run left child processes running"
+    assert left_behind(before) == [], "distributed.run left child processes running"
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])

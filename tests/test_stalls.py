@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from levers9 import distributed as dist
 from levers9.distributed import stalls
 from levers9.errors import StallError
 from tests import rankfns
-from tests.proc_util import children_of, wait_gone
+from tests.proc_util import children_of, left_behind
 
 REPO = Path(__file__).resolve().parents[1]
 RANKFNS = str(REPO / "tests" / "rankfns.py")
@@ -25,9 +26,10 @@ def _line_of(marker: str) -> int:
 
 
 @pytest.fixture(autouse=True)
-def nothing_left() -> None:
+def nothing_left() -> Iterator[None]:
+    before = set(children_of(os.getpid()))
     yield
-    assert wait_gone(children_of(os.getpid()), 5) == []
+    assert left_behind(before) == []
     assert not list(stalls.runs_root().glob(f"{stalls.RUN_DIR_PREFIX}{os.getpid()}-*")), "run folder left behind"
 
 
