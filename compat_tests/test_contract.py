@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -49,8 +50,9 @@ def _launch(name: str) -> tuple[dict, dict]:
     cmd = LAUNCHES[name]
     if cmd[0] in ("torchrun", "accelerate"):
         cmd = [_tool(cmd[0]), *cmd[1:]]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    with tempfile.TemporaryDirectory() as tmp:  # torchrun's agent leaves torchelastic_* folders in $TMPDIR
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TMPDIR": tmp}
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{name} failed:\n{done.stdout}\n{done.stderr}"
     lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith(("CONTRACT ", "WORLD "))}
     assert "CONTRACT" in lines, f"{name} printed no CONTRACT line:\n{done.stdout}\n{done.stderr}"

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,15 @@ def run(args: list[str], **env: str) -> str:
     else:
         args = [sys.executable, *args]
     before = set(children_of(os.getpid()))
-    done = subprocess.run(
-        args, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True, timeout=300
-    )
+    with tempfile.TemporaryDirectory() as tmp:  # torchrun's agent leaves torchelastic_* folders in $TMPDIR
+        done = subprocess.run(
+            args,
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmp, **env},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert done.returncode == 0, f"{' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
     assert left_behind(before) == []
     return done.stdout

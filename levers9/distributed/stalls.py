@@ -76,6 +76,7 @@ class RunFolder:
     """The parent's side: creates the folder and the progress board, reads them, removes them."""
 
     def __init__(self, nprocs: int) -> None:
+        remove_stale_runs()
         self.path = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=runs_root()))
         self.nprocs = nprocs
         board = self.path / "progress.bin"
@@ -99,6 +100,20 @@ class RunFolder:
         self._map.close()
         self._file.close()
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def remove_stale_runs() -> None:
+    """Remove run folders whose caller no longer exists (it was killed outright, so it could not)."""
+    for folder in runs_root().glob(f"{RUN_DIR_PREFIX}*"):
+        pid_text = folder.name[len(RUN_DIR_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:  # another user's live process
+            continue
 
 
 def read_slot(board: mmap.mmap, rank: int) -> SlotState:
