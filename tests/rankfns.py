@@ -168,3 +168,12 @@ def rank0_ahead_by_an_async_collective(cfg: Any) -> None:
 def job_that_stalls() -> None:
     """A job function whose distributed.run stalls (rank 1 sleeps before an all_reduce)."""
     dist.run(rank1_sleeps_before_all_reduce, None, nprocs=2)
+
+
+def rank1_stalls_before_a_ddp_step(cfg: Any) -> None:
+    """Rank 0 reaches backward() of a DDP step (and waits for the gradient all-reduce); rank 1 sleeps first."""
+    model = dist.wrap(torch.nn.Linear(4, 1))
+    for step in range(3):
+        if step == 2 and dist.rank() == 1:
+            time.sleep(60)  # DDP-SLEEP-LINE
+        model(torch.ones(2, 4)).sum().backward()  # DDP-BACKWARD-LINE

@@ -151,3 +151,13 @@ def test_job_stall_timeout_reaches_distributed_run_inside_the_job(monkeypatch: p
         stalling.remote()
     assert "rank 1: not in a collective" in str(info.value)
     assert time.monotonic() - start < 30
+
+
+def test_a_rank_stuck_before_a_ddp_step_is_named_and_the_other_waits_in_backward() -> None:
+    """DDP all-reduces inside backward(): the waiting rank is seen there, not only at timeout."""
+    with pytest.raises(StallError) as info:
+        dist.run(rankfns.rank1_stalls_before_a_ddp_step, None, nprocs=2, stall_timeout=2)
+    text = str(info.value)
+    assert "rank 0: waiting in DDP backward" in text
+    assert f"at {RANKFNS}:{_line_of('DDP-BACKWARD-LINE')} in rank1_stalls_before_a_ddp_step" in text
+    assert "rank 1: not in a collective" in text and f"{RANKFNS}:{_line_of('DDP-SLEEP-LINE')}" in text

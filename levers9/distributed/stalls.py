@@ -143,14 +143,42 @@ class RankSlot:
 
 
 def instrument_collectives(slot: RankSlot) -> None:
-    """Wrap torch.distributed's blocking collectives so the slot knows when this rank is in one."""
+    """Wrap torch.distributed's blocking collectives so the slot knows when this rank is in one.
+
+    DDP all-reduces gradients inside backward(), in C++, and waits for them before backward returns:
+    once this process has built a DistributedDataParallel model, backward() counts as a collective
+    too ("DDP backward"), so a rank stuck there is seen like one stuck in all_reduce.
+    """
+    import torch.autograd
     import torch.distributed as td
+    from torch.nn.parallel import DistributedDataParallel
 
     for name in COLLECTIVES:
         original = getattr(td, name, None)
         if original is None or getattr(original, "__levers9_wrapped__", False):
             continue
         setattr(td, name, _tracked(original, name, slot))
+
+    if getattr(torch.autograd.backward, "__levers9_wrapped__", False):
+        return
+    ddp_built = [False]
+    original_init = DistributedDataParallel.__init__
+
+    @functools.wraps(original_init)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        ddp_built[0] = True
+
+    DistributedDataParallel.__init__ = init  # type: ignore[method-assign]
+    original_backward = torch.autograd.backward
+    tracked_backward = _tracked(original_backward, "DDP backward", slot)
+
+    @functools.wraps(original_backward)
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        return (tracked_backward if ddp_built[0] else original_backward)(*args, **kwargs)
+
+    backward.__levers9_wrapped__ = True  # type: ignore[attr-defined]
+    torch.autograd.backward = backward  # Tensor.backward looks it up here at every call
 
 
 def _tracked(original: Callable[..., Any], name: str, slot: RankSlot) -> Callable[..., Any]:
