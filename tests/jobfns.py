@@ -69,14 +69,21 @@ def crash_once(marker: str) -> str:
     return f"ok after {attempts + 1} attempts"
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` so that a reader sees the whole file or none of it (tests poll for these files)."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 def pid_and_sleep(folder: str, tag: Any, seconds: float) -> str:
     """Write this job's pid to folder/<tag>.pid (and a child's pid to <tag>.child), then sleep."""
     child = os.fork()
     if child == 0:
         time.sleep(seconds)
         os._exit(0)
-    Path(folder, f"{tag}.child").write_text(str(child))
-    Path(folder, f"{tag}.pid").write_text(str(os.getpid()))
+    write_atomically(Path(folder, f"{tag}.child"), str(child))
+    write_atomically(Path(folder, f"{tag}.pid"), str(os.getpid()))
     time.sleep(seconds)
     return str(tag)
 
@@ -85,7 +92,7 @@ def quick_or_slow(folder: str, index: int) -> int:
     """Cell 0 returns at once; the others write a pid file and sleep long."""
     if index == 0:
         return 0
-    Path(folder, f"{index}.pid").write_text(str(os.getpid()))
+    write_atomically(Path(folder, f"{index}.pid"), str(os.getpid()))
     time.sleep(60)
     return index
 

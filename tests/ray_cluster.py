@@ -30,7 +30,7 @@ def address(config: pytest.Config) -> str:
     """The GCS address of the session's Ray, started now if this is the first call."""
     if "address" in _state:
         return _state["address"]
-    ray = pytest.importorskip("ray")
+    import ray  # the test extra installs it: a missing Ray is an error, never a skip
     root = tempfile.mkdtemp(prefix="l9ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     saved = {k: v for k, v in os.environ.items() if k.startswith("LEVERS9_") or k == "TMPDIR"}
     try:
