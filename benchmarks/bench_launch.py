@@ -15,6 +15,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,10 +37,11 @@ LAUNCHERS = {
 
 
 def time_once(cmd: list[str]) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    start = time.perf_counter()
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    elapsed = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as tmp:  # torchrun's agent leaves torchelastic_* folders in $TMPDIR
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmp}
+        start = time.perf_counter()
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        elapsed = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}")
     return elapsed
