@@ -352,18 +352,14 @@ class _Spawn:
 
     def _child_env(self) -> dict[str, str]:
         """Variables every rank gets on top of the caller's environment (quirk defaults included)."""
-        env: dict[str, str] = {"LEVERS9_QUIRKS_APPLIED": "1"}
-        try:
-            from levers9.distributed import quirks
-        except ImportError:
-            quirks = None  # type: ignore[assignment]
-        if quirks is not None:
-            plan = quirks.plan_quirks(
-                local_world_size=self.layout.nprocs, backend=self.layout.backend, disabled=self.disable_quirks
-            )
-            plan.raise_errors()
-            plan.log()
-            env.update(plan.set_env)
+        from levers9.distributed import quirks
+
+        plan = quirks.plan_quirks(
+            local_world_size=self.layout.nprocs, backend=self.layout.backend, disabled=self.disable_quirks
+        )
+        plan.raise_errors()  # before any rank starts
+        plan.log()
+        env: dict[str, str] = {"LEVERS9_QUIRKS_APPLIED": "1", **plan.set_env}
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             if name not in os.environ:
                 env[name] = "lo"  # one machine: rank-to-rank sockets stay on loopback

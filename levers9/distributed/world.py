@@ -112,12 +112,3 @@ def launcher() -> str:
     """Which launcher started this process: torchrun, accelerate, levers9, slurm, mpi, env or single."""
     return launch_info().launcher
 
-
-def _forget() -> None:
-    """Drop the cached answer (a forked child must read its own environment)."""
-    global _cache
-    _cache = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget)

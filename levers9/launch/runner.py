@@ -102,13 +102,9 @@ def run_cell(
 
 
 def _apply_quirks(gpu_count: int) -> None:
-    try:
-        from levers9.distributed import quirks
-    except ImportError:
-        return
-    apply = getattr(quirks, "apply_quirks", None)
-    if apply is not None:
-        apply(local_world_size=gpu_count, backend="nccl", is_main=True)
+    from levers9.distributed import quirks
+
+    quirks.apply_quirks(local_world_size=gpu_count, backend="nccl", is_main=True)
 
 
 def _failure(exc: BaseException) -> dict[str, Any]:
