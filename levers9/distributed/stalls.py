@@ -235,33 +235,37 @@ def user_frame(frames: list[Frame]) -> Frame | None:
     return next((f for f in frames if not any(part in f.file for part in _LIBRARY_PARTS)), frames[0] if frames else None)
 
 
-def collect_stacks(pids: dict[int, int], folder: Path, wait_s: float = 1.0) -> dict[int, str]:
-    """Ask each rank (rank -> pid) for its stacks with SIGUSR1; return the new text of each stack file."""
-    sizes = {}
+def collect_stacks(pids: dict[int, int], folder: Path, wait_s: float = 3.0) -> dict[int, str]:
+    """Ask each rank (rank -> pid) for its stacks with SIGUSR1; return the new text of each stack file.
+
+    A dump counts once its file has grown and then stopped growing (faulthandler writes thread by
+    thread, and the rank's own frames come last); ranks that never answer within `wait_s` are left out.
+    """
+    start: dict[int, int] = {}
     for rank, pid in pids.items():
         path = folder / f"stack-{rank}.txt"
-        sizes[rank] = path.stat().st_size if path.exists() else 0
+        start[rank] = path.stat().st_size if path.exists() else 0
         try:
             os.kill(pid, STACK_SIGNAL)
         except ProcessLookupError:
             continue
-    dumps: dict[int, str] = {}
+    last_seen = dict(start)
+    settled: set[int] = set()
     end = time.monotonic() + wait_s
-    while time.monotonic() < end:
+    while len(settled) < len(pids) and time.monotonic() < end:
         time.sleep(0.05)
         for rank in pids:
             path = folder / f"stack-{rank}.txt"
-            if path.exists() and path.stat().st_size > sizes[rank]:
-                with open(path, encoding="utf-8", errors="replace") as f:
-                    f.seek(sizes[rank])
-                    dumps[rank] = f.read()
-        if len(dumps) == len(pids):
-            time.sleep(0.05)  # let the last dump finish writing
-            for rank in pids:
-                with open(folder / f"stack-{rank}.txt", encoding="utf-8", errors="replace") as f:
-                    f.seek(sizes[rank])
-                    dumps[rank] = f.read()
-            break
+            size = path.stat().st_size if path.exists() else 0
+            if size > start[rank] and size == last_seen[rank]:
+                settled.add(rank)
+            last_seen[rank] = size
+    dumps: dict[int, str] = {}
+    for rank in pids:
+        if last_seen[rank] > start[rank]:
+            with open(folder / f"stack-{rank}.txt", encoding="utf-8", errors="replace") as f:
+                f.seek(start[rank])
+                dumps[rank] = f.read()
     return dumps
 
 
