@@ -165,6 +165,30 @@ def rank0_ahead_by_an_async_collective(cfg: Any) -> None:
         time.sleep(60)  # BEHIND-LINE
 
 
+def rank1_sleeps_before_a_functional_all_reduce(cfg: Any) -> None:
+    """Rank 0 waits for an all_reduce issued from C++ (functional collectives), never through torch.distributed.all_reduce."""
+    from torch.distributed import _functional_collectives as funcol
+
+    if dist.rank() == 1:
+        time.sleep(60)  # FUNCOL-SLEEP-LINE
+    reduced = funcol.all_reduce(torch.ones(1), "sum", torch.distributed.group.WORLD)
+    reduced.item()  # FUNCOL-WAIT-LINE
+
+
+def progressing_then_computing(cfg: Any) -> int:
+    """Collectives of several kinds (some from C++), ranks arriving late in turn, then a long stretch with none."""
+    from torch.distributed import _functional_collectives as funcol
+
+    model = dist.wrap(torch.nn.Linear(2, 1))
+    for step in range(6):
+        time.sleep(cfg if (step + dist.rank()) % 2 else 0.0)
+        model(torch.ones(1, 2)).sum().backward()
+        funcol.all_reduce(torch.ones(1), "sum", torch.distributed.group.WORLD).item()
+        dist.barrier()
+    time.sleep(3 * cfg)  # every rank computes; nobody waits
+    return 6
+
+
 def job_that_stalls() -> None:
     """A job function whose distributed.run stalls (rank 1 sleeps before an all_reduce)."""
     dist.run(rank1_sleeps_before_all_reduce, None, nprocs=2)

@@ -40,7 +40,8 @@ def test_a_sleeping_rank_is_named_with_its_line_and_the_waiting_rank_with_its_co
     elapsed = time.monotonic() - start
     text = str(info.value)
     assert elapsed < 2 + 6, f"took {elapsed:.1f}s"
-    assert "rank 0: waiting in all_reduce" in text
+    assert "rank 0: waiting in all_reduce for " in text
+    assert "(1 collective(s) issued, 0 completed; last call all_reduce)" in text
     assert (
         f"rank 1: not in a collective (0 collective(s) issued) at {RANKFNS}:{_line_of('STALL-LINE')} "
         "in rank1_sleeps_before_all_reduce" in text
@@ -59,6 +60,26 @@ def test_a_slow_but_progressing_run_is_never_reported() -> None:
     assert dist.run(rankfns.slow_but_progressing, 0.6, nprocs=2, stall_timeout=1.5) == 8
 
 
+def test_progress_through_collectives_issued_from_cpp_then_a_long_compute_is_never_reported() -> None:
+    """DDP's all-reduce and functional collectives count as progress; afterwards nobody waits, so no stall."""
+    assert dist.run(rankfns.progressing_then_computing, 0.6, nprocs=2, stall_timeout=1.5) == 6
+
+
+def test_a_wait_for_a_collective_issued_from_cpp_is_named() -> None:
+    """Functional collectives never pass through torch.distributed.all_reduce: torch's flight recorder sees them."""
+    start = time.monotonic()
+    with pytest.raises(StallError) as info:
+        dist.run(rankfns.rank1_sleeps_before_a_functional_all_reduce, None, nprocs=2, stall_timeout=2)
+    elapsed = time.monotonic() - start
+    text = str(info.value)
+    assert elapsed < 2 + 6, f"took {elapsed:.1f}s"
+    assert (
+        "rank 0: waiting for gloo:all_reduce #1 to complete, for " in text
+        and f"(1 collective(s) issued, 0 completed) at {RANKFNS}:{_line_of('FUNCOL-WAIT-LINE')}" in text
+    )
+    assert f"rank 1: not in a collective (0 collective(s) issued) at {RANKFNS}:{_line_of('FUNCOL-SLEEP-LINE')}" in text
+
+
 def test_a_hang_without_stall_timeout_ends_at_timeout_with_the_same_report() -> None:
     with pytest.raises(TimeoutError) as info:
         dist.run(rankfns.rank1_sleeps_before_all_reduce, None, nprocs=2, timeout=3)
@@ -71,7 +92,20 @@ def test_ranks_that_issued_different_numbers_of_collectives_are_a_stall() -> Non
     with pytest.raises(StallError) as info:
         dist.run(rankfns.rank0_ahead_by_an_async_collective, None, nprocs=2, stall_timeout=2)
     text = str(info.value)
-    assert f"rank 0: not in a collective (1 collective(s) issued, the last all_reduce) at {RANKFNS}:{_line_of('AHEAD-LINE')}" in text
+    assert (
+        "rank 0: waiting for gloo:all_reduce #1 to complete, for " in text
+        and f"(1 collective(s) issued, 0 completed; last call all_reduce) at {RANKFNS}:{_line_of('AHEAD-LINE')}" in text
+    )
+    assert f"rank 1: not in a collective (0 collective(s) issued) at {RANKFNS}:{_line_of('BEHIND-LINE')}" in text
+
+
+def test_with_torchs_flight_recorder_off_different_issued_counts_are_still_a_stall(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TORCH_FR_BUFFER_SIZE=0 (or a torch without the recorder): the Python-level counts stand in."""
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
+    with pytest.raises(StallError) as info:
+        dist.run(rankfns.rank0_ahead_by_an_async_collective, None, nprocs=2, stall_timeout=2, start_method="spawn")
+    text = str(info.value)
+    assert f"rank 0: not in a collective (1 collective(s) issued; last call all_reduce) at {RANKFNS}:{_line_of('AHEAD-LINE')}" in text
     assert f"rank 1: not in a collective (0 collective(s) issued) at {RANKFNS}:{_line_of('BEHIND-LINE')}" in text
 
 
@@ -161,3 +195,23 @@ def test_a_rank_stuck_before_a_ddp_step_is_named_and_the_other_waits_in_backward
     assert "rank 0: waiting in DDP backward" in text
     assert f"at {RANKFNS}:{_line_of('DDP-BACKWARD-LINE')} in rank1_stalls_before_a_ddp_step" in text
     assert "rank 1: not in a collective" in text and f"{RANKFNS}:{_line_of('DDP-SLEEP-LINE')}" in text
+
+
+def _state(finished: int = 0, issued: int = -1, completed: int = -1, moved_at: float = 0.0, inside: bool = False) -> stalls.SlotState:
+    return stalls.SlotState(finished, inside, moved_at, moved_at, "all_reduce" if inside else "", issued, completed, moved_at)
+
+
+@pytest.mark.parametrize(
+    ("states", "expected"),
+    [
+        ([_state(inside=True), _state()], True),  # waiting inside a blocking call
+        ([_state(1, 5, 4), _state(0, 4, 4)], True),  # issued and not completed (NCCL's enqueue)
+        ([_state(3, 7, 7), _state(1, 5, 5)], False),  # recorder on, nothing pending: extra subgroup calls, then compute
+        ([_state(1, 5, 5), _state(0)], False),  # recorder on; a rank it has not seen yet issued nothing
+        ([_state(1), _state(0)], True),  # recorder off: different Python-level counts stand in
+        ([_state(2), _state(2)], False),  # recorder off, in step: everyone computes
+    ],
+)
+def test_stall_rule(states: list[stalls.SlotState], expected: bool) -> None:
+    assert stalls.stalled(states, stall_timeout=5, now=10) is expected
+    assert stalls.stalled(states, stall_timeout=5, now=4) is False  # something moved less than 5 s ago

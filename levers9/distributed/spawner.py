@@ -57,8 +57,8 @@ def run(
     run in place as a world of one). Under torchrun / accelerate / SLURM / MPI / levers9: spawn
     nothing; join (or reuse) the process group and call fn. `fn()` is called without an argument
     when `cfg` is None and fn takes no parameters. `timeout` (seconds) stops a run that takes
-    longer; `stall_timeout` (seconds) stops a run as soon as a rank has waited that long in a
-    collective while no rank finished one, naming the ranks and where each one is (both reports
+    longer; `stall_timeout` (seconds) stops a run once no rank issued or completed a collective for
+    that long while at least one waited for one, naming the ranks and where each one is (both reports
     carry every rank's Python stack); `start_method` ("fork" or "spawn") overrides the automatic
     choice; `prefix_output` puts "[rank N] " before lines from ranks other than 0.
     """
@@ -586,11 +586,11 @@ class _Spawn:
     def _raise_stall(self) -> None:
         where = self._stop_with_report()
         raise StallError(
-            f"distributed.run stalled: no rank issued or finished a collective for {self.stall_timeout:g} s "
-            f"(stall_timeout={self.stall_timeout:g}) while the ranks were out of step; every rank was stopped. "
-            f"The rank that is not in a collective, or issued fewer, is usually the cause: a skipped collective, "
-            f"uneven data, or a loader that hangs. Pass a larger stall_timeout= if a step legitimately takes "
-            f"longer.\n{where}"
+            f"distributed.run stalled: for {self.stall_timeout:g} s (stall_timeout={self.stall_timeout:g}) no "
+            f"rank issued or completed a collective while at least one waited for one; every rank was stopped. "
+            f"The rank that is not waiting, or issued fewer collectives, is usually the cause: a skipped "
+            f"collective, uneven data, or a loader that hangs. Pass a larger stall_timeout= if a step "
+            f"legitimately takes longer.\n{where}"
         )
 
     def _stop_all(self) -> None:

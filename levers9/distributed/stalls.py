@@ -1,9 +1,11 @@
 """Seeing stalled ranks: which rank waits in which collective, and where every rank is.
 
 Each run started by `distributed.run` gets a private run folder holding
-- `progress.bin`: one slot per rank, written by the rank whenever it enters or leaves a collective
-  (how many it finished, whether it is in one now, which, and since when, on the machine-wide
-  monotonic clock), read by the parent to notice a stall;
+- `progress.bin`: one slot per rank, read by the parent to notice a stall. Its first part is written
+  by the rank whenever it enters or leaves a `torch.distributed` call from Python (how many it
+  finished, whether it is in one now, which, and since when, on the machine-wide monotonic clock);
+  its second part by a thread copying torch's flight recorder (collectives issued and completed,
+  whoever issued them: see `flight_recorder`);
 - `stack-<rank>.txt`: where a rank's faulthandler writes every thread's Python stack when it gets
   SIGUSR1, so the parent (or `levers9 stacks <pid>` from another terminal) can say where it is;
 - `ranks.json`: the caller's pid and the ranks' pids, for `levers9 stacks`.
@@ -27,8 +29,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from levers9.distributed import flight_recorder
+
 STACK_SIGNAL = signal.SIGUSR1
-_SLOT = struct.Struct("=QQdd24s")  # finished, in_collective, entered_at, last_finished_at, name
+_CALLS = struct.Struct("=QQdd24s")  # finished, in_collective, entered_at, last_finished_at, name
+_RECORDER = struct.Struct("=qqd40s")  # issued (-1: unknown), completed, changed_at, pending collective
+_SLOT_SIZE = _CALLS.size + _RECORDER.size
 RUN_DIR_PREFIX = "levers9-run-"
 
 # The torch.distributed calls that block until every rank takes part.
@@ -63,13 +69,30 @@ def runs_root() -> Path:
 
 @dataclasses.dataclass(frozen=True)
 class SlotState:
-    """One rank's collective progress as last written."""
+    """One rank's collective progress as last written.
+
+    The first five fields count `torch.distributed` calls made from Python; the `recorder_` ones are
+    torch's flight recorder's counts of every collective (-1 when the recorder is off or unread).
+    """
 
     finished: int
     in_collective: bool
     entered_at: float
     last_finished_at: float
     name: str
+    recorder_issued: int = -1
+    recorder_completed: int = -1
+    recorder_changed_at: float = 0.0
+    pending: str = ""
+
+    @property
+    def recorder_known(self) -> bool:
+        return self.recorder_issued >= 0
+
+    @property
+    def waiting_for_issued(self) -> bool:
+        """It issued a collective that has not completed (NCCL's enqueued work included)."""
+        return self.recorder_issued > self.recorder_completed
 
 
 class RunFolder:
@@ -83,9 +106,9 @@ class RunFolder:
         now = time.monotonic()
         with open(board, "wb") as f:
             for _ in range(nprocs):
-                f.write(_SLOT.pack(0, 0, 0.0, now, b""))
+                f.write(_CALLS.pack(0, 0, 0.0, now, b"") + _RECORDER.pack(-1, -1, now, b""))
         self._file = open(board, "r+b")  # noqa: SIM115 - closed in remove()
-        self._map = mmap.mmap(self._file.fileno(), _SLOT.size * nprocs)
+        self._map = mmap.mmap(self._file.fileno(), _SLOT_SIZE * nprocs)
 
     def stack_file(self, rank: int) -> Path:
         return self.path / f"stack-{rank}.txt"
@@ -117,29 +140,48 @@ def remove_stale_runs() -> None:
 
 
 def read_slot(board: mmap.mmap, rank: int) -> SlotState:
-    finished, busy, entered, last, name = _SLOT.unpack_from(board, rank * _SLOT.size)
-    return SlotState(finished, bool(busy), entered, last, name.rstrip(b"\0").decode(errors="replace"))
+    offset = rank * _SLOT_SIZE
+    finished, busy, entered, last, name = _CALLS.unpack_from(board, offset)
+    issued, completed, changed_at, pending = _RECORDER.unpack_from(board, offset + _CALLS.size)
+    return SlotState(
+        finished, bool(busy), entered, last, _text(name), issued, completed, changed_at, _text(pending)
+    )
+
+
+def _text(raw: bytes) -> str:
+    return raw.rstrip(b"\0").decode(errors="replace")
 
 
 class RankSlot:
-    """A rank's side: records entering and leaving collectives in its slot of the board."""
+    """A rank's side: records entering and leaving collectives, and the recorder's counts, in its slot."""
 
     def __init__(self, folder: str, rank: int) -> None:
         self._file = open(os.path.join(folder, "progress.bin"), "r+b")  # noqa: SIM115 - lives as long as the rank
         self._map = mmap.mmap(self._file.fileno(), 0)
-        self._offset = rank * _SLOT.size
+        self._offset = rank * _SLOT_SIZE
         self._finished = 0
         self._entered = 0.0
         self._last_finished = read_slot(self._map, rank).last_finished_at
 
     def enter(self, name: str) -> None:
         self._entered = time.monotonic()
-        _SLOT.pack_into(self._map, self._offset, self._finished, 1, self._entered, self._last_finished, name.encode()[:24])
+        _CALLS.pack_into(self._map, self._offset, self._finished, 1, self._entered, self._last_finished, name.encode()[:24])
 
     def leave(self, name: str) -> None:
         self._finished += 1
         self._last_finished = time.monotonic()
-        _SLOT.pack_into(self._map, self._offset, self._finished, 0, self._entered, self._last_finished, name.encode()[:24])
+        _CALLS.pack_into(self._map, self._offset, self._finished, 0, self._entered, self._last_finished, name.encode()[:24])
+
+    def record(self, status: flight_recorder.RecorderStatus, changed_at: float, pending: str) -> None:
+        """Written by the sampler thread only; `enter`/`leave` (main thread) write the other part."""
+        _RECORDER.pack_into(
+            self._map, self._offset + _CALLS.size, status.issued, status.completed, changed_at, pending.encode()[:40]
+        )
+
+
+def start_recorder_sampler(slot: RankSlot) -> None:
+    """Keep the slot's recorder part up to date from a daemon thread for as long as the rank lives."""
+    flight_recorder.RecorderSampler(slot.record).start()
 
 
 def instrument_collectives(slot: RankSlot) -> None:
@@ -273,16 +315,19 @@ def describe_ranks(states: list[SlotState], dumps: dict[int, str], now: float) -
     """One line per rank (waiting in which collective for how long, or where it is), then every rank's stack."""
     lines = []
     for rank, state in enumerate(states):
-        frames = main_thread_frames(dumps.get(rank, ""))
-        where = user_frame(frames)
+        where = user_frame(main_thread_frames(dumps.get(rank, "")))
         at = f" at {where}" if where else " (no stack: the rank did not answer)"
-        issued = f"{state.finished + state.in_collective} collective(s) issued" + (
-            f", the last {state.name}" if state.name else ""
-        )
+        counts = _counts(state)
         if state.in_collective:
-            lines.append(f"  rank {rank}: waiting in {state.name} for {now - state.entered_at:.1f} s ({issued}){at}")
+            lines.append(f"  rank {rank}: waiting in {state.name} for {now - state.entered_at:.1f} s ({counts}){at}")
+        elif state.waiting_for_issued:
+            collective = state.pending or "a collective it issued"
+            lines.append(
+                f"  rank {rank}: waiting for {collective} to complete, for {now - state.recorder_changed_at:.1f} s "
+                f"({counts}){at}"
+            )
         else:
-            lines.append(f"  rank {rank}: not in a collective ({issued}){at}")
+            lines.append(f"  rank {rank}: not in a collective ({counts}){at}")
     stacks = []
     for rank in range(len(states)):
         frames = main_thread_frames(dumps.get(rank, ""))
@@ -291,18 +336,30 @@ def describe_ranks(states: list[SlotState], dumps: dict[int, str], now: float) -
     return "\n".join(lines) + ("\n\n" + "\n\n".join(stacks) if stacks else "")
 
 
-def stalled(states: list[SlotState], stall_timeout: float, now: float) -> bool:
-    """True when nothing moved for `stall_timeout` seconds while the ranks are not all in step.
+def _counts(state: SlotState) -> str:
+    """The recorder's counts when it is on (they include collectives issued from C++), else the Python calls'."""
+    last = f"; last call {state.name}" if state.name else ""
+    if state.recorder_known:
+        return f"{state.recorder_issued} collective(s) issued, {state.recorder_completed} completed{last}"
+    return f"{state.finished + state.in_collective} collective(s) issued{last}"
 
-    Not in step: a rank waits inside a blocking collective (gloo, barriers), or the ranks have issued
-    different numbers of collectives (NCCL returns once a collective is enqueued, so a rank that is
-    ahead waits further on, e.g. in `.item()`, while the one behind never issued it).
+
+def stalled(states: list[SlotState], stall_timeout: float, now: float) -> bool:
+    """True when nothing moved for `stall_timeout` seconds while at least one rank waits for a collective.
+
+    Waiting: inside a blocking `torch.distributed` call (gloo, barriers), or, by torch's flight recorder,
+    holding a collective it issued that has not completed (NCCL returns once a collective is enqueued,
+    so the rank ahead waits further on, e.g. in `.item()`). With the recorder off, ranks that issued
+    different numbers of collectives from Python stand in for the second test.
     """
-    last_move = max(max(s.entered_at, s.last_finished_at) for s in states)
+    last_move = max(max(s.entered_at, s.last_finished_at, s.recorder_changed_at) for s in states)
     if now - last_move < stall_timeout:
         return False
-    waiting = any(s.in_collective for s in states)
-    return waiting or len({s.finished for s in states}) > 1
+    if any(s.in_collective or s.waiting_for_issued for s in states):
+        return True
+    if any(s.recorder_known for s in states):  # it is on: a rank it has not seen has issued nothing
+        return False
+    return len({s.finished for s in states}) > 1
 
 
 def find_run(pid: int) -> Path | None:

@@ -270,7 +270,7 @@ def job(
     stream_output: copy each job's output to this process, prefixed with its cell (it is logged to a
         file under the run folder either way).
     stall_timeout: seconds; distributed.run inside the job stops and names the stalled ranks when no
-        rank issued or finished a collective for that long while they were out of step.
+        rank issued or completed a collective for that long while at least one waited for one.
     backend: 'local' (this machine; the default) or 'ray'; $LEVERS9_BACKEND sets the default.
     """
 

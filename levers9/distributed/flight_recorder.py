@@ -1,0 +1,131 @@
+"""What torch's flight recorder says about this rank's collectives: how many issued, how many completed.
+
+Every c10d process group (gloo, and NCCL in CUDA builds) records each collective it is handed into
+torch's flight recorder, whoever issued it: `torch.distributed` calls from Python, DDP's gradient
+all-reduce in C++, functional collectives, FSDP, DeepSpeed. Each group also keeps the sequence number
+of its last enqueued and last completed collective, and NCCL's watchdog moves "completed" only when the
+work has finished on the card. So "issued more than completed" is the one test of "this rank waits for
+a collective" that holds for gloo and NCCL alike, including NCCL's return-on-enqueue.
+
+The recorder is on by default in current torch (`TORCH_FR_BUFFER_SIZE`, default 2000); with it off, or
+in a torch without it, `read_status` answers None and stall detection falls back to the Python-level
+counts in `stalls`. `RecorderSampler` copies the counts into the rank's slot of the progress board
+from a thread, because the main thread may be blocked in C++ (`.item()`, `synchronize()`, `wait()`),
+all of which release the GIL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+SAMPLE_INTERVAL_S = 0.2
+# A pending collective is named (one dump with the recorder's entries) once nothing moved for this long.
+NAME_AFTER_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RecorderStatus:
+    """Collectives this rank issued and completed, summed over every process group torch recorded."""
+
+    issued: int
+    completed: int
+    pending: tuple[tuple[str, int, int], ...]  # (recorder, process group id, first uncompleted sequence number)
+
+    @property
+    def waiting(self) -> bool:
+        return self.issued > self.completed
+
+
+def _dumpers() -> list[tuple[str, Callable[..., bytes]]]:
+    """torch's recorder dump functions present in this build: NCCL's own (CUDA builds) and the generic one."""
+    try:
+        import torch._C._distributed_c10d as c10d
+    except ImportError:
+        return []
+    found = []
+    for label, name in (("nccl", "_dump_nccl_trace"), ("generic", "_dump_fr_trace")):
+        dump = getattr(c10d, name, None)
+        if dump is not None:
+            found.append((label, dump))
+    return found
+
+
+def _dump(dump: Callable[..., bytes], with_entries: bool) -> dict[str, Any]:
+    return dict(pickle.loads(dump(with_entries, False, False)))
+
+
+def read_status() -> RecorderStatus | None:
+    """This rank's counts now, or None when torch records nothing (recorder off, too old, or no group yet)."""
+    issued = completed = 0
+    pending: list[tuple[str, int, int]] = []
+    seen = False
+    for label, dump in _dumpers():
+        try:
+            groups = _dump(dump, with_entries=False).get("pg_status", {})
+        except Exception:  # a recorder that cannot dump is one we cannot read, not an error of the run
+            continue
+        for group_id, status in groups.items():
+            try:
+                last_issued = int(status["last_enqueued_collective"])
+                last_completed = int(status["last_completed_collective"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            seen = True
+            issued += max(last_issued, 0)
+            completed += max(last_completed, 0)
+            if last_issued > last_completed:
+                pending.append((label, int(group_id), max(last_completed, 0) + 1))
+    return RecorderStatus(issued, completed, tuple(pending)) if seen else None
+
+
+def name_pending(status: RecorderStatus) -> str:
+    """The first collective this rank issued and is still waiting for, e.g. "gloo:all_reduce #5"."""
+    if not status.pending:
+        return ""
+    label, group_id, sequence = status.pending[0]
+    dump = dict(_dumpers()).get(label)
+    name = "collective"
+    if dump is not None:
+        try:
+            entries = _dump(dump, with_entries=True).get("entries", [])
+        except Exception:
+            entries = []
+        for entry in entries:
+            if entry.get("pg_id") == group_id and entry.get("collective_seq_id") == sequence and not entry.get("is_p2p"):
+                name = str(entry.get("profiling_name") or name)
+                break
+    return f"{name} #{sequence}"
+
+
+class RecorderSampler(threading.Thread):
+    """Copies `read_status()` to `write(status, changed_at, pending_name)` whenever it changes.
+
+    `changed_at` is the `time.monotonic()` of the last change: a rank whose counts move is making
+    progress. A rank left waiting for `NAME_AFTER_S` gets its pending collective named once.
+    """
+
+    def __init__(self, write: Callable[[RecorderStatus, float, str], None]) -> None:
+        super().__init__(name="levers9-recorder-sampler", daemon=True)
+        self._write = write
+
+    def run(self) -> None:
+        last: RecorderStatus | None = None
+        changed_at = time.monotonic()
+        named = False
+        while True:  # a daemon: it ends with the rank
+            time.sleep(SAMPLE_INTERVAL_S)
+            status = read_status()
+            if status is None:
+                continue
+            now = time.monotonic()
+            if status != last:
+                last, changed_at, named = status, now, False
+                self._write(status, changed_at, "")
+            elif status.waiting and not named and now - changed_at >= NAME_AFTER_S:
+                named = True
+                self._write(status, changed_at, name_pending(status))
