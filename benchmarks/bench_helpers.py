@@ -1,6 +1,7 @@
 """Helper overhead on 2 gloo ranks: all_reduce_mean vs a hand-written all_reduce + divide, the stall
-tracking on every collective vs torch's own all_reduce, and a DDP training step through `wrap` vs
-hand-written DistributedDataParallel.
+tracking on every collective vs torch's own all_reduce, a DDP training step through `wrap` vs
+hand-written DistributedDataParallel, and what the thread that copies torch's flight-recorder counts
+for stall detection costs.
 
     python benchmarks/bench_helpers.py --rounds 7
 
@@ -81,7 +82,18 @@ def bench(cfg: dict[str, int]) -> dict[str, Any]:
         lambda: steps_per_second(lambda: DistributedDataParallel(model()), 100),
         cfg["rounds"],
     )
-    return rows
+    return {"rows": rows, "recorder_read_us": recorder_read_us()}
+
+
+def recorder_read_us(reads: int = 2000) -> float:
+    """One read of torch's flight-recorder counts, as the sampler thread in every rank does 5 times a second."""
+    from levers9.distributed import flight_recorder
+
+    assert flight_recorder.read_status() is not None, "torch's flight recorder recorded nothing"
+    start = time.perf_counter()
+    for _ in range(reads):
+        flight_recorder.read_status()
+    return (time.perf_counter() - start) / reads * 1e6
 
 
 def alternate(ours: Any, theirs: Any, rounds: int) -> tuple[float, float]:
@@ -119,7 +131,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    rows = dist.run(bench, {"rounds": args.rounds}, nprocs=2)
+    from levers9.distributed import flight_recorder
+
+    result = dist.run(bench, {"rounds": args.rounds}, nprocs=2)
+    rows = result["rows"]
     print("2 gloo ranks on CPU, one thread each; median of per-round figures")
     print()
     print("| measure | levers9 | hand-written | levers9 / hand-written |")
@@ -130,6 +145,11 @@ def main() -> None:
         print(f"| {name} | {ours * scale:.3f}{unit} | {theirs * scale:.3f}{unit} | {ours / theirs:.3f}x |")
     print()
     print(f"Stall tracking adds {tracking_cost_us():.2f} us to each blocking collective call (measured without communication).")
+    read_us, per_second = result["recorder_read_us"], 1 / flight_recorder.SAMPLE_INTERVAL_S
+    print(
+        f"The sampler thread reads torch's flight recorder {per_second:g} times a second, {read_us:.1f} us a read: "
+        f"{read_us * per_second / 1e4:.4f}% of one core."
+    )
 
 
 if __name__ == "__main__":
