@@ -211,7 +211,7 @@ def rank_main(spec: RankSpec, fn: Callable[..., Any], cfg: Any, msg_fd: int) -> 
         stalls.enable_stack_dumps(spec.run_folder, spec.rank)
         slot = stalls.RankSlot(spec.run_folder, spec.rank)
         stalls.instrument_collectives(slot)
-        stalls.start_recorder_sampler(slot)
+        stalls.start_recorder_sampler(slot, spec.run_folder, spec.rank)
         _join_group(spec)
         result = fn() if spec.call_without_cfg else fn(cfg)
         payload = None

@@ -11,7 +11,8 @@ The recorder is on by default in current torch (`TORCH_FR_BUFFER_SIZE`, default 
 in a torch without it, `read_status` answers None and stall detection falls back to the Python-level
 counts in `stalls`. `RecorderSampler` copies the counts into the rank's slot of the progress board
 from a thread, because the main thread may be blocked in C++ (`.item()`, `synchronize()`, `wait()`),
-all of which release the GIL.
+all of which release the GIL. It samples only when asked, so a run whose Python-level progress is
+visible anyway pays nothing for it.
 """
 
 from __future__ import annotations
@@ -22,10 +23,6 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
-
-SAMPLE_INTERVAL_S = 0.2
-# A pending collective is named (one dump with the recorder's entries) once nothing moved for this long.
-NAME_AFTER_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,29 +100,33 @@ def name_pending(status: RecorderStatus) -> str:
 
 
 class RecorderSampler(threading.Thread):
-    """Copies `read_status()` to `write(status, changed_at, pending_name)` whenever it changes.
+    """Each time `wait_for_request()` returns, writes `read_status()` with `write(status, changed_at, sampled_at, pending)`.
 
-    `changed_at` is the `time.monotonic()` of the last change: a rank whose counts move is making
-    progress. A rank left waiting for `NAME_AFTER_S` gets its pending collective named once.
+    `changed_at` is the `time.monotonic()` at which the counts were first seen as they are now (a rank
+    whose counts move is making progress); `sampled_at` says the request was answered. A rank seen
+    waiting with the same counts in two samples in a row gets its pending collective named.
     """
 
-    def __init__(self, write: Callable[[RecorderStatus, float, str], None]) -> None:
+    def __init__(
+        self,
+        wait_for_request: Callable[[], None],
+        write: Callable[[RecorderStatus | None, float, float, str], None],
+    ) -> None:
         super().__init__(name="levers9-recorder-sampler", daemon=True)
+        self._wait_for_request = wait_for_request
         self._write = write
 
     def run(self) -> None:
         last: RecorderStatus | None = None
-        changed_at = time.monotonic()
-        named = False
+        changed_at = 0.0
+        pending = ""
+        first = True
         while True:  # a daemon: it ends with the rank
-            time.sleep(SAMPLE_INTERVAL_S)
+            self._wait_for_request()
             status = read_status()
-            if status is None:
-                continue
             now = time.monotonic()
-            if status != last:
-                last, changed_at, named = status, now, False
-                self._write(status, changed_at, "")
-            elif status.waiting and not named and now - changed_at >= NAME_AFTER_S:
-                named = True
-                self._write(status, changed_at, name_pending(status))
+            if first or status != last:
+                first, last, changed_at, pending = False, status, now, ""
+            elif status is not None and status.waiting and not pending:
+                pending = name_pending(status)
+            self._write(status, changed_at, now, pending)

@@ -434,7 +434,9 @@ class _Spawn:
             if deadline is not None and time.monotonic() >= deadline:
                 self._raise_timeout()
             if self.stall_timeout is not None and self.folder is not None:
-                if stalls.stalled(self.folder.states(), self.stall_timeout, time.monotonic()):
+                states, now = self.folder.states(), time.monotonic()
+                self.folder.sample_when_quiet(states, now)
+                if stalls.stalled(states, self.stall_timeout, now):
                     self._raise_stall()
 
     def _pump(self, wait: float) -> None:
@@ -558,8 +560,9 @@ class _Spawn:
         """Every live rank's collective state and Python stack, asked for now (SIGUSR1 to each)."""
         assert self.folder is not None
         live = {p.rank: p.pid for p in self.ranks if not p.poll()}
+        states = self.folder.fresh_states(list(live))
         dumps = stalls.collect_stacks(live, self.folder.path)
-        return stalls.describe_ranks(self.folder.states(), dumps, time.monotonic())
+        return stalls.describe_ranks(states, dumps, time.monotonic())
 
     def _output_tails(self, lines: int = 10) -> str:
         return "".join(

@@ -5,7 +5,9 @@ Each run started by `distributed.run` gets a private run folder holding
   by the rank whenever it enters or leaves a `torch.distributed` call from Python (how many it
   finished, whether it is in one now, which, and since when, on the machine-wide monotonic clock);
   its second part by a thread copying torch's flight recorder (collectives issued and completed,
-  whoever issued them: see `flight_recorder`);
+  whoever issued them: see `flight_recorder`) each time it is asked;
+- `sample-<rank>`: a FIFO; a byte written to it asks that rank's thread for a fresh recorder sample
+  (the parent asks once a second while no Python-level collective moves; reports ask before reading);
 - `stack-<rank>.txt`: where a rank's faulthandler writes every thread's Python stack when it gets
   SIGUSR1, so the parent (or `levers9 stacks <pid>` from another terminal) can say where it is;
 - `ranks.json`: the caller's pid and the ranks' pids, for `levers9 stacks`.
@@ -25,7 +27,7 @@ import signal
 import struct
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +35,10 @@ from levers9.distributed import flight_recorder
 
 STACK_SIGNAL = signal.SIGUSR1
 _CALLS = struct.Struct("=QQdd24s")  # finished, in_collective, entered_at, last_finished_at, name
-_RECORDER = struct.Struct("=qqd40s")  # issued (-1: unknown), completed, changed_at, pending collective
+_RECORDER = struct.Struct("=qqdd40s")  # issued (-1: unknown), completed, changed_at, sampled_at, pending
 _SLOT_SIZE = _CALLS.size + _RECORDER.size
+# While no Python-level collective moved for this long, the parent asks for recorder samples this often.
+QUIET_S = 1.0
 RUN_DIR_PREFIX = "levers9-run-"
 
 # The torch.distributed calls that block until every rank takes part.
@@ -83,6 +87,7 @@ class SlotState:
     recorder_issued: int = -1
     recorder_completed: int = -1
     recorder_changed_at: float = 0.0
+    recorder_sampled_at: float = 0.0
     pending: str = ""
 
     @property
@@ -106,9 +111,12 @@ class RunFolder:
         now = time.monotonic()
         with open(board, "wb") as f:
             for _ in range(nprocs):
-                f.write(_CALLS.pack(0, 0, 0.0, now, b"") + _RECORDER.pack(-1, -1, now, b""))
+                f.write(_CALLS.pack(0, 0, 0.0, now, b"") + _RECORDER.pack(-1, -1, now, 0.0, b""))
+        for rank in range(nprocs):
+            os.mkfifo(sample_fifo(self.path, rank), 0o600)
         self._file = open(board, "r+b")  # noqa: SIM115 - closed in remove()
         self._map = mmap.mmap(self._file.fileno(), _SLOT_SIZE * nprocs)
+        self._last_request = 0.0
 
     def stack_file(self, rank: int) -> Path:
         return self.path / f"stack-{rank}.txt"
@@ -118,6 +126,16 @@ class RunFolder:
 
     def states(self) -> list[SlotState]:
         return [read_slot(self._map, rank) for rank in range(self.nprocs)]
+
+    def sample_when_quiet(self, states: list[SlotState], now: float) -> None:
+        """Ask every rank for a recorder sample, at most once per QUIET_S, while no Python-level call moved."""
+        python_moved = max(max(s.entered_at, s.last_finished_at) for s in states)
+        if now - python_moved >= QUIET_S and now - self._last_request >= QUIET_S:
+            self._last_request = now
+            request_samples(self.path, range(self.nprocs))
+
+    def fresh_states(self, ranks: list[int]) -> list[SlotState]:
+        return fresh_states(self.path, ranks, self.states)
 
     def remove(self) -> None:
         self._map.close()
@@ -142,10 +160,42 @@ def remove_stale_runs() -> None:
 def read_slot(board: mmap.mmap, rank: int) -> SlotState:
     offset = rank * _SLOT_SIZE
     finished, busy, entered, last, name = _CALLS.unpack_from(board, offset)
-    issued, completed, changed_at, pending = _RECORDER.unpack_from(board, offset + _CALLS.size)
+    issued, completed, changed_at, sampled_at, pending = _RECORDER.unpack_from(board, offset + _CALLS.size)
     return SlotState(
-        finished, bool(busy), entered, last, _text(name), issued, completed, changed_at, _text(pending)
+        finished, bool(busy), entered, last, _text(name), issued, completed, changed_at, sampled_at, _text(pending)
     )
+
+
+def sample_fifo(folder: Path | str, rank: int) -> str:
+    return os.path.join(folder, f"sample-{rank}")
+
+
+def request_samples(folder: Path, ranks: Iterable[int]) -> None:
+    """Ask each rank's sampler thread for a fresh recorder sample (a rank not listening yet is skipped)."""
+    for rank in ranks:
+        try:
+            fd = os.open(sample_fifo(folder, rank), os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:  # ENXIO: nobody reads it yet; ENOENT: the run is over
+            continue
+        try:
+            os.write(fd, b"s")
+        except BlockingIOError:  # requests already queued: the next sample answers this one too
+            pass
+        finally:
+            os.close(fd)
+
+
+def fresh_states(
+    folder: Path, ranks: list[int], read: Callable[[], list[SlotState]], rounds: int = 2, wait_s: float = 1.0
+) -> list[SlotState]:
+    """The board after `rounds` answered requests (two: a rank still waiting on the same counts gets named)."""
+    for _ in range(rounds):
+        asked = time.monotonic()
+        request_samples(folder, ranks)
+        end = asked + wait_s
+        while time.monotonic() < end and not all(read()[rank].recorder_sampled_at >= asked for rank in ranks):
+            time.sleep(0.01)
+    return read()
 
 
 def _text(raw: bytes) -> str:
@@ -172,16 +222,22 @@ class RankSlot:
         self._last_finished = time.monotonic()
         _CALLS.pack_into(self._map, self._offset, self._finished, 0, self._entered, self._last_finished, name.encode()[:24])
 
-    def record(self, status: flight_recorder.RecorderStatus, changed_at: float, pending: str) -> None:
+    def record(self, status: flight_recorder.RecorderStatus | None, changed_at: float, sampled_at: float, pending: str) -> None:
         """Written by the sampler thread only; `enter`/`leave` (main thread) write the other part."""
+        issued, completed = (status.issued, status.completed) if status is not None else (-1, -1)
         _RECORDER.pack_into(
-            self._map, self._offset + _CALLS.size, status.issued, status.completed, changed_at, pending.encode()[:40]
+            self._map, self._offset + _CALLS.size, issued, completed, changed_at, sampled_at, pending.encode()[:40]
         )
 
 
-def start_recorder_sampler(slot: RankSlot) -> None:
-    """Keep the slot's recorder part up to date from a daemon thread for as long as the rank lives."""
-    flight_recorder.RecorderSampler(slot.record).start()
+def start_recorder_sampler(slot: RankSlot, folder: str, rank: int) -> None:
+    """Answer sample requests on this rank's FIFO from a daemon thread for as long as the rank lives."""
+    requests = os.open(sample_fifo(folder, rank), os.O_RDWR | os.O_CLOEXEC)  # O_RDWR: opening never blocks
+
+    def wait_for_request() -> None:
+        os.read(requests, 64)  # blocks without the GIL; queued requests are answered by one sample
+
+    flight_recorder.RecorderSampler(wait_for_request, slot.record).start()
 
 
 def instrument_collectives(slot: RankSlot) -> None:
@@ -393,7 +449,9 @@ def report_for_run(folder: Path) -> str:
     pids = {rank: pid for rank, pid in enumerate(data["pids"])}
     with open(folder / "progress.bin", "rb") as f:
         board = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        states = [read_slot(board, rank) for rank in pids]
-        board.close()
+        try:
+            states = fresh_states(folder, list(pids), lambda: [read_slot(board, rank) for rank in pids])
+        finally:
+            board.close()
     dumps = collect_stacks(pids, folder)
     return f"levers9 run of pid {data['parent']} ({len(pids)} ranks):\n" + describe_ranks(states, dumps, time.monotonic())
