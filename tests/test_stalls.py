@@ -147,6 +147,8 @@ def test_levers9_stacks_reports_a_live_run_without_stopping_it(tmp_path: Path) -
         )
         assert done.returncode == 0, done.stderr
         assert "rank 0: waiting in all_reduce" in done.stdout
+        # No stall_timeout here: only the command's own request got these counts from rank 0's recorder.
+        assert "(1 collective(s) issued, 0 completed; last call all_reduce)" in done.stdout
         assert f"{script}:7 in fn" in done.stdout
         assert proc.poll() is None, "asking for stacks must not stop the run"
     finally:
