@@ -6,8 +6,9 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,13 +34,18 @@ def nothing_left() -> Iterator[None]:
     assert not list(stalls.runs_root().glob(f"{stalls.RUN_DIR_PREFIX}{os.getpid()}-*")), "run folder left behind"
 
 
-def test_a_sleeping_rank_is_named_with_its_line_and_the_waiting_rank_with_its_collective() -> None:
+def _stall_report(fn: Callable[[Any], None], stall_timeout: float = 2) -> str:
+    """The StallError text of a 2-rank run of fn, which must come within stall_timeout + 6 s."""
     start = time.monotonic()
     with pytest.raises(StallError) as info:
-        dist.run(rankfns.rank1_sleeps_before_all_reduce, None, nprocs=2, stall_timeout=2)
+        dist.run(fn, None, nprocs=2, stall_timeout=stall_timeout)
     elapsed = time.monotonic() - start
-    text = str(info.value)
-    assert elapsed < 2 + 6, f"took {elapsed:.1f}s"
+    assert elapsed < stall_timeout + 6, f"took {elapsed:.1f}s"
+    return str(info.value)
+
+
+def test_a_sleeping_rank_is_named_with_its_line_and_the_waiting_rank_with_its_collective() -> None:
+    text = _stall_report(rankfns.rank1_sleeps_before_all_reduce)
     assert "rank 0: waiting in all_reduce for " in text
     assert "(1 collective(s) issued, 0 completed; last call all_reduce)" in text
     assert (
@@ -67,12 +73,7 @@ def test_progress_through_collectives_issued_from_cpp_then_a_long_compute_is_nev
 
 def test_a_wait_for_a_collective_issued_from_cpp_is_named() -> None:
     """Functional collectives never pass through torch.distributed.all_reduce: torch's flight recorder sees them."""
-    start = time.monotonic()
-    with pytest.raises(StallError) as info:
-        dist.run(rankfns.rank1_sleeps_before_a_functional_all_reduce, None, nprocs=2, stall_timeout=2)
-    elapsed = time.monotonic() - start
-    text = str(info.value)
-    assert elapsed < 2 + 6, f"took {elapsed:.1f}s"
+    text = _stall_report(rankfns.rank1_sleeps_before_a_functional_all_reduce)
     assert (
         "rank 0: waiting for gloo:all_reduce #1 to complete, for " in text
         and f"(1 collective(s) issued, 0 completed) at {RANKFNS}:{_line_of('FUNCOL-WAIT-LINE')}" in text
