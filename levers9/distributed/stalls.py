@@ -113,7 +113,10 @@ class RunFolder:
             for _ in range(nprocs):
                 f.write(_CALLS.pack(0, 0, 0.0, now, b"") + _RECORDER.pack(-1, -1, now, 0.0, b""))
         for rank in range(nprocs):
-            os.mkfifo(sample_fifo(self.path, rank), 0o600)
+            try:
+                os.mkfifo(sample_fifo(self.path, rank), 0o600)
+            except OSError:  # a filesystem without FIFOs: no recorder samples, the Python-level counts remain
+                break
         self._file = open(board, "r+b")  # noqa: SIM115 - closed in remove()
         self._map = mmap.mmap(self._file.fileno(), _SLOT_SIZE * nprocs)
         self._last_request = 0.0
@@ -232,7 +235,10 @@ class RankSlot:
 
 def start_recorder_sampler(slot: RankSlot, folder: str, rank: int) -> None:
     """Answer sample requests on this rank's FIFO from a daemon thread for as long as the rank lives."""
-    requests = os.open(sample_fifo(folder, rank), os.O_RDWR | os.O_CLOEXEC)  # O_RDWR: opening never blocks
+    try:
+        requests = os.open(sample_fifo(folder, rank), os.O_RDWR | os.O_CLOEXEC)  # O_RDWR: opening never blocks
+    except OSError:  # the caller could not make the FIFO: stall detection uses the Python-level counts
+        return
 
     def wait_for_request() -> None:
         os.read(requests, 64)  # blocks without the GIL; queued requests are answered by one sample
