@@ -41,11 +41,14 @@ _SLOT_SIZE = _CALLS.size + _RECORDER.size
 QUIET_S = 1.0
 RUN_DIR_PREFIX = "levers9-run-"
 
-# The torch.distributed calls that block until every rank takes part.
+# The torch.distributed calls that block until every rank takes part (those a torch lacks are skipped).
 COLLECTIVES = (
     "all_reduce",
+    "all_reduce_coalesced",
     "all_gather",
+    "all_gather_coalesced",
     "all_gather_into_tensor",
+    "all_gather_single",
     "all_gather_object",
     "all_to_all",
     "all_to_all_single",
@@ -58,10 +61,13 @@ COLLECTIVES = (
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "reduce_scatter_single",
     "scatter",
     "scatter_object_list",
     "send",
     "recv",
+    "send_object_list",
+    "recv_object_list",
 )
 
 
