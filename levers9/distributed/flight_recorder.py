@@ -70,13 +70,14 @@ def read_status() -> RecorderStatus | None:
             try:
                 last_issued = int(status["last_enqueued_collective"])
                 last_completed = int(status["last_completed_collective"])
-            except (KeyError, TypeError, ValueError):
+                group = int(group_id)
+            except (KeyError, TypeError, ValueError):  # a layout this code does not know: leave the group out
                 continue
             seen = True
             issued += max(last_issued, 0)
             completed += max(last_completed, 0)
             if last_issued > last_completed:
-                pending.append((label, int(group_id), max(last_completed, 0) + 1))
+                pending.append((label, group, max(last_completed, 0) + 1))
     return RecorderStatus(issued, completed, tuple(pending)) if seen else None
 
 
