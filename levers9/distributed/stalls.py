@@ -127,9 +127,6 @@ class RunFolder:
         self._map = mmap.mmap(self._file.fileno(), _SLOT_SIZE * nprocs)
         self._last_request = 0.0
 
-    def stack_file(self, rank: int) -> Path:
-        return self.path / f"stack-{rank}.txt"
-
     def write_pids(self, parent: int, pids: list[int]) -> None:
         (self.path / "ranks.json").write_text(json.dumps({"parent": parent, "pids": pids}))
 
