@@ -90,13 +90,7 @@ def collect(nprocs: int | None = None) -> dict[str, Any]:
     report["cards"] = inv.to_dict()
     info = _nccl.nccl_info()
     report["nccl"] = {**dataclasses.asdict(info), "text": info.describe()}
-    report["platform"] = {
-        "shm_bytes": _quirks.shm_bytes(),
-        "wsl": _quirks.is_wsl(),
-        "rocm": _quirks.rocm_version(),
-        "docker": os.path.exists("/.dockerenv"),
-        "kernel_cmdline": _quirks.kernel_cmdline(),
-    }
+    report["platform"] = dataclasses.asdict(_quirks.read_platform())
     report["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(_REPORTED_ENV_PREFIXES)}
     launched_lws = (
         report["launch"].get("local_world_size") if report["launch"].get("launcher") != "single" else None
