@@ -218,3 +218,33 @@ def _state(finished: int = 0, issued: int = -1, completed: int = -1, moved_at: f
 def test_stall_rule(states: list[stalls.SlotState], expected: bool) -> None:
     assert stalls.stalled(states, stall_timeout=5, now=10) is expected
     assert stalls.stalled(states, stall_timeout=5, now=4) is False  # something moved less than 5 s ago
+
+
+SLOW_DUMPER = """
+import signal, sys, time
+path = sys.argv[1]
+def dump(signum, frame):
+    with open(path, "a") as f:  # the newest thread first, as faulthandler writes them
+        f.write('Thread 0x2 (most recent call first):\\n  File "/lib/threading.py", line 1 in run\\n\\n')
+        f.flush()
+        time.sleep(0.4)  # preempted between two threads' blocks
+        f.write('Current thread 0x1 (most recent call first):\\n  File "/work/train.py", line 7 in step\\n'
+                '  File "/lib/levers9/distributed/_rank.py", line 9 in rank_main\\n')
+signal.signal(signal.SIGUSR1, dump)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_dump_interrupted_between_threads_is_read_to_the_ranks_own_frames(tmp_path: Path) -> None:
+    """faulthandler writes the thread running fn last; a pause before it must not cut the report short."""
+    script = tmp_path / "dumper.py"
+    script.write_text(SLOW_DUMPER)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "stack-0.txt")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        dumps = stalls.collect_stacks({0: proc.pid}, tmp_path)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert str(stalls.user_frame(stalls.main_thread_frames(dumps[0]))) == "/work/train.py:7 in step"

@@ -40,6 +40,7 @@ _SLOT_SIZE = _CALLS.size + _RECORDER.size
 # While no Python-level collective moved for this long, the parent asks for recorder samples this often.
 QUIET_S = 1.0
 RUN_DIR_PREFIX = "levers9-run-"
+RANK_ENTRY = "rank_main"  # the function in _rank.py that calls the rank's fn: where its frames end
 
 # The torch.distributed calls that block until every rank takes part (those a torch lacks are skipped).
 COLLECTIVES = (
@@ -331,7 +332,7 @@ def main_thread_frames(dump: str) -> list[Frame]:
     threads = re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump.strip())
     parsed = [[Frame(m["file"], int(m["line"]), m["func"]) for m in map(_FRAME.match, t.splitlines()) if m] for t in threads]
     for frames in parsed:
-        entry = next((i for i, f in enumerate(frames) if f.function == "rank_main"), None)
+        entry = next((i for i, f in enumerate(frames) if f.function == RANK_ENTRY), None)
         if entry is not None:
             return frames[:entry]  # what the rank's fn called, not how levers9 got there
     return parsed[0] if parsed else []
@@ -345,8 +346,9 @@ def user_frame(frames: list[Frame]) -> Frame | None:
 def collect_stacks(pids: dict[int, int], folder: Path, wait_s: float = 3.0) -> dict[int, str]:
     """Ask each rank (rank -> pid) for its stacks with SIGUSR1; return the new text of each stack file.
 
-    A dump counts once its file has grown and then stopped growing (faulthandler writes thread by
-    thread, and the rank's own frames come last); ranks that never answer within `wait_s` are left out.
+    faulthandler writes thread by thread, newest thread first, so the thread running the rank's fn
+    comes last: a dump counts once it holds that thread's entry frame (`RANK_ENTRY`). A rank that has
+    not got that far by `wait_s` gives what it wrote; one that wrote nothing is left out.
     """
     start: dict[int, int] = {}
     for rank, pid in pids.items():
@@ -356,24 +358,24 @@ def collect_stacks(pids: dict[int, int], folder: Path, wait_s: float = 3.0) -> d
             os.kill(pid, STACK_SIGNAL)
         except ProcessLookupError:
             continue
-    last_seen = dict(start)
-    settled: set[int] = set()
-    end = time.monotonic() + wait_s
-    while len(settled) < len(pids) and time.monotonic() < end:
-        time.sleep(0.05)
-        for rank in pids:
-            path = folder / f"stack-{rank}.txt"
-            size = path.stat().st_size if path.exists() else 0
-            if size > start[rank] and size == last_seen[rank]:
-                settled.add(rank)
-            last_seen[rank] = size
     dumps: dict[int, str] = {}
-    for rank in pids:
-        if last_seen[rank] > start[rank]:
-            with open(folder / f"stack-{rank}.txt", encoding="utf-8", errors="replace") as f:
-                f.seek(start[rank])
-                dumps[rank] = f.read()
-    return dumps
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        time.sleep(0.02)
+        for rank in pids:
+            dumps[rank] = _text_since(folder / f"stack-{rank}.txt", start[rank])
+        if all(f" in {RANK_ENTRY}\n" in text for text in dumps.values()):
+            break
+    return {rank: text for rank, text in dumps.items() if text}
+
+
+def _text_since(path: Path, offset: int) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            f.seek(offset)
+            return f.read()
+    except OSError:
+        return ""
 
 
 def describe_ranks(states: list[SlotState], dumps: dict[int, str], now: float) -> str:
