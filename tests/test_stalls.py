@@ -248,3 +248,17 @@ def test_a_dump_interrupted_between_threads_is_read_to_the_ranks_own_frames(tmp_
         proc.kill()
         proc.wait(timeout=10)
     assert str(stalls.user_frame(stalls.main_thread_frames(dumps[0]))) == "/work/train.py:7 in step"
+
+
+def test_the_users_frame_is_found_by_where_torch_and_levers9_are_not_by_names_in_the_path() -> None:
+    """A project checked out as ~/levers9 (or a clone named so) is the user's code, not the library."""
+    import torch
+
+    torch_file = str(Path(torch.__file__).parent / "distributed" / "distributed_c10d.py")
+    frames = [
+        stalls.Frame(torch_file, 3252, "all_reduce"),
+        stalls.Frame(stalls.__file__, 231, "tracked"),
+        stalls.Frame("<frozen runpy>", 1, "_run_code"),
+        stalls.Frame("/home/me/levers9/tests/train.py", 7, "step"),
+    ]
+    assert stalls.user_frame(frames) == frames[3]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import faulthandler
 import functools
+import importlib.util
 import json
 import mmap
 import os
@@ -26,6 +27,7 @@ import shutil
 import signal
 import struct
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -324,7 +326,28 @@ class Frame:
 
 
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
-_LIBRARY_PARTS = (f"{os.sep}torch{os.sep}", f"{os.sep}levers9{os.sep}", f"{os.sep}threading.py", "<frozen ")
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    """Where levers9 and torch are installed, found without importing torch (`levers9 stacks` stays quick)."""
+    dirs = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    spec = importlib.util.find_spec("torch")
+    if spec is not None and spec.submodule_search_locations:
+        dirs.extend(spec.submodule_search_locations)
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
+
+
+def _is_library(file: str) -> bool:
+    """A frame of levers9, torch or the threading module, or a pseudo-file such as "<frozen runpy>".
+
+    Decided by where those packages really are, never by a name in the path: a project checked out
+    as ~/levers9 or ~/torch/ is the user's code.
+    """
+    if file.startswith("<"):
+        return True
+    real = os.path.realpath(file)
+    return real == os.path.realpath(threading.__file__) or real.startswith(_library_dirs())
 
 
 def main_thread_frames(dump: str) -> list[Frame]:
@@ -340,7 +363,7 @@ def main_thread_frames(dump: str) -> list[Frame]:
 
 def user_frame(frames: list[Frame]) -> Frame | None:
     """The most recent frame outside torch and levers9: where the user's code is."""
-    return next((f for f in frames if not any(part in f.file for part in _LIBRARY_PARTS)), frames[0] if frames else None)
+    return next((f for f in frames if not _is_library(f.file)), frames[0] if frames else None)
 
 
 def collect_stacks(pids: dict[int, int], folder: Path, wait_s: float = 3.0) -> dict[int, str]:
