@@ -4,6 +4,7 @@ Each message says what was seen, what was expected, and the command or argument 
 Classes also derive from the builtin a caller would naturally catch (ValueError, TimeoutError, ...).
 
     Levers9Error
+    ├── ConfigError (ValueError)            a bad argument to run / spawn / run_script / @job / the CLI; nothing started
     ├── LauncherEnvError (ValueError)       partial or contradictory RANK / WORLD_SIZE / ... environment
     ├── DeviceError (RuntimeError)          a local rank with no card to run on
     ├── NotShippableError (TypeError)       fn, cfg, an argument or a result cannot cross a process boundary
@@ -13,7 +14,7 @@ Classes also derive from the builtin a caller would naturally catch (ValueError,
     │   └── StallError                      ranks stopped making progress in a collective
     ├── QuirkError (RuntimeError)           this machine's cards / NCCL / shm cannot run the job as set up
     └── JobError                            the job layer (levers9.launch)
-        ├── JobConfigError (ValueError)     bad @job arguments or map cells; nothing was started
+        ├── JobConfigError (ConfigError)    bad @job arguments or map cells; nothing was started
         ├── SettingsError (ValueError)      a corrupt or invalid workspace settings file
         ├── WorkspacePolicyError (PermissionError)   the per-job card cap or the multi-GPU switch
         ├── InfeasibleJobError              no worker could ever hold the cards this job asks for
@@ -30,6 +31,10 @@ import signal as _signal
 
 class Levers9Error(Exception):
     """Base class of every levers9 error."""
+
+
+class ConfigError(Levers9Error, ValueError):
+    """A bad argument (seen, expected, the fix); raised before anything starts."""
 
 
 class LauncherEnvError(Levers9Error, ValueError):
@@ -111,7 +116,7 @@ class JobError(Levers9Error):
     """Base class of the job layer's errors."""
 
 
-class JobConfigError(JobError, ValueError):
+class JobConfigError(JobError, ConfigError):
     """Bad @job arguments or map cells, found before anything started."""
 
 
