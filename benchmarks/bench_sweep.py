@@ -50,7 +50,7 @@ CASES = [
     ("in place", "inplace", {}),
     ("map 4 on 4", "4", {}),
     ("map 8 on 4", "8", {}),
-    ("map 4, exec", "4", {"LEVERS9_JOB_START": "exec"}),
+    ("map 4, spawn", "4", {"LEVERS9_START_METHOD": "spawn"}),
 ]
 
 

@@ -4,7 +4,7 @@ Each message says what was seen, what was expected, and the command or argument 
 Classes also derive from the builtin a caller would naturally catch (ValueError, TimeoutError, ...).
 
     Levers9Error
-    ├── ConfigError (ValueError)            a bad argument to run / spawn / run_script / @job / the CLI; nothing started
+    ├── ConfigError (ValueError, TypeError) a bad argument to run / spawn / run_script / @job / the CLI; nothing started
     ├── LauncherEnvError (ValueError)       partial or contradictory RANK / WORLD_SIZE / ... environment
     ├── DeviceError (RuntimeError)          a local rank with no card to run on
     ├── NotShippableError (TypeError)       fn, cfg, an argument or a result cannot cross a process boundary
@@ -33,8 +33,9 @@ class Levers9Error(Exception):
     """Base class of every levers9 error."""
 
 
-class ConfigError(Levers9Error, ValueError):
-    """A bad argument (seen, expected, the fix); raised before anything starts."""
+class ConfigError(Levers9Error, ValueError, TypeError):
+    """A bad argument (seen, expected, the fix); raised before anything starts. A ValueError and a
+    TypeError both, since a caller checking arguments catches either."""
 
 
 class LauncherEnvError(Levers9Error, ValueError):
@@ -152,3 +153,11 @@ class RemoteError(JobError, RuntimeError):
         self.exc_type = exc_type
         self.remote_message = message
         self.remote_traceback = traceback
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """BaseException.add_note, also on Python 3.10."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # pragma: no cover - Python 3.10
+        exc.__notes__ = [*(getattr(exc, "__notes__", None) or []), note]

@@ -33,7 +33,7 @@ SCRIPT = """
 import ctypes, os, sys
 import torch
 from levers9 import distributed as dist
-from levers9.distributed.forking import fork_is_safe
+from levers9.procs.start import fork_is_safe
 
 def fn(cfg):
     # A forked rank is a copy of the caller: it still has the caller's marker in __main__.

@@ -65,7 +65,7 @@ def test_two_sweeps_in_two_processes_never_share_a_card() -> None:
 
 
 def test_fresh_interpreter_path_keeps_the_semantics(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LEVERS9_JOB_START", "exec")
+    monkeypatch.setenv("LEVERS9_START_METHOD", "spawn")
     fn = job(gpu="RTXPro6000")(jobfns.report)
     results = list(fn.map([(i, 0.1) for i in range(4)]))
     assert sorted(r["cards"] for r in results) == ["0", "1", "2", "3"]
@@ -93,11 +93,11 @@ print(list(scaled.map([1, 2, 3])))
 """
 
 
-@pytest.mark.parametrize("start", ["fork", "exec"])
+@pytest.mark.parametrize("start", ["fork", "spawn"])
 def test_functions_defined_in_main_run_without_a_main_guard(start: str, tmp_path: Path) -> None:
     script = tmp_path / "sweep.py"
     script.write_text(NOTEBOOK_STYLE)
-    env = {**_env(), "LEVERS9_JOB_START": start}
+    env = {**_env(), "LEVERS9_START_METHOD": start}
     result = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
     )

@@ -3,7 +3,7 @@
 Each notebook scenario runs in one kernel (nbclient + ipykernel, the venv's interpreter, a kernelspec
 and every Jupyter/IPython folder in a tmp dir): the committed example notebook with a small config,
 then a sweep with `@job(...).map` on simulated cards, and checks that nothing is left running.
-"fork" is the default on a CPU box; "spawn" sets LEVERS9_START_METHOD=spawn and LEVERS9_JOB_START=exec
+"fork" is the default on a CPU box; "spawn" sets LEVERS9_START_METHOD=spawn
 in the kernel's environment, which is what happens when the kernel has already initialised CUDA:
 fresh interpreters, with the notebook-defined functions and their config shipped by value.
 """
@@ -128,7 +128,7 @@ dist.run(train_one_rank, {**cfg, "data": data_file}, nprocs=2)
 
 SCENARIOS: dict[str, dict[str, str]] = {
     "fork": {},
-    "spawn": {"LEVERS9_START_METHOD": "spawn", "LEVERS9_JOB_START": "exec"},
+    "spawn": {"LEVERS9_START_METHOD": "spawn"},
 }
 
 

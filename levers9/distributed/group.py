@@ -118,12 +118,14 @@ def apply_quirks_here(local_world_size: int, backend: str, disabled: tuple[str, 
     )
 
 
-def join_launcher_group(info: LaunchInfo, *, backend: str | None = None, timeout: float | None = None) -> bool:
+def join_launcher_group(
+    info: LaunchInfo, *, backend: str | None = None, timeout: float | None = None, disabled: tuple[str, ...] = ()
+) -> bool:
     """Under a launcher with several ranks and no live group, create it; True if this call created it."""
     if info.world_size <= 1 or world.live_group() is not None:
         return False
     backend = backend or default_backend()
-    apply_quirks_here(info.local_world_size, backend)
+    apply_quirks_here(info.local_world_size, backend, disabled)
     if info.launcher in ("slurm", "mpi"):
         if not info.master_addr:
             raise LauncherEnvError(

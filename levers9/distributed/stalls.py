@@ -42,7 +42,7 @@ _SLOT_SIZE = _CALLS.size + _RECORDER.size
 # While no Python-level collective moved for this long, the parent asks for recorder samples this often.
 QUIET_S = 1.0
 RUN_DIR_PREFIX = "levers9-run-"
-RANK_ENTRY = "rank_main"  # the function in _rank.py that calls the rank's fn: where its frames end
+RANK_ENTRY = "rank_main"  # the function in rank_child.py that calls the rank's fn: where its frames end
 
 # The torch.distributed calls that block until every rank takes part (those a torch lacks are skipped).
 COLLECTIVES = (
@@ -358,7 +358,9 @@ def main_thread_frames(dump: str) -> list[Frame]:
         entry = next((i for i, f in enumerate(frames) if f.function == RANK_ENTRY), None)
         if entry is not None:
             return frames[:entry]  # what the rank's fn called, not how levers9 got there
-    return parsed[0] if parsed else []
+    # faulthandler stops at 100 frames, so a deep stack (an import chain) can hide the entry frame: the
+    # thread that runs fn is then the oldest one, which faulthandler writes last.
+    return parsed[-1] if parsed else []
 
 
 def user_frame(frames: list[Frame]) -> Frame | None:

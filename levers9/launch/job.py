@@ -22,12 +22,11 @@ from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
-from levers9.errors import JobConfigError
+from levers9.errors import JobConfigError, add_note
 from levers9.launch.backend import Backend, Batch, CancelToken, backend_name, get_backend, new_run_id
 from levers9.launch.cells import Cell, check_cell, make_cells
 from levers9.launch.policy import check_policy
 from levers9.launch.progress import Reporter
-from levers9.launch.runner import add_note
 from levers9.launch.settings import load_settings
 from levers9.launch.spec import JobSpec, Retries, build_spec
 

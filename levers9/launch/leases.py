@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from levers9.launch import fds
+from levers9.procs import fds
 
 
 @dataclasses.dataclass

@@ -21,15 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from levers9.errors import JobTimeout
-from levers9.launch import fds, outcomes, runner
+from levers9.launch import job_child, outcomes
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.leases import Lease, LeaseDir
 from levers9.launch.outcomes import Cancelled, OutputTail
 from levers9.launch.policy import check_feasible
 from levers9.launch.pool import Pool, local_pool
-from levers9.launch.process import ship_function, start_job, start_method
 from levers9.launch.settings import lease_dir, load_settings
+from levers9.procs import start
+from levers9.procs.watch import Child, Watcher
 
 log = logging.getLogger("levers9.launch")
 
@@ -47,10 +48,9 @@ class LocalBackend:
             pool = local_pool(simulate=load_settings().simulate_gpus)
             groups = check_feasible(spec, pool)
             leases = LeaseDir(lease_dir() / pool.pool_id, [c.lock_name for c in pool.cards])
-        use_fork, why = start_method()
-        shipped = None if use_fork else ship_function(batch.func)
-        if not use_fork:
-            log.debug("starting jobs as fresh interpreters: %s", why)
+        method = start.choose()
+        if not method.forks:
+            log.debug("starting jobs as fresh interpreters: %s", method.reason)
         run_dir = outcomes.new_run_dir(batch.run_id)
         cpu_slots = threading.BoundedSemaphore(max(1, os.cpu_count() or 1)) if spec.gpu_count == 0 else None
         futures: list[Future[Any]] = []
@@ -59,7 +59,7 @@ class LocalBackend:
             future: Future[Any] = Future()
             ticket = leases.take_ticket(_eligible(groups)) if leases is not None else None
             sup = _Supervisor(
-                batch, cell, future, pool, leases, groups, ticket, cpu_slots, use_fork, shipped, run_dir
+                batch, cell, future, pool, leases, groups, ticket, cpu_slots, method, run_dir
             )
             futures.append(future)
             supervisors.append(sup)
@@ -87,13 +87,12 @@ class _Supervisor:
         groups: list[list[int]],
         ticket: Any,
         cpu_slots: threading.BoundedSemaphore | None,
-        use_fork: bool,
-        shipped: tuple[tuple[str, str] | None, bytes | None] | None,
+        method: start.StartMethod,
         run_dir: Path,
     ) -> None:
         self.batch, self.cell, self.future = batch, cell, future
         self.pool, self.leases, self.groups, self.ticket = pool, leases, groups, ticket
-        self.cpu_slots, self.use_fork, self.shipped, self.run_dir = cpu_slots, use_fork, shipped, run_dir
+        self.cpu_slots, self.method, self.run_dir = cpu_slots, method, run_dir
         self.label = batch.cell_label(cell)
 
     def stopped(self) -> bool:
@@ -156,11 +155,10 @@ class _Supervisor:
     def _run_process(self, attempt: int, lease: Lease | None) -> Any:
         spec, cell = self.batch.spec, self.cell
         run = outcomes.JobAttempt.begin(self.run_dir, self.label, cell.index, attempt, spec)
-        job_dir = run.job_dir
         cards = (
             [self.pool.cards[s] for s in lease.slots] if lease is not None and self.pool is not None else []
         )
-        env = runner.job_env(
+        env = job_child.job_env(
             spec,
             nvml_indices=[c.nvml_index for c in cards],
             gpu_type=cards[0].type_name if cards else "",
@@ -168,63 +166,52 @@ class _Supervisor:
             run_id=self.batch.run_id,
             cell_index=cell.index,
             attempt=attempt,
-            job_dir=job_dir,
+            job_dir=run.job_dir,
         )
-        lock_fds = list(lease.fds) if lease is not None else []
-        try:
-            proc, out_r, err_r = start_job(
-                self.use_fork, self.batch.func, self.shipped, cell, env, job_dir, lock_fds
-            )
-        finally:
-            if lease is not None:
-                lease.release()  # the job process holds the locks now
+        target = job_child.JobTarget(self.batch.func, cell.args, cell.kwargs, env)
+        shipped = None if self.method.forks else job_child.ship_target(target)
         tail = OutputTail()
-        readers = [
-            threading.Thread(
-                target=self._pump, args=(out_r, "stdout", job_dir / "stdout.log", tail), daemon=True
-            ),
-            threading.Thread(
-                target=self._pump, args=(err_r, "stderr", job_dir / "stderr.log", tail), daemon=True
-            ),
-        ]
-        for reader in readers:
-            reader.start()
-        card_text = ",".join(env["CUDA_VISIBLE_DEVICES"].split(",")) if cards else "no card"
-        self.batch.events.started(cell, card_text, attempt)
-        started = time.time()
-        killed_for = proc.watch(spec.timeout, spec.kill_grace, self.batch.cancel, self.future)
-        exitcode, signum = proc.status()
-        proc.kill_group()
-        for reader in readers:
-            reader.join(timeout=5.0)
+        with open(run.job_dir / "stdout.log", "ab") as out_log, open(run.job_dir / "stderr.log", "ab") as err_log:
+            logs = {"stdout": out_log, "stderr": err_log}
+
+            def on_line(child: Child, stream: str, line: str) -> None:
+                logs[stream].write(line.encode() + b"\n")
+                logs[stream].flush()
+                tail.add(line)
+                if spec.stream_output:
+                    self.batch.events.output(cell, stream, line)
+
+            watcher = Watcher(on_line)
+            try:
+                child = watcher.add(start.start(target, method=self.method, shipped=shipped, env=env,
+                                                keep=tuple(lease.fds) if lease is not None else (), name=self.label))  # fmt: skip
+            finally:
+                if lease is not None:
+                    lease.release()  # the job process holds the locks now
+            try:
+                card_text = env["CUDA_VISIBLE_DEVICES"] if cards else "no card"
+                self.batch.events.started(cell, card_text, attempt)
+                started = time.time()
+                supervision = outcomes.Supervision(watcher, child, spec.timeout, spec.kill_grace, self.stopped)
+                supervision.run()
+            finally:
+                watcher.stop(spec.kill_grace)
+                watcher.close()
         run.write_meta(
             {
-                "pid": proc.pid,
+                "pid": child.pid,
                 "cards": env.get("CUDA_VISIBLE_DEVICES", ""),
                 "attempt": attempt,
                 "started": started,
                 "ended": time.time(),
-                "exit_code": exitcode,
-                "signal": signum,
-                "killed_for": killed_for,
+                "exit_code": child.exitcode,
+                "signal": child.signal,
+                "killed_for": supervision.killed_for,
             }
         )
-        if killed_for == "cancel":
+        if supervision.killed_for == "cancel":
             raise Cancelled()
-        if killed_for == "timeout":
-            raise outcomes.timed_out(run, spec.timeout, proc.pid)
-        return outcomes.result(run, proc.pid, exitcode, signum, tail)
-
-    def _pump(self, fd: int, stream: str, log_path: Path, tail: OutputTail) -> None:
-        """Copy a job's output to its log file, the tail and the caller, line by line."""
-        try:
-            with open(fd, "rb", closefd=False) as pipe, open(log_path, "ab") as log_file:
-                for raw in pipe:
-                    log_file.write(raw)
-                    log_file.flush()
-                    line = raw.decode("utf-8", errors="replace")
-                    tail.add(line)
-                    if self.batch.spec.stream_output:
-                        self.batch.events.output(self.cell, stream, line.rstrip("\n"))
-        finally:
-            fds.close(fd)
+        if supervision.killed_for == "timeout":
+            raise outcomes.timed_out(run, spec.timeout, child.pid)
+        outcome = (child.result, child.failure) if child.reported else None
+        return outcomes.result(run, child.pid, child.status or (None, None), outcome, tail, hint=supervision.oom_hint())

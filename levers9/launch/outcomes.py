@@ -2,7 +2,8 @@
 
 `new_run_dir` makes the run's log folder and `JobAttempt.begin` one folder per attempt in it.
 `attempt_cell` is the retry loop that resolves a cell's Future, retrying the failures retries= names
-(`failure_kind`). `timed_out` and `result` turn a finished attempt into its return value or the
+(`failure_kind`). `Supervision` watches one started job process until it ends, stopping it on
+timeout or cancel. `timed_out` and `result` turn a finished attempt into its return value or the
 exception the caller sees (JobTimeout, JobCrashed with the output's tail, or the job's own
 exception with a note saying where it ran), with the same words whichever backend ran it.
 """
@@ -15,18 +16,20 @@ import dataclasses
 import json
 import logging
 import shutil
-import signal
+import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import Any
 
-from levers9.errors import JobCrashed, JobTimeout, RankFailure, signal_name
-from levers9.launch import runner
+from levers9.errors import JobCrashed, JobTimeout, RankFailure, RemoteError, add_note, signal_name
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.settings import runs_dir
 from levers9.launch.spec import JobSpec
+from levers9.procs import oom
+from levers9.procs.failure import Failure, rebuild, unship
+from levers9.procs.watch import Child, Watcher
 
 KEEP_RUNS = 50  # run folders kept under runs_dir(); older ones are removed when a new run starts
 TAIL_LINES = 40  # lines of a job's output kept for the message when it crashes
@@ -176,31 +179,70 @@ def timed_out(run: JobAttempt, timeout: float | None, pid: int, node: str | None
     )
 
 
+class Supervision:
+    """One job process watched until it ends: stopped (SIGTERM, `grace`, SIGKILL to its whole group) when
+    `timeout` passes or `should_stop()` turns true. Step it; `killed_for` says why it was stopped."""
+
+    def __init__(self, watcher: Watcher, child: Child, timeout: float | None, grace: float,
+                 should_stop: Callable[[], bool]) -> None:  # fmt: skip
+        self.watcher, self.child, self.grace, self.should_stop = watcher, child, grace, should_stop
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.killed_for: str | None = None
+        self.oom_before = oom.oom_kills()
+
+    def step(self, wait: float) -> bool:
+        """Pump for up to `wait` s; True once the job process has ended (and was stopped, if it had to be)."""
+        if self.deadline is not None:
+            wait = max(0.0, min(wait, self.deadline - time.monotonic()))
+        self.watcher.pump(wait)
+        if self.child.poll():
+            self.watcher.drain()
+            self.watcher.stop(0)  # whatever it left behind in its group
+            return True
+        if self.should_stop():
+            self.killed_for = "cancel"
+        elif self.deadline is not None and time.monotonic() >= self.deadline:
+            self.killed_for = "timeout"
+        else:
+            return False
+        self.watcher.stop(self.grace)
+        self.watcher.drain()
+        return True
+
+    def run(self) -> None:
+        """Step until the job process has ended."""
+        while not self.step(0.1):
+            pass
+
+    def oom_hint(self) -> str:
+        return oom.crash_hint(self.child.signal, self.oom_before, oom.oom_kills())
+
+
 def result(
     run: JobAttempt,
     pid: int,
-    exitcode: int | None,
-    signum: int | None,
+    status: tuple[int | None, int | None],
+    outcome: tuple[bytes | None, Failure | None] | None,
     tail: OutputTail,
     node: str | None = None,
+    hint: str = "",
 ) -> Any:
-    """The value of a finished attempt from its outcome file; raises the job's exception with a note
-    saying where it ran, or JobCrashed (how it ended, the output's tail) if it wrote no outcome."""
-    outcome = runner.read_outcome(run.job_dir, run.label)
-    if outcome is None:
+    """The value of a finished attempt; raises the job's exception with a note saying where it ran, or
+    JobCrashed (how it ended, the output's tail, `hint`) if it reported no outcome or called sys.exit(N)."""
+    exitcode, signum = status
+    value, failure = outcome if outcome is not None else (None, None)
+    if outcome is None or (failure is not None and failure.is_exit):
+        if failure is not None:
+            exitcode = failure.exitcode
         how = f"was killed by {signal_name(signum)}" if signum is not None else f"exited with code {exitcode}"
-        hint = (
-            " (SIGKILL with no one asking is usually the out-of-memory killer)"
-            if signum == signal.SIGKILL
-            else ""
-        )
         raise JobCrashed(
-            f"{run.label} (pid {pid}{_on(node)}) {how} before returning{hint}; {run.attempts}. "
+            f"{run.label} (pid {pid}{_on(node)}) {how} before returning;{hint} {run.attempts}. "
             f"Last output:\n{tail.last_output}\n{run.where}",
             RankFailure(rank=run.index, pid=pid, exitcode=exitcode, signal=signum, output_tail=tail.text),
         )
-    ok, value = outcome
-    if ok:
-        return value
-    runner.add_note(value, f"levers9: {run.label} ran as pid {pid}{_on(node)} ({run.attempts}). {run.where}")
-    raise value
+    if failure is None:
+        return None if value is None else unship(value)
+    exc = rebuild(failure) or RemoteError(failure.exc_type, failure.message, failure.traceback)
+    add_note(exc, f"levers9: traceback of {run.label}, from its job process:\n{failure.traceback.rstrip()}")
+    add_note(exc, f"levers9: {run.label} ran as pid {pid}{_on(node)} ({run.attempts}). {run.where}")
+    raise exc

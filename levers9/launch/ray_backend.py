@@ -8,8 +8,8 @@ custom resource `levers9_<type>: N` that `levers9 ray node-args` declares on eac
 anything is submitted, the alive nodes are read and a job no node could ever hold fails at once.
 
 Inside the task runs the local executor's job machinery: the task is only a supervisor that starts
-the job as its own process (runner.run_cell, by fork when safe), pins exactly the task's cards,
-enforces the timeout on the job's process group, and streams output lines and the outcome file back
+the job as its own process (levers9.procs, by fork when safe), pins exactly the task's cards,
+enforces the timeout on the job's process group, and streams output lines and the outcome back
 as the items of a Ray generator. The caller turns them into the same results, exceptions, logs and
 retries as locally. Cancelling kills the task with ray.cancel(force=True); the job process notices
 through its lifeline pipe and its whole group dies with the task.
@@ -37,18 +37,18 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
 import ray
 
 from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, NotShippableError, RankFailure
-from levers9.launch import fds, outcomes, runner
-from levers9.launch.backend import Batch, CancelToken
+from levers9.launch import job_child, outcomes
+from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.outcomes import Cancelled, OutputTail
-from levers9.launch.process import JobProcess, ship_function, start_job, start_method
 from levers9.launch.ray_cli import RESOURCE_PREFIX, node_resources, resource_name
 from levers9.launch.spec import JobSpec
-from levers9.launch.worker import resolve
+from levers9.procs import start
+from levers9.procs.failure import ship, unship
+from levers9.procs.watch import Watcher
 
 log = logging.getLogger("levers9.launch.ray")
 
@@ -67,13 +67,19 @@ class RayBackend:
         """Connect, check that some alive node could hold the job, then follow one Ray task per cell."""
         connect()
         plan = plan_job(batch.spec, alive_nodes())
-        func_ref, func_blob = ship_function(batch.func)
+        try:
+            func_blob = ship(batch.func)
+        except Exception as exc:
+            raise NotShippableError(
+                f"{batch.spec.name} cannot be sent to a Ray task ({type(exc).__name__}: {exc}); define it at "
+                f"module level, with arguments and globals that can be pickled."
+            ) from exc
         run_dir = outcomes.new_run_dir(batch.run_id)
         sys_path = [p for p in sys.path if p]
         cells: list[_RayCell] = []
         for cell in batch.cells:
             try:
-                arguments = cloudpickle.dumps((cell.args, dict(cell.kwargs)))
+                arguments = ship((cell.args, dict(cell.kwargs)))
             except Exception as exc:
                 raise NotShippableError(
                     f"the arguments of {batch.cell_label(cell)} {cell.describe()} cannot be pickled "
@@ -81,7 +87,6 @@ class RayBackend:
                 ) from exc
             payload = {
                 "sys_path": sys_path,
-                "func_ref": func_ref,
                 "func": func_blob,
                 "arguments": arguments,
                 "spec": batch.spec,
@@ -423,9 +428,8 @@ class _RayCell:
         )
         if end["killed_for"] == "timeout":
             raise outcomes.timed_out(run, spec.timeout, pid, node)
-        if end["outcome"] is not None:
-            (job_dir / runner.RESULT_FILE).write_bytes(end["outcome"])
-        return outcomes.result(run, pid, end["exitcode"], end["signal"], tail, node)
+        status = (end["exitcode"], end["signal"])
+        return outcomes.result(run, pid, status, end["outcome"], tail, node, hint=end["hint"])
 
 
 def _free_gpus() -> str:
@@ -440,21 +444,21 @@ def _free_gpus() -> str:
 
 def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """Start the cell as a job process with exactly this task's cards, and report on it: one 'started'
-    item, 'output' items with batches of lines, one 'end' item with the outcome file's bytes."""
+    item, 'output' items with batches of lines, one 'end' item with the job's outcome."""
     for entry in reversed(payload["sys_path"]):
         if entry not in sys.path:
             sys.path.insert(0, entry)
-    func_ref, func_blob = payload["func_ref"], payload["func"]
-    func = resolve(*func_ref) if func_ref is not None else cloudpickle.loads(func_blob)
-    args, kwargs = cloudpickle.loads(payload["arguments"])
+    func = unship(payload["func"])
+    args, kwargs = unship(payload["arguments"])
     spec: JobSpec = payload["spec"]
     index, attempt = int(payload["index"]), int(payload["attempt"])
     ids = [str(i) for i in ray.get_gpu_ids()] if spec.gpu_count else []
     simulated, gpu_type = _cards_of_task(ids, payload["gpu_type"])
     job_dir = _scratch_dir(index, attempt)
-    proc: JobProcess | None = None
+    lines: collections.deque[tuple[str, str]] = collections.deque()
+    watcher = Watcher(lambda child, stream, line: lines.append((stream, line + "\n")))
     try:
-        env = runner.job_env(
+        env = job_child.job_env(
             spec,
             nvml_indices=list(range(len(ids))),
             gpu_type=gpu_type,
@@ -465,55 +469,37 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
             job_dir=job_dir,
         )
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)  # Ray's ids for this task; "" for a CPU job
-        cell = Cell(index, args, kwargs)
-        proc, out_r, err_r = start_job(start_method()[0], func, (func_ref, func_blob), cell, env, job_dir, [])
-        lines: collections.deque[tuple[str, str]] = collections.deque()
-        pumps = [
-            threading.Thread(target=_pump, args=(out_r, "stdout", lines), daemon=True),
-            threading.Thread(target=_pump, args=(err_r, "stderr", lines), daemon=True),
-        ]
-        for pump in pumps:
-            pump.start()
+        target = job_child.JobTarget(func, args, kwargs, env)
+        method = start.choose()
+        shipped = None if method.forks else job_child.ship_target(target)
+        child = watcher.add(start.start(target, method=method, shipped=shipped, env=env, name=f"cell {index}"))
         yield {
             "kind": "started",
-            "pid": proc.pid,
+            "pid": child.pid,
             "cards": env["CUDA_VISIBLE_DEVICES"],
             "node": ray.util.get_node_ip_address(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "time": time.time(),
         }
-        outcome: list[str | None] = []
-        running = proc
-        watcher = threading.Thread(
-            target=lambda: outcome.append(
-                running.watch(spec.timeout, spec.kill_grace, CancelToken(), Future())
-            ),
-            daemon=True,
-        )
-        watcher.start()
-        while watcher.is_alive():
-            watcher.join(OUTPUT_EVERY)
+        supervision = outcomes.Supervision(watcher, child, spec.timeout, spec.kill_grace, lambda: False)
+        while not supervision.step(OUTPUT_EVERY):
             if lines:
                 yield {"kind": "output", "lines": _drain(lines)}
-        proc.kill_group()  # whatever the job left behind in its group
-        for pump in pumps:
-            pump.join(timeout=5.0)
         if lines:
             yield {"kind": "output", "lines": _drain(lines)}
-        exitcode, signum = proc.status()
-        result = job_dir / runner.RESULT_FILE
         yield {
             "kind": "end",
-            "pid": proc.pid,
-            "killed_for": outcome[0] if outcome else None,
-            "exitcode": exitcode,
-            "signal": signum,
-            "outcome": result.read_bytes() if result.exists() else None,
+            "pid": child.pid,
+            "killed_for": supervision.killed_for,
+            "exitcode": child.exitcode,
+            "signal": child.signal,
+            "outcome": (child.result, child.failure) if child.reported else None,
+            "hint": supervision.oom_hint(),
             "time": time.time(),
         }
     finally:
-        if proc is not None:
-            proc.kill_group()
+        watcher.stop(spec.kill_grace)
+        watcher.close()
         shutil.rmtree(job_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             job_dir.parent.rmdir()  # only if no other job uses it
@@ -562,16 +548,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _pump(fd: int, stream: str, lines: collections.deque[tuple[str, str]]) -> None:
-    """Queue a job's output lines for the next 'output' item."""
-    try:
-        with open(fd, "rb", closefd=False) as pipe:
-            for raw in pipe:
-                lines.append((stream, raw.decode("utf-8", errors="replace")))
-    finally:
-        fds.close(fd)
 
 
 def _drain(lines: collections.deque[tuple[str, str]]) -> list[tuple[str, str]]:

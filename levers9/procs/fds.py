@@ -1,10 +1,10 @@
-"""The file descriptors the job layer opens, so a forked job closes every one that is not its own.
+"""Parent side: every descriptor levers9 opens for its children, so a forked child closes those not its own.
 
 A flock is released only when every copy of its descriptor is closed, and a pipe reports end of
-file only when every copy of its write end is closed. A job forked from one thread would inherit the
-lease locks, tickets and pipes of jobs being started from other threads, and hold them for its own
-lifetime. Everything opened here is tracked under one lock, and `fork_job` forks under that lock so
-the child's snapshot is exact.
+file only when every copy of its write end is closed. A child forked while other children are being
+started would inherit their lease locks, tickets and pipes, and hold them for its own lifetime.
+Everything opened here is tracked under one lock, and `fork_child` forks under that lock so the
+child's snapshot is exact.
 """
 
 from __future__ import annotations
@@ -33,6 +33,12 @@ def pipe() -> tuple[int, int]:
         return read_end, write_end
 
 
+def is_tracked(fd: int) -> bool:
+    """True if `fd` was opened here and is not closed yet."""
+    with _lock:
+        return fd in _tracked
+
+
 def close(fd: int) -> None:
     """Close a tracked descriptor (a no-op if it is already closed)."""
     with _lock:
@@ -41,7 +47,7 @@ def close(fd: int) -> None:
             os.close(fd)
 
 
-def fork_job(keep: Iterable[int], child: Callable[[], None]) -> int:
+def fork_child(keep: Iterable[int], child: Callable[[], None]) -> int:
     """Fork; in the child close every tracked descriptor not in `keep`, then run `child` (which must not return)."""
     keep = set(keep)
     with _lock:

@@ -1,0 +1,79 @@
+"""Child side: what runs inside each rank that `distributed.run` started.
+
+The parent starts each rank through levers9.procs with a RankTarget; the rank sets up the stall
+board, takes its place in the world (torchrun's variables), joins the group, calls fn and ships rank
+0's value back (every other rank sends None). Failures travel through procs' failure codec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from levers9.distributed import stalls
+from levers9.procs.failure import ship_value, unship
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank needs to know about its place, given by the parent."""
+
+    rank: int
+    world_size: int
+    backend: str
+    port: int
+    call_without_cfg: bool
+    run_folder: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RankTarget:
+    """fn and cfg for one rank: as they are (forked ranks) or shipped as bytes (fresh interpreters)."""
+
+    spec: RankSpec
+    fn_and_cfg: tuple[Callable[..., Any], Any] | bytes
+
+    def __call__(self) -> bytes | None:
+        fn, cfg = unship(self.fn_and_cfg) if isinstance(self.fn_and_cfg, bytes) else self.fn_and_cfg
+        return rank_main(self.spec, fn, cfg)
+
+
+def rank_main(spec: RankSpec, fn: Callable[..., Any], cfg: Any) -> bytes | None:
+    """Run fn on this rank; rank 0's value shipped for the caller, None on the others."""
+    stalls.enable_stack_dumps(spec.run_folder, spec.rank)
+    slot = stalls.RankSlot(spec.run_folder, spec.rank)
+    stalls.instrument_collectives(slot)
+    stalls.start_recorder_sampler(slot, spec.run_folder, spec.rank)
+    try:
+        _join_group(spec)
+        result = fn() if spec.call_without_cfg else fn(cfg)
+        return ship_value(to_cpu(result), "rank 0's return value") if spec.rank == 0 else None
+    finally:
+        from levers9.distributed import group
+
+        group.destroy_own_group()
+
+
+def to_cpu(value: Any) -> Any:
+    """`value` with every tensor inside dicts, lists and tuples moved to the CPU (the parent must not touch CUDA)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if type(value) is dict:
+        return {k: to_cpu(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
+def _join_group(spec: RankSpec) -> None:
+    import torch.distributed as td
+
+    from levers9.distributed import group
+
+    store = td.TCPStore("127.0.0.1", spec.port, None, False, group.pg_timeout())
+    group.init_group(backend=spec.backend, rank=spec.rank, world_size=spec.world_size, local_rank=spec.rank, store=store)

@@ -1,0 +1,167 @@
+"""Child side: what runs inside a child that start.py started, forked or as a fresh interpreter.
+
+The child leads its own session, dies with its parent (the kernel's parent-death signal for itself,
+and a watchdog process in its group that kills the whole group once the parent's lifeline pipe
+reads end of file, so what the target started dies too), writes its output to the parent's pipes,
+runs the target and sends back one message: ("result", value) or ("error", Failure). The target's
+value must already be bytes or None (the caller's target decides what is shipped back).
+
+`python -m levers9.procs.child` is the fresh-interpreter entry: everything arrives on stdin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import faulthandler
+import io
+import os
+import pickle
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from levers9.procs.failure import capture, send, unship
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Ends:
+    """The child's ends of its pipes, and who its parent is."""
+
+    parent_pid: int
+    msg_fd: int
+    out_fd: int
+    err_fd: int
+    lifeline_fd: int
+
+
+def forked_main(target: Callable[[], Any], ends: Ends, env: dict[str, str]) -> NoReturn:
+    """Entry point right after os.fork(): never returns."""
+    status = 70
+    try:
+        with contextlib.suppress(OSError):
+            os.setsid()
+        die_with_parent(ends.parent_pid)
+        _redirect_stdio(ends.out_fd, ends.err_fd)
+        status = run_target(target, ends, env)
+    finally:
+        os._exit(status)
+
+
+def fresh_main() -> NoReturn:
+    """Entry point of a fresh interpreter: sys.path, cwd, ends, env and the shipped target come on stdin."""
+    sys_path, cwd, ends, env, blob = pickle.loads(sys.stdin.buffer.read())
+    die_with_parent(ends.parent_pid)
+    sys.path[:] = sys_path
+    with contextlib.suppress(OSError):
+        os.chdir(cwd)
+    _null_stdin()
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    status = 1
+    try:
+        target = unship(blob)
+    except BaseException as exc:  # noqa: BLE001 - the parent must hear why
+        send(ends.msg_fd, ("error", capture(exc)))
+    else:
+        status = run_target(target, ends, env)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
+def run_target(target: Callable[[], Any], ends: Ends, env: dict[str, str]) -> int:
+    """Run the target and send its outcome; returns the exit status to leave with."""
+    os.environ.update(env)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    _start_watchdog(ends.lifeline_fd)
+    status = 0
+    try:
+        send(ends.msg_fd, ("result", target()))
+    except SystemExit as exc:
+        code = exc.code
+        if code is None or code == 0:
+            send(ends.msg_fd, ("result", None))
+        else:
+            status = code if isinstance(code, int) else 1
+            if not isinstance(code, int):
+                print(code, file=sys.stderr)
+            send(ends.msg_fd, ("error", capture(exc, exitcode=status)))
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        status = 1
+        send(ends.msg_fd, ("error", capture(exc)))
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+    return status
+
+
+def die_with_parent(expected_parent: int) -> None:
+    """Ask the kernel to SIGKILL this process when the parent's forking thread exits (Linux); exit now
+    if the parent is already gone."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != expected_parent:
+        os._exit(1)
+
+
+def _start_watchdog(lifeline_fd: int) -> None:
+    """Fork a tiny process into this child's group that kills the whole group once the lifeline reads end
+    of file (the parent died). A process, not a thread: it works while the target holds the GIL, and it
+    outlives the child, so what the child started dies too."""
+    if os.fork() != 0:
+        os.close(lifeline_fd)
+        return
+    try:
+        os.closerange(0, lifeline_fd)
+        os.closerange(lifeline_fd + 1, 4096)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        while True:
+            try:
+                if not os.read(lifeline_fd, 1):
+                    break
+            except InterruptedError:
+                continue
+            except OSError:
+                break
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    finally:
+        os._exit(0)
+
+
+def _null_stdin() -> None:
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+
+
+def _redirect_stdio(out_fd: int, err_fd: int) -> None:
+    """Point fds 1 and 2 at the parent's pipes, and give Python fresh line-buffered writers on them."""
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    for fd in {out_fd, err_fd} - {1, 2}:
+        os.close(fd)
+    _null_stdin()
+    sys.stdout = _line_stream(1)
+    sys.stderr = _line_stream(2)
+
+
+def _line_stream(fd: int) -> io.TextIOWrapper:
+    """A line-buffered UTF-8 text stream on `fd` that never fails on what it is given to write."""
+    return io.TextIOWrapper(
+        io.FileIO(fd, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True, write_through=True
+    )
+
+
+if __name__ == "__main__":
+    fresh_main()

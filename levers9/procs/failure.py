@@ -1,0 +1,160 @@
+"""What crosses the process boundary, on both sides: framed messages, a failure record, values shipped.
+
+A child talks to its parent over one pipe, in length-prefixed pickled messages:
+    ("result", bytes | None)     the target returned (its value shipped, or None when not asked for)
+    ("error", Failure)           the target raised, called sys.exit(non-zero), or its value could not be shipped
+The parent reads them with a FrameReader as they arrive; `rebuild` turns a Failure back into the
+original exception where its type can be unpickled here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import struct
+import time
+import traceback
+from typing import Any
+
+_HEADER = struct.Struct("!Q")
+
+# Errors a child raises only because a peer died first: never the root cause when a real one exists.
+PEER_LOSS_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "communicator was aborted",
+    "NCCL communicator",
+    "Socket Timeout",
+    "failed to recv",
+    "Connection refused",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """A child's failure as it crosses the pipe: the exception (pickled if it can be), its traceback with
+    the cause chain, when it happened, and the exit code the child leaves with."""
+
+    exc_blob: bytes | None
+    exc_type: str
+    message: str
+    traceback: str
+    when: float
+    peer_loss: bool
+    exitcode: int = 1
+
+    @property
+    def is_exit(self) -> bool:
+        """True when the child called sys.exit(non-zero) rather than raising."""
+        return self.exc_type == "SystemExit"
+
+
+def capture(exc: BaseException, exitcode: int = 1) -> Failure:
+    """The Failure for `exc`, pickling the exception itself when that works."""
+    try:
+        blob: bytes | None = ship(exc)
+    except Exception:
+        blob = None
+    message = str(exc)
+    return Failure(
+        exc_blob=blob,
+        exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
+        message=message,
+        traceback="".join(traceback.format_exception(exc)),
+        when=time.monotonic(),
+        peer_loss=any(marker in message for marker in PEER_LOSS_MARKERS),
+        exitcode=exitcode,
+    )
+
+
+def rebuild(failure: Failure) -> BaseException | None:
+    """The child's original exception object, if it unpickles here."""
+    if failure.exc_blob is None:
+        return None
+    try:
+        exc = pickle.loads(failure.exc_blob)
+    except Exception:
+        return None
+    return exc if isinstance(exc, BaseException) else None
+
+
+def send(fd: int, message: tuple[Any, ...]) -> None:
+    """Write one framed message (blocking until it is all written)."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(_HEADER.pack(len(data)) + data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+class FrameReader:
+    """Reassembles framed messages from the chunks a non-blocking read returns."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, chunk: bytes) -> list[tuple[Any, ...]]:
+        """Add `chunk`; return every message now complete."""
+        self._buffer += chunk
+        messages = []
+        while len(self._buffer) >= _HEADER.size:
+            (length,) = _HEADER.unpack_from(self._buffer)
+            if len(self._buffer) < _HEADER.size + length:
+                break
+            body = bytes(self._buffer[_HEADER.size : _HEADER.size + length])
+            del self._buffer[: _HEADER.size + length]
+            messages.append(pickle.loads(body))
+        return messages
+
+
+def ship(value: Any) -> bytes:
+    """`value` pickled by value where needed (cloudpickle), refusing open files (which cloudpickle would
+    silently replace by a copy of their contents) so the receiver never gets something else than it expects."""
+    import cloudpickle
+
+    class _Shipper(cloudpickle.CloudPickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, io.IOBase) and not isinstance(obj, (io.StringIO, io.BytesIO)):
+                raise pickle.PicklingError(f"an open file ({getattr(obj, 'name', type(obj).__name__)!r}) cannot be shipped")
+            return super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    _Shipper(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buffer.getvalue()
+
+
+def ship_value(value: Any, what: str) -> bytes:
+    """A target's return value shipped for the caller, or NotShippableError naming the part that cannot be pickled."""
+    from levers9.errors import NotShippableError
+
+    try:
+        return ship(value)
+    except Exception as exc:
+        raise NotShippableError(
+            f"{what} cannot be pickled to reach the caller: {unpicklable_part(value)} ({type(exc).__name__}: "
+            f"{exc}). Expected plain data (numbers, strings, lists, dicts, CPU tensors); return that instead, "
+            f"e.g. a dict of metrics, and save models or large data to disk and return the path."
+        ) from exc
+
+
+def unship(blob: bytes) -> Any:
+    """The value `ship` packed."""
+    return pickle.loads(blob)
+
+
+def unpicklable_part(value: Any, path: str = "result") -> str:
+    """A description of the first part of `value` that cannot be pickled, e.g. "result['log'] (a TextIOWrapper)"."""
+    items: list[tuple[str, Any]] = []
+    if isinstance(value, dict):
+        items = [(f"{path}[{key!r}]", item) for key, item in value.items()]
+    elif isinstance(value, (list, tuple)):
+        items = [(f"{path}[{i}]", item) for i, item in enumerate(value)]
+    for where, item in items:
+        try:
+            ship(item)
+        except Exception:
+            return unpicklable_part(item, where)
+    return f"{path} (a {type(value).__module__}.{type(value).__qualname__})"

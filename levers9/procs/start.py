@@ -1,0 +1,211 @@
+"""Parent side: start a child process, the fastest way that is safe.
+
+The rule, in one place: fork where that is safe, start a fresh interpreter where it is not.
+Forking is safe on Linux while CUDA is untouched in this process (a child forked after the CUDA
+driver was initialised cannot use CUDA). Forks never happen on the caller's thread: they happen on
+one long-lived forker thread that never runs user work. A child is a copy of the thread that forked
+it, so it inherits no OpenMP team of the caller's (GNU OpenMP keeps a thread's team in that
+thread's own storage; a child forked from a thread that ran a parallel region hangs in its first
+one). The kernel's parent-death signal follows the thread that forked, so that thread lives as long
+as this process. `LEVERS9_START_METHOD=spawn` forces fresh interpreters; `=fork` insists on forking.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from levers9.errors import ConfigError
+from levers9.procs import child, fds
+from levers9.procs.watch import Child
+
+START_VAR = "LEVERS9_START_METHOD"
+T = TypeVar("T")
+
+# Python 3.12+ warns on every fork of a process with threads; levers9 forks from its own forker thread
+# on purpose (see above), and the child runs only levers9's child code before the user's target.
+warnings.filterwarnings("ignore", message=r".*multi-threaded, use of fork\(\) may lead to deadlocks", category=DeprecationWarning)
+
+
+@dataclasses.dataclass(frozen=True)
+class StartMethod:
+    """'fork' or 'spawn' (a fresh interpreter), and why children cannot be forked when they are not."""
+
+    method: str
+    reason: str = ""
+
+    @property
+    def forks(self) -> bool:
+        return self.method == "fork"
+
+
+def fork_is_safe() -> tuple[bool, str]:
+    """(True, "") if children forked now can use CUDA, else (False, the reason)."""
+    if sys.platform != "linux":
+        return False, f"fork is only used on Linux (this is {sys.platform})"
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None) if torch is not None else None
+    if cuda is not None and cuda.is_initialized():
+        return False, "CUDA is already initialised in this process"
+    if _cuda_driver_loaded():
+        return False, "the CUDA driver (libcuda) is already loaded in this process"
+    return True, ""
+
+
+def _cuda_driver_loaded() -> bool:
+    """True if libcuda.so is mapped into this process (someone called into the CUDA driver)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            return any("libcuda.so" in line for line in maps)
+    except OSError:
+        return False
+
+
+def choose(requested: str | None = None) -> StartMethod:
+    """The start method: `requested` ('fork', 'spawn' or None), else $LEVERS9_START_METHOD, else fork where safe."""
+    source = "start_method=" if requested else f"{START_VAR}="
+    requested = requested or os.environ.get(START_VAR) or "auto"
+    if requested not in ("auto", "fork", "spawn"):
+        raise ConfigError(
+            f"{source}{requested!r}; expected 'fork', 'spawn' or unset (fork where safe, else a fresh interpreter)."
+        )
+    safe, reason = fork_is_safe()
+    if requested == "fork" and not safe:
+        raise ConfigError(f"{source}'fork' is not safe here: {reason}. Pass 'spawn', or leave it unset.")
+    if requested == "spawn":
+        return StartMethod("spawn", f"{source}'spawn' was asked for")
+    return StartMethod("fork") if safe else StartMethod("spawn", reason)
+
+
+class _Forker:
+    """One long-lived daemon thread that does every fork and exec of this process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """fn() run on the forker thread; its value or its exception."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="levers9-forker", daemon=True)
+                self._thread.start()
+        if threading.current_thread() is self._thread:
+            return fn()
+        future: Future[T] = Future()
+        self._requests.put((fn, future))
+        return future.result()
+
+    def _serve(self) -> None:
+        while True:
+            fn, future = self._requests.get()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                future.set_exception(exc)
+
+    def forget(self) -> None:
+        """In a forked child: the forker thread is not there; the next call starts a new one."""
+        self._lock = threading.Lock()
+        self._requests = queue.SimpleQueue()
+        self._thread = None
+
+
+_forker = _Forker()
+_lifeline_lock = threading.Lock()
+_lifeline: tuple[int, int] | None = None
+
+
+def _lifeline_read_end() -> int:
+    """The read end of this process's lifeline pipe; the write end stays open until this process dies."""
+    global _lifeline
+    with _lifeline_lock:
+        if _lifeline is None:
+            _lifeline = fds.pipe()
+        return _lifeline[0]
+
+
+def _after_fork_in_child() -> None:
+    global _lifeline, _lifeline_lock
+    _lifeline, _lifeline_lock = None, threading.Lock()
+    _forker.forget()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def start(
+    target: Callable[[], Any],
+    *,
+    method: StartMethod,
+    shipped: bytes | None = None,
+    env: dict[str, str] | None = None,
+    keep: tuple[int, ...] = (),
+    name: str = "",
+) -> Child:
+    """Start a child that runs `target()` and sends back its outcome (see child.py).
+
+    Forked: `target` is used as it is (nothing is pickled). Fresh interpreter: `shipped` must be
+    `failure.ship(target)`; the caller ships it so that it can say what could not be pickled. The
+    child is the leader of its own session, gets `env` on top of this process's environment, and
+    keeps the descriptors in `keep` (lock files it must hold) besides its own pipes.
+    """
+    env = dict(env or {})
+    msg_r, msg_w = fds.pipe()
+    out_r, out_w = fds.pipe()
+    err_r, err_w = fds.pipe()
+    lifeline = _lifeline_read_end()
+    parent = os.getpid()
+    ends = child.Ends(parent, msg_w, out_w, err_w, lifeline)
+    try:
+        if method.forks:
+            _flush_std_streams()
+            keep_fds = (msg_w, out_w, err_w, lifeline, *keep)
+            pid = _forker.call(lambda: fds.fork_child(keep_fds, lambda: child.forked_main(target, ends, env)))
+            handle = Child(pid, None, msg_r, out_r, err_r, name)
+        else:
+            if shipped is None:
+                raise ValueError("start(method=spawn) needs shipped=failure.ship(target)")
+            popen = _forker.call(lambda: _exec(ends, env, keep))
+            handle = Child(popen.pid, popen, msg_r, out_r, err_r, name)
+            assert popen.stdin is not None
+            with contextlib.suppress(BrokenPipeError):
+                pickle.dump((list(sys.path), os.getcwd(), ends, env, shipped), popen.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+                popen.stdin.close()
+    except BaseException:
+        for fd in (msg_r, out_r, err_r):
+            fds.close(fd)
+        raise
+    finally:
+        for fd in (msg_w, out_w, err_w):
+            fds.close(fd)
+    return handle
+
+
+def _exec(ends: child.Ends, env: dict[str, str], keep: tuple[int, ...]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "levers9.procs.child"],
+        stdin=subprocess.PIPE,
+        stdout=ends.out_fd,
+        stderr=ends.err_fd,
+        pass_fds=(ends.msg_fd, ends.lifeline_fd, *keep),
+        env={**os.environ, **env},
+        start_new_session=True,
+    )
+
+
+def _flush_std_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
