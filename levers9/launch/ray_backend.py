@@ -41,7 +41,7 @@ import cloudpickle
 import ray
 
 from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, NotShippableError, RankFailure
-from levers9.launch import fds, outcomes, runner
+from levers9.launch import fds, outcomes, runner, runs
 from levers9.launch.backend import Batch, CancelToken
 from levers9.launch.cells import Cell
 from levers9.launch.outcomes import Cancelled, OutputTail
@@ -68,7 +68,7 @@ class RayBackend:
         connect()
         plan = plan_job(batch.spec, alive_nodes())
         func_ref, func_blob = ship_function(batch.func)
-        run_dir = outcomes.new_run_dir(batch.run_id)
+        run_dir = runs.run_folder(batch.run_id)
         sys_path = [p for p in sys.path if p]
         cells: list[_RayCell] = []
         for cell in batch.cells:
