@@ -213,6 +213,7 @@ def _resolve_job(module: str, qualname: str) -> Any:
 
 
 ORDERS = ("input", "completed")
+RECORD_WAIT = 10.0  # seconds close() waits for the last results to be stored
 T = TypeVar("T")
 
 
@@ -323,6 +324,10 @@ class MapResults(Generic[T]):
         if self._reporter is not None:
             self._reporter.close()
         if self._record is not None:
+            # Futures wake their waiters before running done-callbacks: wait for the callback that
+            # closes the record (it runs after every result was stored), so a resume right after
+            # this sweep finds them all.
+            self._record.closed.wait(RECORD_WAIT)
             self._record.close()
 
     def __enter__(self) -> MapResults[T]:

@@ -135,6 +135,7 @@ class RunRecord:
             "cells": {str(cell.index): cell.describe() for cell in cells},
         }
         self._lock = threading.Lock()
+        self.closed = threading.Event()  # set once run.json has its end (and every result was stored)
         self.done = 0
         self.failed = 0
         self.reused = 0
@@ -210,6 +211,7 @@ class RunRecord:
         self._meta.update(ended=time.time(), done=self.done, failed=self.failed, reused=self.reused)
         with contextlib.suppress(OSError):
             _write_json(self.path / RUN_FILE, self._meta)
+        self.closed.set()
 
 
 def describe_error(error: BaseException) -> str:
