@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from levers9.cli import main as cli_main
-from levers9.errors import JobConfigError
+from levers9.errors import InfeasibleJobError, JobConfigError
 from levers9.launch import job, runs
 from levers9.launch.cells import Cell
-from levers9.launch.settings import runs_dir
+from levers9.launch.settings import runs_dir, update_settings
 from tests import jobfns, ray_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,7 +123,10 @@ def test_unknown_order_is_refused_before_anything_starts() -> None:
     fn = job(gpu="RTXPro6000")(jobfns.add)
     with pytest.raises(JobConfigError, match=r"order='fastest'.*'input', 'completed'"):
         fn.map([1, 2], order="fastest")  # type: ignore[call-overload]
-    assert not runs_dir().exists()
+    update_settings(multi_gpu=True)
+    with pytest.raises(InfeasibleJobError):
+        job(gpu="RTXPro6000", gpu_count=5)(jobfns.add).map([1, 2])
+    assert not list(runs_dir().glob("*"))  # a refused sweep leaves no run folder
 
 
 # ---- resume ---------------------------------------------------------------------------------------

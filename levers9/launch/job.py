@@ -177,7 +177,7 @@ class JobFunction(Generic[P, R]):
             submitted = iter(backend.submit(batch) if todo else [])
         except BaseException:
             reporter.close()
-            record.close()
+            record.discard()  # refused (infeasible, not shippable, ...): bad input leaves nothing behind
             raise
         futures: list[Future[Any]] = []
         for cell in cells:

@@ -214,6 +214,12 @@ class RunRecord:
         self.closed.set()
 
 
+    def discard(self) -> None:
+        """Close and remove the run folder: the batch was refused before anything ran."""
+        self.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
 def describe_error(error: BaseException) -> str:
     """'ValueError: boom' (first line of the message only)."""
     text = str(error).strip().splitlines()
