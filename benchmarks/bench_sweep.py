@@ -13,6 +13,10 @@ Every cell sleeps CELL_SECONDS (2 s by default). Run:
 
     python benchmarks/bench_sweep.py [--repeat 3] [--seconds 2] [--no-torch]
 
+`--scale 100,1000,10000` measures instead the cost per cell of no-op sweeps of those sizes on the
+local executor and on a local Ray (4 simulated cards; Ray started and warmed up before the clock
+starts), each size in a fresh process: whether the cost per cell stays flat as the sweep grows.
+
 This is a benchmark, not a test: it prints a table and the ratios, and asserts nothing.
 """
 
@@ -46,6 +50,23 @@ if __name__ == "__main__":
         assert list(cell.map(range(n))) == list(range(n))
 """
 
+SCALE_CHILD = """
+import sys, time
+from levers9 import job
+
+backend, n = sys.argv[1], int(sys.argv[2])
+
+@job(gpu="RTXPro6000", gpu_count=1, stream_output=False, backend=backend)
+def cell(i):
+    return i
+
+if __name__ == "__main__":
+    cell.remote(-1)  # warm-up: a local Ray starts here, outside the timing
+    start = time.perf_counter()
+    assert list(cell.map(range(n), progress=False)) == list(range(n))
+    print(time.perf_counter() - start)
+"""
+
 CASES = [
     ("in place", "inplace", {}),
     ("map 4 on 4", "4", {}),
@@ -62,7 +83,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--no-torch", action="store_true", help="do not import torch in the processes")
+    parser.add_argument("--scale", help="comma-separated sweep sizes: cost per no-op cell, local vs Ray")
     args = parser.parse_args()
+    if args.scale:
+        scale([int(n) for n in args.scale.split(",")])
+        return
     with tempfile.TemporaryDirectory(prefix="levers9-bench-") as tmp:
         script = os.path.join(tmp, "sweep.py")
         with open(script, "w") as handle:
@@ -86,6 +111,31 @@ def main() -> None:
     for name, times in results.items():
         med = statistics.median(times)
         print(f"{name:<14}{med:>10.2f}{min(times):>9.2f}{max(times):>9.2f}{med / base:>7.3f}x")
+
+
+def scale(sizes: list[int]) -> None:
+    """Print the cost per no-op cell for each sweep size on each backend."""
+    print(f"no-op cells on 4 simulated cards; ms per cell (map wall time / cells); "
+          f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs")  # fmt: skip
+    print(f"{'cells':>7}{'local':>10}{'ray':>10}")
+    with tempfile.TemporaryDirectory(prefix="levers9-bench-") as tmp:
+        script = os.path.join(tmp, "scale.py")
+        with open(script, "w") as handle:
+            handle.write(SCALE_CHILD)
+        env = {
+            **os.environ,
+            "LEVERS9_SIMULATE_GPUS": "RTXPro6000:4",
+            "LEVERS9_CONFIG_DIR": os.path.join(tmp, "config"),
+            "LEVERS9_STATE_DIR": os.path.join(tmp, "state"),
+        }
+        for n in sizes:
+            cost = {}
+            for backend in ("local", "ray"):
+                out = subprocess.run(
+                    [sys.executable, script, backend, str(n)], env=env, check=True, capture_output=True, text=True
+                ).stdout
+                cost[backend] = float(out.split()[-1]) / n * 1000
+            print(f"{n:>7}{cost['local']:>10.1f}{cost['ray']:>10.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "levers9.doctor",
     "levers9.stacks_cli",
     "levers9.launch.ray_cli",
+    "levers9.launch.runs_cli",
 )
 
 

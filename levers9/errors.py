@@ -20,7 +20,8 @@ Classes also derive from the builtin a caller would naturally catch (ValueError,
         ├── InfeasibleJobError              no worker could ever hold the cards this job asks for
         ├── JobCrashed                      the job process died without a Python exception
         ├── JobTimeout (TimeoutError)       the job outlived its timeout=
-        └── RemoteError                     the job raised an exception whose type cannot be rebuilt here
+        ├── RemoteError                     the job raised an exception whose type cannot be rebuilt here
+        └── RunFormatError                  a run folder written by a newer levers9 (or not a run folder)
 """
 
 from __future__ import annotations
@@ -143,6 +144,10 @@ class JobCrashed(JobError, RuntimeError):
 
 class JobTimeout(JobError, TimeoutError):
     """The job outlived its timeout=; its whole process tree was killed."""
+
+
+class RunFormatError(JobError, RuntimeError):
+    """A run folder this levers9 cannot read: a newer format, or no readable run.json."""
 
 
 class RemoteError(JobError, RuntimeError):

@@ -122,3 +122,37 @@ def run_distributed(steps: int) -> Any:
     from levers9 import distributed as dist
 
     return dist.run(train_one_rank, {"steps": steps})
+
+
+def counted(folder: str, index: int) -> int:
+    """Note this run in folder/<index>.runs (one line per run); fail if folder/fail-<index> exists,
+    wait while folder/hold-<index> exists; return index * 10."""
+    with open(Path(folder, f"{index}.runs"), "a") as runs:
+        runs.write("ran\n")
+    if Path(folder, f"fail-{index}").exists():
+        raise CellError(f"cell {index} told to fail")
+    while Path(folder, f"hold-{index}").exists():
+        time.sleep(0.02)
+    return index * 10
+
+
+def when_file_exists(tag: str, path: str | None) -> str:
+    """Return `tag` once `path` exists (at once for None)."""
+    while path is not None and not os.path.exists(path):
+        time.sleep(0.02)
+    return tag
+
+
+def say(text: str) -> str:
+    """Print `text` to stderr and return it."""
+    print(text, file=sys.stderr, flush=True)
+    return text
+
+
+def noisy_until(gate: str) -> str:
+    """Print a line, wait for `gate` to exist, print another, return 'done'."""
+    print("waiting for the gate", flush=True)
+    while not os.path.exists(gate):
+        time.sleep(0.02)
+    print("through the gate", flush=True)
+    return "done"

@@ -3,7 +3,6 @@ log folders, queue timeouts and the progress line."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
@@ -17,12 +16,8 @@ import pytest
 
 from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, RemoteError
 from levers9.launch import job
-from levers9.launch.backend import Batch
-from levers9.launch.cells import Cell
 from levers9.launch.leases import LeaseDir
-from levers9.launch.progress import Reporter
 from levers9.launch.settings import lease_dir, runs_dir
-from levers9.launch.spec import JobSpec
 from tests import jobfns
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,23 +167,6 @@ def test_lease_folder_is_under_the_state_dir() -> None:
     assert fn.remote(1, 2) == 3
     assert lease_dir().is_relative_to(Path(os.environ["LEVERS9_STATE_DIR"]))
     assert any(lease_dir().iterdir())
-
-
-def test_progress_line_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
-    stderr = io.StringIO()
-    monkeypatch.setattr(sys, "stderr", stderr)
-    reporter = Reporter("sweep", 3, show_progress=True)
-    reporter.batch = Batch(
-        JobSpec("sweep"), jobfns.add, [Cell(i, (i,), {}) for i in range(3)], "run", label="sweep"
-    )
-    reporter.started(Cell(0, (0,), {}), "0", 1)
-    reporter.finished(Cell(0, (0,), {}), True)
-    reporter.output(Cell(1, (1,), {}), "stderr", "hello")
-    reporter.close()
-    text = stderr.getvalue()
-    assert "sweep: 1/3 done, 0 running, 2 waiting, 0 failed" in text
-    assert "[sweep #1] hello\n" in text
-    assert Reporter("sweep", 3).show is False  # not a terminal: no progress line
 
 
 def test_job_env_is_exactly_its_cards_and_the_user_env() -> None:

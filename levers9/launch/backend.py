@@ -67,10 +67,11 @@ class CancelToken:
 
 
 class Events(Protocol):
-    """What a backend reports while a batch runs (progress display, output streaming)."""
+    """What a backend reports while a batch runs (status display, output streaming, the run record)."""
 
     def started(self, cell: Cell, cards: str, attempt: int) -> None: ...
-    def finished(self, cell: Cell, ok: bool) -> None: ...
+    def retrying(self, cell: Cell, attempt: int, reason: str) -> None: ...
+    def finished(self, cell: Cell, ok: bool, error: BaseException | None = None) -> None: ...
     def output(self, cell: Cell, stream: str, line: str) -> None: ...
 
 
@@ -80,11 +81,37 @@ class NoEvents:
     def started(self, cell: Cell, cards: str, attempt: int) -> None:
         pass
 
-    def finished(self, cell: Cell, ok: bool) -> None:
+    def retrying(self, cell: Cell, attempt: int, reason: str) -> None:
+        pass
+
+    def finished(self, cell: Cell, ok: bool, error: BaseException | None = None) -> None:
         pass
 
     def output(self, cell: Cell, stream: str, line: str) -> None:
         pass
+
+
+class TeeEvents:
+    """Passes every event to each of `targets`, in order."""
+
+    def __init__(self, *targets: Events) -> None:
+        self.targets = targets
+
+    def started(self, cell: Cell, cards: str, attempt: int) -> None:
+        for target in self.targets:
+            target.started(cell, cards, attempt)
+
+    def retrying(self, cell: Cell, attempt: int, reason: str) -> None:
+        for target in self.targets:
+            target.retrying(cell, attempt, reason)
+
+    def finished(self, cell: Cell, ok: bool, error: BaseException | None = None) -> None:
+        for target in self.targets:
+            target.finished(cell, ok, error)
+
+    def output(self, cell: Cell, stream: str, line: str) -> None:
+        for target in self.targets:
+            target.output(cell, stream, line)
 
 
 @dataclasses.dataclass

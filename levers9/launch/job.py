@@ -6,7 +6,8 @@
     cell(8, 1e-4)                           # a plain call in this process
     cell.remote(8, 1e-4)                    # one job on its own card(s): the result, or its exception
     fut = cell.spawn(8, 1e-4)               # a concurrent.futures.Future
-    for r in cell.map([(8, 1e-4), (16, 1e-4)]): ...   # each cell its own job, all at once, input order
+    for r in cell.map([(8, 1e-4), (16, 1e-4)]): ...   # each cell its own job, input order
+    for i, r in cell.map(grid, order="completed", resume=True): ...   # as cells finish; reuse earlier results
 
 Every call checks its arguments, then reads the workspace settings afresh (card cap, multi-GPU
 switch), then asks the backend whether the job could ever fit, all before anything starts.
@@ -14,19 +15,32 @@ switch), then asks the backend whether the job could ever fit, all before anythi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
+import queue
+import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from types import TracebackType
-from typing import Any, Generic, ParamSpec, TypeVar, overload
+from typing import Any, Generic, Literal, ParamSpec, TypeVar, overload
 
 from levers9.errors import JobConfigError, add_note
-from levers9.launch.backend import Backend, Batch, CancelToken, backend_name, get_backend, new_run_id
+from levers9.launch.backend import (
+    Backend,
+    Batch,
+    CancelToken,
+    TeeEvents,
+    backend_name,
+    get_backend,
+    new_run_id,
+)
 from levers9.launch.cells import Cell, check_cell, make_cells
 from levers9.launch.policy import check_policy
-from levers9.launch.progress import Reporter
+from levers9.launch.progress import Mode, Reporter, choose_mode
+from levers9.launch.runs import RunRecord
 from levers9.launch.settings import load_settings
 from levers9.launch.spec import JobSpec, Retries, build_spec
 
@@ -57,7 +71,7 @@ class JobFunction(Generic[P, R]):
         """Run one job and return its result, or raise its exception; cancels the job if interrupted."""
         cell = Cell(0, tuple(args), dict(kwargs))
         check_cell(self.func, cell, label=f"{self.spec.name}{cell.describe()}")
-        futures, cancel = self._submit([cell], label="")
+        futures, cancel, _reporter, _record = self._submit([cell], label="")
         try:
             return futures[0].result()
         finally:
@@ -67,8 +81,32 @@ class JobFunction(Generic[P, R]):
         """Start one job and return a concurrent.futures.Future for its result (cancel() works while it queues)."""
         cell = Cell(0, tuple(args), dict(kwargs))
         check_cell(self.func, cell, label=f"{self.spec.name}{cell.describe()}")
-        futures, _cancel = self._submit([cell], label="")
+        futures, _cancel, _reporter, _record = self._submit([cell], label="")
         return futures[0]
+
+    @overload
+    def map(
+        self,
+        cells: Iterable[Any],
+        *,
+        return_exceptions: bool = ...,
+        kwargs: Mapping[str, Any] | None = ...,
+        order: Literal["input"] = ...,
+        resume: bool = ...,
+        progress: bool = ...,
+    ) -> MapResults[R]: ...
+
+    @overload
+    def map(
+        self,
+        cells: Iterable[Any],
+        *,
+        return_exceptions: bool = ...,
+        kwargs: Mapping[str, Any] | None = ...,
+        order: Literal["completed"],
+        resume: bool = ...,
+        progress: bool = ...,
+    ) -> MapResults[Completed[R]]: ...
 
     def map(
         self,
@@ -76,38 +114,82 @@ class JobFunction(Generic[P, R]):
         *,
         return_exceptions: bool = False,
         kwargs: Mapping[str, Any] | None = None,
-    ) -> MapResults[R]:
-        """Run each cell as its own job, all at once; iterate the results in input order.
+        order: str = "input",
+        resume: bool = False,
+        progress: bool = True,
+    ) -> MapResults[Any]:
+        """Run each cell as its own job, as many at once as there are cards; iterate the results.
 
         A tuple is positional arguments, a dict keyword arguments, anything else one argument;
         `kwargs` is added to every cell. Every cell is checked before any starts. The first failure
         raises (with the cell's index and arguments in a note) and cancels the rest, unless
         return_exceptions=True puts the exception in its slot. Leaving the loop early (break, close,
         garbage collection) cancels the cells not yet finished and kills the running ones.
+
+        order="input" (the default) yields values in input order; order="completed" yields
+        Completed(index, value) pairs as cells finish (`for i, value in ...`; i indexes the inputs).
+        resume=True reuses the stored result of every cell that succeeded before with the same
+        function source and the same arguments, and runs only the others. progress=False hides the
+        status table (or, when stderr is not a terminal, the line per state change).
         """
+        if order not in ORDERS:
+            raise JobConfigError(
+                f"order={order!r} is not a result order; expected one of: {', '.join(map(repr, ORDERS))} "
+                f"(input order, or as cells finish)."
+            )
         checked = make_cells(self.func, cells, kwargs=kwargs)
         if not checked:
-            return MapResults([], [], CancelToken(), return_exceptions, None)
-        reporter = Reporter(self.spec.name, len(checked))
-        futures, cancel = self._submit(checked, label=self.spec.name, reporter=reporter)
-        return MapResults(checked, futures, cancel, return_exceptions, reporter)
+            return MapResults([], [], CancelToken(), return_exceptions, order, None, None)
+        mode = choose_mode(progress, len(checked), sys.stderr)
+        futures, cancel, reporter, record = self._submit(
+            checked, label=self.spec.name, mode=mode, resume=resume
+        )
+        return MapResults(checked, futures, cancel, return_exceptions, order, reporter, record)
 
     def _submit(
-        self, cells: Sequence[Cell], *, label: str, reporter: Reporter | None = None
-    ) -> tuple[list[Future[Any]], CancelToken]:
+        self, cells: Sequence[Cell], *, label: str, mode: Mode = "off", resume: bool = False
+    ) -> tuple[list[Future[Any]], CancelToken, Reporter, RunRecord]:
+        """Check the policy, open the run's record, reuse stored results (resume), submit the rest."""
         check_policy(self.spec, load_settings())
-        backend: Backend = get_backend(backend_name(self.backend))
-        reporter = reporter or Reporter(self.spec.name, len(cells), show_progress=False)
-        batch = Batch(
-            spec=self.spec,
-            func=self.func,
-            cells=cells,
-            run_id=new_run_id(self.spec.name),
-            events=reporter,
-            label=label,
-        )
-        reporter.batch = batch
-        return backend.submit(batch), batch.cancel
+        name = backend_name(self.backend)
+        backend: Backend = get_backend(name)
+        run_id = new_run_id(self.spec.name)
+        record = RunRecord(run_id, name=self.spec.name, backend=name, func=self.func, cells=cells)
+        reporter = Reporter(self.spec.name, cells, mode=mode)
+        try:
+            reused = record.reuse(cells) if resume else {}
+            todo = [cell for cell in cells if cell.index not in reused]
+            batch = Batch(
+                spec=self.spec,
+                func=self.func,
+                cells=todo,
+                run_id=run_id,
+                events=TeeEvents(reporter, record),
+                label=label,
+            )
+            reporter.batch = batch
+            for cell in cells:
+                if cell.index in reused:
+                    reporter.reused_cell(cell)
+            if resume:
+                reporter.note(f"reused {len(reused)} of {len(cells)} cells from earlier runs ({record.path.name})")
+            submitted = iter(backend.submit(batch) if todo else [])
+        except BaseException:
+            reporter.close()
+            record.discard()  # refused (infeasible, not shippable, ...): bad input leaves nothing behind
+            raise
+        futures: list[Future[Any]] = []
+        for cell in cells:
+            if cell.index in reused:
+                future: Future[Any] = Future()
+                future.set_running_or_notify_cancel()
+                future.set_result(reused[cell.index])
+            else:
+                future = next(submitted)
+                future.add_done_callback(functools.partial(record.store, cell))
+            futures.append(future)
+        _close_when_done(futures, record)
+        return futures, batch.cancel, reporter, record
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle by reference when importable (module.qualname), else by value."""
@@ -129,8 +211,42 @@ def _resolve_job(module: str, qualname: str) -> Any:
     return obj
 
 
-class MapResults(Generic[R]):
-    """The results of a map, in input order. Closing it (or dropping it) cancels what has not finished."""
+ORDERS = ("input", "completed")
+RECORD_WAIT = 10.0  # seconds close() waits for the last results to be stored
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Completed(Generic[R]):
+    """One result of map(order="completed"): which input it belongs to, and its value (or, with
+    return_exceptions=True, its exception). Unpacks as a pair: `for index, value in results`."""
+
+    index: int
+    value: R
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.index, self.value))
+
+
+def _close_when_done(futures: list[Future[Any]], record: RunRecord) -> None:
+    """Close the run's record once every future is resolved (whoever consumes them, or nobody)."""
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_future: Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            record.close()
+
+    for future in futures:
+        future.add_done_callback(one_done)
+
+
+class MapResults(Generic[T]):
+    """The results of a map, in input order or as cells complete. Closing it (or dropping it) cancels
+    what has not finished."""
 
     def __init__(
         self,
@@ -138,36 +254,54 @@ class MapResults(Generic[R]):
         futures: list[Future[Any]],
         cancel: CancelToken,
         return_exceptions: bool,
+        order: str,
         reporter: Reporter | None,
+        record: RunRecord | None,
     ) -> None:
         self._cells = cells
         self._futures = futures
         self._cancel = cancel
         self._return_exceptions = return_exceptions
         self._reporter = reporter
+        self._record = record
         self._next = 0
         self._closed = False
+        self._finished: queue.SimpleQueue[int] | None = None
+        if order == "completed":
+            self._finished = queue.SimpleQueue()
+            for index, future in enumerate(futures):
+                future.add_done_callback(functools.partial(_put, self._finished, index))
 
-    def __iter__(self) -> Iterator[R]:
+    @property
+    def run_id(self) -> str | None:
+        """The run's folder name (for `levers9 runs show RUN`), or None for an empty map."""
+        return None if self._record is None else self._record.path.name
+
+    def __iter__(self) -> Iterator[T]:
         return self
 
-    def __next__(self) -> R:
+    def __next__(self) -> T:
         if self._closed or self._next >= len(self._futures):
             self.close()
             raise StopIteration
-        index = self._next
         self._next += 1
-        future = self._futures[index]
+        if self._finished is None:
+            position = self._next - 1
+            return self._value(position)
+        position = self._finished.get()
+        return Completed(position, self._value(position))  # type: ignore[return-value]
+
+    def _value(self, position: int) -> Any:
+        future = self._futures[position]
         try:
-            result: R = future.result()
-            return result
+            return future.result()
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)) or future.cancelled() or not future.done():
                 self.close()
                 raise
-            cell = self._cells[index]
+            cell = self._cells[position]
             if self._return_exceptions:
-                return exc  # type: ignore[return-value]
+                return exc
             self.close()
             add_note(
                 exc,
@@ -188,8 +322,14 @@ class MapResults(Generic[R]):
                 pass
         if self._reporter is not None:
             self._reporter.close()
+        if self._record is not None:
+            # Futures wake their waiters before running done-callbacks: wait for the callback that
+            # closes the record (it runs after every result was stored), so a resume right after
+            # this sweep finds them all.
+            self._record.closed.wait(RECORD_WAIT)
+            self._record.close()
 
-    def __enter__(self) -> MapResults[R]:
+    def __enter__(self) -> MapResults[T]:
         return self
 
     def __exit__(
@@ -206,6 +346,10 @@ class MapResults(Generic[R]):
 
     def __len__(self) -> int:
         return len(self._futures)
+
+
+def _put(target: queue.SimpleQueue[int], index: int, _future: Future[Any]) -> None:
+    target.put(index)
 
 
 @overload
@@ -264,7 +408,8 @@ def job(
     env: variables set in the job process (str values; CUDA_VISIBLE_DEVICES and LEVERS9_* are refused).
     cpu, memory: advisory on this machine (cpu sets OMP_NUM_THREADS / MKL_NUM_THREADS); requests on a cluster.
     name: for logs and messages (default: the function's qualified name).
-    queue_timeout: seconds a job may wait for free cards before JobTimeout; None waits as long as needed.
+    queue_timeout: seconds a job may wait for free cards before JobTimeout, counted from when it is
+        next in line in its sweep; None waits as long as needed.
     kill_grace: seconds between SIGTERM and SIGKILL when a job is timed out or cancelled.
     stream_output: copy each job's output to this process, prefixed with its cell (it is logged to a
         file under the run folder either way).

@@ -1,6 +1,8 @@
 """The local executor: each cell is a process of its own on cards leased from this machine.
 
-One supervisor thread per cell waits in the lease queue, starts the job process (a fork of the
+A dispatcher runs a batch's cells in input order on as many lanes (threads) as the batch could ever
+run at once, so threads and open descriptors grow with the machine's cards, never with the number of
+cells. A lane waits in the lease queue for its cell's cards, starts the job process (a fork of the
 caller when that is safe, which costs milliseconds; a fresh interpreter otherwise), streams its
 output to the caller and to a log folder, enforces the timeout on the job's whole process group,
 retries as the spec says and resolves the cell's Future. The job process holds its card locks
@@ -12,6 +14,7 @@ loop, the run folders and what a finished attempt becomes are in outcomes.py, sh
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -21,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from levers9.errors import JobTimeout
-from levers9.launch import job_child, outcomes
+from levers9.launch import job_child, outcomes, runs
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.leases import Lease, LeaseDir
@@ -39,7 +42,7 @@ class LocalBackend:
     """Runs batches on this machine's cards (or simulated ones)."""
 
     def submit(self, batch: Batch) -> list[Future[Any]]:
-        """Check feasibility, then start one supervisor thread per cell; one Future per cell."""
+        """Check feasibility, then hand the cells to a dispatcher; one Future per cell, in order."""
         spec = batch.spec
         pool: Pool | None = None
         leases: LeaseDir | None = None
@@ -48,30 +51,60 @@ class LocalBackend:
             pool = local_pool(simulate=load_settings().simulate_gpus)
             groups = check_feasible(spec, pool)
             leases = LeaseDir(lease_dir() / pool.pool_id, [c.lock_name for c in pool.cards])
+            lanes = max(1, len(_eligible(groups)) // spec.gpu_count)
+        else:
+            lanes = max(1, os.cpu_count() or 1)
         method = start.choose()
         if not method.forks:
             log.debug("starting jobs as fresh interpreters: %s", method.reason)
-        run_dir = outcomes.new_run_dir(batch.run_id)
-        cpu_slots = threading.BoundedSemaphore(max(1, os.cpu_count() or 1)) if spec.gpu_count == 0 else None
-        futures: list[Future[Any]] = []
-        supervisors = []
-        for cell in batch.cells:
-            future: Future[Any] = Future()
-            ticket = leases.take_ticket(_eligible(groups)) if leases is not None else None
-            sup = _Supervisor(
-                batch, cell, future, pool, leases, groups, ticket, cpu_slots, method, run_dir
-            )
-            futures.append(future)
-            supervisors.append(sup)
-        for sup in supervisors:
-            threading.Thread(
-                target=sup.run, name=f"levers9-{batch.cell_label(sup.cell)}", daemon=True
-            ).start()
-        return futures
+        run_dir = runs.run_folder(batch.run_id)
+        supervisors = [
+            _Supervisor(batch, cell, Future(), pool, leases, groups, method, run_dir)
+            for cell in batch.cells
+        ]
+        _Dispatcher(batch, supervisors, min(lanes, len(supervisors))).start()
+        return [sup.future for sup in supervisors]
 
 
 def _eligible(groups: list[list[int]]) -> list[int]:
     return sorted({s for g in groups for s in g})
+
+
+class _Dispatcher:
+    """Runs a batch's cells in input order on a fixed number of lanes (threads).
+
+    A lane takes the next cell, waits for its cards (holding one lease ticket while it waits), runs
+    it to its end, then takes the next. With as many lanes as the batch could ever run at once
+    (eligible cards // cards per job, or the CPU count for CPU jobs), threads and open descriptors
+    depend on the machine, not on the number of cells; a cell queued behind the lanes holds nothing.
+    """
+
+    def __init__(self, batch: Batch, supervisors: list[_Supervisor], lanes: int) -> None:
+        self.batch = batch
+        self.queue: collections.deque[_Supervisor] = collections.deque(supervisors)
+        self.lanes = lanes
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the lanes; on cancel, queued cells are cancelled at once instead of one by one."""
+        self.batch.cancel.on_cancel(self._cancel_queued)
+        name = self.batch.label or self.batch.spec.name
+        for lane in range(self.lanes):
+            threading.Thread(target=self._lane, name=f"levers9-{name}-lane{lane}", daemon=True).start()
+
+    def _next(self) -> _Supervisor | None:
+        with self._lock:
+            return self.queue.popleft() if self.queue else None
+
+    def _lane(self) -> None:
+        while (sup := self._next()) is not None:
+            sup.run()
+
+    def _cancel_queued(self) -> None:
+        with self._lock:
+            queued = list(self.queue)
+        for sup in queued:
+            sup.future.cancel()
 
 
 class _Supervisor:
@@ -85,14 +118,12 @@ class _Supervisor:
         pool: Pool | None,
         leases: LeaseDir | None,
         groups: list[list[int]],
-        ticket: Any,
-        cpu_slots: threading.BoundedSemaphore | None,
         method: start.StartMethod,
         run_dir: Path,
     ) -> None:
         self.batch, self.cell, self.future = batch, cell, future
-        self.pool, self.leases, self.groups, self.ticket = pool, leases, groups, ticket
-        self.cpu_slots, self.method, self.run_dir = cpu_slots, method, run_dir
+        self.pool, self.leases, self.groups = pool, leases, groups
+        self.method, self.run_dir = method, run_dir
         self.label = batch.cell_label(cell)
 
     def stopped(self) -> bool:
@@ -100,27 +131,18 @@ class _Supervisor:
 
     def run(self) -> None:
         """Attempt the cell until it succeeds, fails for good or is cancelled; always resolves the Future."""
-        try:
-            outcomes.attempt_cell(self.batch, self.cell, self.future, self._attempt, log, self._requeue)
-        finally:
-            if self.ticket is not None and self.leases is not None:
-                self.leases.drop_ticket(self.ticket)
-
-    def _requeue(self) -> None:
-        """Before a retry: take a new place in the lease queue (the last attempt's lease is gone)."""
-        if self.leases is not None:
-            self.ticket = self.leases.take_ticket(_eligible(self.groups))
+        outcomes.attempt_cell(self.batch, self.cell, self.future, self._attempt, log)
 
     def _attempt(self, attempt: int) -> Any:
         spec = self.batch.spec
         lease: Lease | None = None
-        slot_taken = False
         if self.stopped():
             raise Cancelled()
         if self.leases is not None and self.pool is not None:
+            ticket = self.leases.take_ticket(_eligible(self.groups))
             try:
                 lease = self.leases.acquire(
-                    self.ticket,
+                    ticket,
                     spec.gpu_count,
                     self.groups,
                     should_stop=self.stopped,
@@ -134,14 +156,8 @@ class _Supervisor:
                     f"at once; {free} of this machine's {len(self.pool.cards)} cards are free now "
                     f"({self.pool.describe()}). Raise queue_timeout=, or leave it None to wait."
                 ) from None
-            self.ticket = None
             if lease is None:
                 raise Cancelled()
-        elif self.cpu_slots is not None:
-            while not self.cpu_slots.acquire(timeout=0.1):
-                if self.stopped():
-                    raise Cancelled()
-            slot_taken = True
         try:
             if attempt == 1 and not self.future.set_running_or_notify_cancel():
                 raise Cancelled()
@@ -149,8 +165,6 @@ class _Supervisor:
         finally:
             if lease is not None:
                 lease.release()
-            if slot_taken and self.cpu_slots is not None:
-                self.cpu_slots.release()
 
     def _run_process(self, attempt: int, lease: Lease | None) -> Any:
         spec, cell = self.batch.spec, self.cell

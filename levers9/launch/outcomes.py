@@ -1,6 +1,6 @@
 """A cell's attempts as the caller sees them; the same for every backend.
 
-`new_run_dir` makes the run's log folder and `JobAttempt.begin` one folder per attempt in it.
+`JobAttempt.begin` makes one folder per attempt in the run's folder (runs.py makes that).
 `attempt_cell` is the retry loop that resolves a cell's Future, retrying the failures retries= names
 (`failure_kind`). `Supervision` watches one started job process until it ends, stopping it on
 timeout or cancel. `timed_out` and `result` turn a finished attempt into its return value or the
@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
@@ -25,31 +24,16 @@ from typing import Any
 from levers9.errors import JobCrashed, JobTimeout, RankFailure, RemoteError, add_note, signal_name
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
-from levers9.launch.settings import runs_dir
 from levers9.launch.spec import JobSpec
 from levers9.procs import oom
 from levers9.procs.failure import Failure, rebuild, unship
 from levers9.procs.watch import Child, Watcher
 
-KEEP_RUNS = 50  # run folders kept under runs_dir(); older ones are removed when a new run starts
 TAIL_LINES = 40  # lines of a job's output kept for the message when it crashes
 
 
 class Cancelled(Exception):
     """The batch (or the cell's Future) was cancelled while this cell waited or ran."""
-
-
-def new_run_dir(run_id: str) -> Path:
-    """runs_dir()/run_id, created; the oldest run folders beyond KEEP_RUNS are removed first."""
-    root = runs_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(OSError):
-        old = sorted(root.iterdir(), key=lambda p: p.stat().st_mtime)
-        for stale in old[: max(0, len(old) - KEEP_RUNS + 1)]:
-            shutil.rmtree(stale, ignore_errors=True)
-    path = root / run_id
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def failure_kind(exc: BaseException) -> str:
@@ -95,10 +79,11 @@ def attempt_cell(
                         retries.max_retries + 1,
                     )
                     number += 1
+                    batch.events.retrying(cell, number, kind)
                     if not batch.cancel.wait(retries.delay(number)):
                         before_retry()
                     continue  # the next attempt notices a cancel
-                batch.events.finished(cell, False)
+                batch.events.finished(cell, False, exc)
                 _settle(future, exc)
                 return
             batch.events.finished(cell, True)

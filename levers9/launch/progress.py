@@ -1,92 +1,242 @@
-"""What the caller sees while a batch runs: each job's output with its cell as prefix, and on a
-terminal a one-line progress display for a sweep.
+"""What the caller sees while a batch runs: each job's output with its cell as prefix, and the sweep's state.
 
 Job output goes to the caller's sys.stdout / sys.stderr (the stream the job wrote to), as
-`[train #3] line`. The progress line is drawn on stderr only when stderr is a terminal and the batch
-has more than one cell; output lines clear it and it is redrawn below them.
+`[train #3] line`. For a sweep (a map of more than one cell) the state is shown on stderr:
+
+- stderr is a terminal: a status table redrawn in place (rich's Live display, four times a second),
+  one row per cell (running, failed and the rest grouped by state once the sweep has more than
+  TABLE_ROWS cells) and a summary row with the counts and the estimated time left; job output
+  scrolls above it.
+- stderr is not a terminal (CI, a batch system, a pipe): one plain line per state change.
+- progress=False: neither (job output still streams unless stream_output=False).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import sys
 import threading
 import time
-from typing import TextIO
+from collections.abc import Sequence
+from typing import Literal, TextIO
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
 
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 
+log = logging.getLogger("levers9.launch")
+
+TABLE_ROWS = 20  # sweeps up to this many cells get one row per cell; larger ones group their cells
+FAILED_ROWS = 5  # failed cells shown by name in a grouped table (the latest ones)
+Mode = Literal["table", "lines", "off"]
+
+
+@dataclasses.dataclass
+class _CellView:
+    cell: Cell
+    args: str
+    state: str = "waiting"
+    card: str = ""
+    attempt: int = 0
+    since: float | None = None
+    took: float | None = None
+    last: str = ""
+
+
+def choose_mode(progress: bool, cells: int, stream: TextIO) -> Mode:
+    """'table' on a terminal, 'lines' elsewhere, 'off' for progress=False or a single cell."""
+    if not progress or cells <= 1:
+        return "off"
+    return "table" if _isatty(stream) else "lines"
+
 
 class Reporter:
-    """The Events of one batch: streams output with a prefix and keeps the progress line current."""
+    """The Events of one batch as the caller sees them: prefixed output, and the table or the lines."""
 
-    def __init__(self, batch_label: str, total: int, *, show_progress: bool | None = None) -> None:
+    def __init__(self, batch_label: str, cells: Sequence[Cell], *, mode: Mode = "off") -> None:
         self.batch: Batch | None = None
         self.label = batch_label
-        self.total = total
-        self._running: set[int] = set()
+        self.mode = mode
+        self._cells = {cell.index: _CellView(cell, cell.describe()) for cell in cells}
+        self.total = len(cells)
         self.done = 0
         self.failed = 0
+        self.reused = 0
         self.start = time.monotonic()
-        self._lock = threading.Lock()
-        self._drawn = False
-        if show_progress is None:
-            show_progress = total > 1 and _isatty(sys.stderr)
-        self.show = show_progress
+        self._lock = threading.RLock()
+        self._live: Live | None = None
+        if mode == "table":
+            console = Console(file=sys.stderr)
+            self._live = Live(console=console, get_renderable=self._render, refresh_per_second=4, transient=False)
+            self._live.start()
 
     @property
     def running(self) -> int:
         """Cells started and not yet finished (a retried cell counts once)."""
-        return len(self._running)
+        return sum(v.state in ("running", "retrying") for v in self._cells.values())
+
+    def _name(self, cell: Cell) -> str:
+        return self.batch.cell_label(cell) if self.batch is not None else f"{self.label} #{cell.index}"
+
+    def note(self, text: str) -> None:
+        """One line about the whole sweep (above the table, as a plain line, or to the log)."""
+        if self.mode == "off":
+            log.info("%s", text)
+        else:
+            self._line(f"levers9: {self.label}: {text}")
+
+    def reused_cell(self, cell: Cell) -> None:
+        """`cell` was not run: its result came from an earlier run."""
+        with self._lock:
+            view = self._cells[cell.index]
+            view.state = "reused"
+            self.done += 1
+            self.reused += 1
 
     def started(self, cell: Cell, cards: str, attempt: int) -> None:
         with self._lock:
-            self._running.add(cell.index)
-            self._draw()
+            view = self._cells.get(cell.index)
+            if view is None:
+                return
+            view.state, view.card, view.attempt, view.since = "running", cards, attempt, time.monotonic()
+        self._change(cell, f"running on {_cards(cards)}" + (f" (attempt {attempt})" if attempt > 1 else ""))
 
-    def finished(self, cell: Cell, ok: bool) -> None:
+    def retrying(self, cell: Cell, attempt: int, reason: str) -> None:
         with self._lock:
-            self._running.discard(cell.index)
+            view = self._cells.get(cell.index)
+            if view is None:
+                return
+            view.state, view.attempt = "retrying", attempt
+        self._change(cell, f"retrying after a {reason} (attempt {attempt} next)")
+
+    def finished(self, cell: Cell, ok: bool, error: BaseException | None = None) -> None:
+        with self._lock:
+            view = self._cells.get(cell.index)
+            if view is None:
+                return
+            view.state = "done" if ok else "failed"
+            view.took = None if view.since is None else time.monotonic() - view.since
             self.done += 1
-            self.failed += 0 if ok else 1
-            self._draw()
+            self.failed += not ok
+            if error is not None:
+                view.last = _first_line(f"{type(error).__name__}: {error}")
+            took = "" if view.took is None else f" in {view.took:.1f} s"
+            what = f"done{took}" if ok else f"failed{took}: {view.last}"
+            summary = f"[{self.done - self.failed}/{self.total} done, {self.failed} failed]"
+        self._change(cell, f"{what}  {summary}")
 
     def output(self, cell: Cell, stream: str, line: str) -> None:
-        prefix = self.batch.cell_label(cell) if self.batch is not None else f"{self.label} #{cell.index}"
-        target = sys.stderr if stream == "stderr" else sys.stdout
         with self._lock:
-            self._clear()
-            try:
-                target.write(f"[{prefix}] {line}\n")
-                target.flush()
-            except (OSError, ValueError):
-                pass
-            self._draw()
+            view = self._cells.get(cell.index)
+            if view is not None and line.strip():
+                view.last = line.strip()
+        target = sys.stderr if stream == "stderr" else sys.stdout
+        _write(target, f"[{self._name(cell)}] {line}\n")
 
     def close(self) -> None:
-        """Leave the final state of the progress line on the terminal."""
+        """Draw the final state and stop redrawing (idempotent)."""
         with self._lock:
-            if self._drawn:
-                self._draw()
-                _write(sys.stderr, "\n")
-                self._drawn = False
-            self.show = False
+            live, self._live = self._live, None
+        if live is not None:
+            live.refresh()
+            live.stop()
+        self.mode = "off"
 
-    def _draw(self) -> None:
-        if not self.show:
-            return
+    def _change(self, cell: Cell, text: str) -> None:
+        if self.mode == "lines":
+            self._line(f"levers9: {self._name(cell)} {_short(self._cells[cell.index].args)}: {text}")
+
+    def _line(self, text: str) -> None:
+        live = self._live
+        if live is not None:
+            live.console.print(Text(text))
+        else:
+            _write(sys.stderr, text + "\n")
+
+    # ---- the table ----
+
+    def _render(self) -> RenderableType:
+        with self._lock:
+            views = list(self._cells.values())
+            table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
+            for column in ("cell", "arguments", "state", "card", "elapsed", "last output"):
+                table.add_column(column, no_wrap=True, overflow="ellipsis", max_width=60 if column == "last output" else 30)
+            now = time.monotonic()
+            if len(views) <= TABLE_ROWS:
+                for view in views:
+                    table.add_row(*self._row(view, now))
+            else:
+                self._grouped_rows(table, views, now)
+            return Group(table, Text(self._summary(now), style="bold"))
+
+    def _row(self, view: _CellView, now: float) -> tuple[str, ...]:
+        if view.took is not None:
+            elapsed = f"{view.took:.1f}s"
+        elif view.since is not None and view.state in ("running", "retrying"):
+            elapsed = f"{now - view.since:.1f}s"
+        else:
+            elapsed = ""
+        state = view.state if view.attempt <= 1 else f"{view.state} (attempt {view.attempt})"
+        return (f"#{view.cell.index}", view.args, state, view.card, elapsed, view.last)
+
+    def _grouped_rows(self, table: Table, views: list[_CellView], now: float) -> None:
+        for view in views:
+            if view.state in ("running", "retrying"):
+                table.add_row(*self._row(view, now))
+        failed = [v for v in views if v.state == "failed"]
+        for view in failed[-FAILED_ROWS:]:
+            table.add_row(*self._row(view, now))
+        if len(failed) > FAILED_ROWS:
+            table.add_row("", f"... and {len(failed) - FAILED_ROWS} more failed", "failed", "", "", "")
+        for state in ("waiting", "done", "reused"):
+            group = [v.cell.index for v in views if v.state == state]
+            if group:
+                table.add_row(_span(group), f"{len(group)} cells", state, "", "", "")
+
+    def _summary(self, now: float) -> str:
+        elapsed = now - self.start
+        ran = self.done - self.reused
         waiting = self.total - self.done - self.running
-        text = (
-            f"{self.label}: {self.done - self.failed}/{self.total} done, {self.running} running, "
-            f"{waiting} waiting, {self.failed} failed  [{time.monotonic() - self.start:.0f}s]"
+        left = ""
+        if 0 < ran and self.done < self.total:
+            left = f", about {_duration(elapsed / ran * (self.total - self.done))} left"
+        return (
+            f"{self.label}: {self.done - self.failed} done, {self.failed} failed, {self.running} running, "
+            f"{waiting} waiting of {self.total}  [{_duration(elapsed)}{left}]"
         )
-        _write(sys.stderr, "\r\x1b[K" + text)
-        self._drawn = True
 
-    def _clear(self) -> None:
-        if self._drawn:
-            _write(sys.stderr, "\r\x1b[K")
-            self._drawn = False
+
+def _cards(cards: str) -> str:
+    if cards in ("", "no card"):
+        return "no card"
+    return f"card {cards}" if "," not in cards and " " not in cards else f"cards {cards}"
+
+
+def _span(indices: list[int]) -> str:
+    return f"#{indices[0]}" if len(indices) == 1 else f"#{indices[0]}..#{indices[-1]}"
+
+
+def _short(text: str, width: int = 40) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _first_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def _isatty(stream: TextIO) -> bool:

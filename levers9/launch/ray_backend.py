@@ -40,7 +40,7 @@ from typing import Any
 import ray
 
 from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, NotShippableError, RankFailure
-from levers9.launch import job_child, outcomes
+from levers9.launch import job_child, outcomes, runs
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.outcomes import Cancelled, OutputTail
@@ -74,7 +74,7 @@ class RayBackend:
                 f"{batch.spec.name} cannot be sent to a Ray task ({type(exc).__name__}: {exc}); define it at "
                 f"module level, with arguments and globals that can be pickled."
             ) from exc
-        run_dir = outcomes.new_run_dir(batch.run_id)
+        run_dir = runs.run_folder(batch.run_id)
         sys_path = [p for p in sys.path if p]
         cells: list[_RayCell] = []
         for cell in batch.cells:

@@ -1,0 +1,206 @@
+"""`levers9 runs ...`: find, read and clean the run folders that sweeps and jobs leave.
+
+levers9 runs                              # recent runs: id, name, started, done/failed/total, wall time
+levers9 runs show RUN                     # its cells: arguments, state, card, duration, error
+levers9 runs logs RUN CELL [-f]           # a cell's output (-f: follow it while it runs)
+levers9 runs clean [--older-than 7d] [--keep N]
+
+RUN is a run id, a unique prefix of one, or `last`. Without options, `clean` applies the default
+retention (the newest 50 runs, or $LEVERS9_KEEP_RUNS), which also runs each time a run starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from levers9.errors import ConfigError, Levers9Error
+from levers9.launch import runs
+from levers9.launch.settings import runs_dir
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def register(subparsers: Any) -> None:
+    """Add `runs` and its subcommands to the levers9 command."""
+    parser = subparsers.add_parser("runs", help="past and running sweeps: list, show, logs, clean")
+    parser.set_defaults(handler=_list, limit=20)
+    sub = parser.add_subparsers(dest="runs_command", metavar="ACTION")
+    listing = sub.add_parser("list", help="recent runs (the default action)")
+    listing.add_argument("-n", "--limit", type=int, default=20, help="how many of the newest runs (0: all)")
+    listing.set_defaults(handler=_list)
+    show = sub.add_parser("show", help="a run's cells: arguments, state, card, duration, error")
+    show.add_argument("run", help="run id, a unique prefix of one, or 'last'")
+    show.set_defaults(handler=_show)
+    logs = sub.add_parser("logs", help="a cell's output (stdout, then stderr, for each attempt)")
+    logs.add_argument("run", help="run id, a unique prefix of one, or 'last'")
+    logs.add_argument("cell", type=int, help="the cell's index (its position in the map's inputs)")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing while the cell runs")
+    logs.set_defaults(handler=_logs)
+    clean = sub.add_parser("clean", help="remove old run folders (never one whose caller still runs)")
+    clean.add_argument("--older-than", type=_age, metavar="AGE", help="e.g. 90m, 12h, 7d, 2w")
+    clean.add_argument("--keep", type=_keep, metavar="N", help="keep the newest N runs")
+    clean.set_defaults(handler=_clean)
+
+
+def _age(text: str) -> float:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhdw])", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a number and a unit (s, m, h, d, w) such as 7d, got {text!r}")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def _keep(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of runs (0 or more), got {text!r}")
+    return value
+
+
+def _guarded(handler: Any) -> Any:
+    """Print a levers9 error as one message and exit 2, instead of a traceback."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            status: int = handler(args)
+            return status
+        except Levers9Error as exc:
+            print(f"levers9 runs: error: {exc}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+@_guarded
+def _list(args: argparse.Namespace) -> int:
+    found = runs.list_runs()
+    if args.limit:
+        found = found[-args.limit :]
+    if not found:
+        print(f"no runs under {runs_dir()}")
+        return 0
+    rows = []
+    for run in reversed(found):
+        done, failed, total = run.counts()
+        end = run.ended if run.ended is not None else time.time() if run.alive else None
+        wall = "" if end is None else _duration(end - run.started)
+        rows.append(
+            [run.name_on_disk, str(run.meta.get("name", "?")), _when(run.started),
+             f"{done}/{failed}/{total}", wall, run.status]
+        )  # fmt: skip
+    _table(["run", "name", "started", "done/failed/total", "wall", "status"], rows)
+    return 0
+
+
+@_guarded
+def _show(args: argparse.Namespace) -> int:
+    run = runs.find_run(args.run)
+    cells = run.cells()
+    print(f"{run.name_on_disk}: {run.meta.get('function', '?')} on {run.meta.get('backend', '?')}, "
+          f"started {_when(run.started)}, {run.status}")  # fmt: skip
+    rows = []
+    for cell in cells:
+        took = "" if cell.started is None or cell.ended is None else _duration(cell.ended - cell.started)
+        state = "done (reused)" if cell.reused else cell.state
+        if cell.attempt > 1:
+            state += f" (attempt {cell.attempt})"
+        rows.append([f"#{cell.index}", cell.args, state, cell.card, took, cell.error])
+    _table(["cell", "arguments", "state", "card", "duration", "error"], rows)
+    return 0
+
+
+@_guarded
+def _logs(args: argparse.Namespace) -> int:
+    run = runs.find_run(args.run)
+    cells = run.cells()
+    if not any(c.index == args.cell for c in cells):
+        raise ConfigError(
+            f"run {run.name_on_disk} has no cell #{args.cell}; it has cells #0 to #{len(cells) - 1}. "
+            f"See them with: levers9 runs show {run.name_on_disk}"
+        )
+    attempts = runs.attempt_folders(run, args.cell)
+    if not attempts and not args.follow:
+        state = next(c.state for c in cells if c.index == args.cell)
+        print(f"cell #{args.cell} has no output ({state})", file=sys.stderr)
+        return 0
+    for folder in attempts[:-1] if args.follow else attempts:
+        _print_attempt(folder, len(attempts))
+    if args.follow:
+        _follow(run, args.cell)
+    return 0
+
+
+def _print_attempt(folder: Any, attempts: int) -> None:
+    if attempts > 1:
+        print(f"--- attempt {folder.name.split('-')[-1]} ---")
+    for name in ("stdout.log", "stderr.log"):
+        path = folder / name
+        if path.exists():
+            sys.stdout.write(path.read_text(errors="replace"))
+    sys.stdout.flush()
+
+
+def _follow(run: runs.Run, index: int) -> None:
+    """Print the cell's newest attempt as it grows, until the cell has ended or its caller is gone."""
+
+    def going() -> bool:
+        cells = runs.read_run(run.path).cells()
+        return next((c.state for c in cells if c.index == index), "done") in ("waiting", "running", "retrying")
+
+    followed = 0
+    try:
+        while True:
+            attempts = runs.attempt_folders(run, index)
+            if len(attempts) > followed:
+                followed = len(attempts)
+                folder = attempts[-1]
+
+                def current(seen: int = followed) -> bool:
+                    return going() and len(runs.attempt_folders(run, index)) == seen
+
+                for text in runs.follow([folder / "stdout.log", folder / "stderr.log"], current):
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+            elif not going():
+                return
+            else:
+                time.sleep(0.2)
+    except KeyboardInterrupt:
+        return
+
+
+@_guarded
+def _clean(args: argparse.Namespace) -> int:
+    keep = args.keep
+    if keep is None and args.older_than is None:
+        keep = runs.keep_runs()
+    removed = runs.clean(keep=keep, older_than=args.older_than)
+    print(f"removed {len(removed)} run folder(s) from {runs_dir()}; {len(runs.list_runs())} kept")
+    return 0
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Columns padded to their widest cell; the last column is never padded."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header) - 1)]
+    for row in [header, *rows]:
+        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths, strict=True)] + [str(row[-1])]
+        print("  ".join(cells).rstrip())
+
+
+def _when(stamp: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp))
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
+    return f"{int(seconds) // 3600}h{int(seconds) % 3600 // 60:02d}m"
