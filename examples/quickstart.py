@@ -17,7 +17,7 @@ from sweep import cell  # @job(gpu="any", gpu_count=1): one sweep cell
 from train_ddp import train_one_rank  # the seed's training loop, one call per rank
 
 from levers9 import distributed as dist
-from levers9.distributed.cards import visible_cards
+from levers9.distributed.hardware.cards import visible_cards
 
 
 def main() -> None:

@@ -22,9 +22,9 @@ import sys
 import time
 from typing import Any
 
-from levers9.distributed import cards as _cards
-from levers9.distributed import nccl as _nccl
-from levers9.distributed import quirks as _quirks
+from levers9.distributed.hardware import cards as _cards
+from levers9.distributed.hardware import nccl as _nccl
+from levers9.distributed.hardware import quirks as _quirks
 
 PROBE_TIMEOUT_S = 60.0
 # Tried in order until one works: how levers9 runs it, then the settings that fix most hangs.

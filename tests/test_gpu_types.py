@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from levers9.distributed.gpu_types import known_types, parse_gpu_type, type_of_card
+from levers9.distributed.hardware.gpu_types import known_types, parse_gpu_type, type_of_card
 from levers9.errors import JobConfigError
 
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from levers9.distributed import nccl
+from levers9.distributed.hardware import nccl
 from tests.fakes import build_fake_nccl
 
 REPORT = (
-    "import json; from levers9.distributed import nccl; i = nccl.nccl_info(); "
+    "import json; from levers9.distributed.hardware import nccl; i = nccl.nccl_info(); "
     "print(json.dumps({'version': i.version, 'path': i.path, 'source': i.source, 'wheel': i.wheel, "
     "'wheel_version': i.wheel_version, 'build_cuda': i.build_cuda, 'wheel_is_loaded': i.wheel_is_loaded, "
     "'runtime': nccl.nccl_runtime_version(), 'text': i.version_text}))"

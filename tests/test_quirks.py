@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from levers9.distributed import cards, quirks
-from levers9.distributed.cards import Inventory
-from levers9.distributed.nccl import NcclInfo
-from levers9.distributed.quirks import Match, Platform, Quirk, plan_quirks
+from levers9.distributed.hardware import cards, quirks
+from levers9.distributed.hardware.cards import Inventory
+from levers9.distributed.hardware.nccl import NcclInfo
+from levers9.distributed.hardware.quirks import Match, Platform, Quirk, plan_quirks
 from levers9.errors import QuirkError
 from tests.fakes import build_fake_nccl, use_fake_pynvml
 from tests.fakes.machines import (
@@ -323,7 +323,7 @@ APPLY = textwrap.dedent(
     import json, logging, os, sys
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(name)s %(message)s")
     import pynvml  # the fake stands in for a driver: with pynvml imported, levers9 asks it
-    from levers9.distributed import quirks
+    from levers9.distributed.hardware import quirks
     try:
         first = quirks.apply_quirks(local_world_size=2, backend="nccl", is_main=True, disabled=["shm-too-small"])
     except Exception as exc:

@@ -352,7 +352,7 @@ class _Spawn:
 
     def _child_env(self) -> dict[str, str]:
         """Variables every rank gets on top of the caller's environment (quirk defaults included)."""
-        from levers9.distributed import quirks
+        from levers9.distributed.hardware import quirks
 
         plan = quirks.plan_quirks(
             local_world_size=self.layout.nprocs, backend=self.layout.backend, disabled=self.disable_quirks

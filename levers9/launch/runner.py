@@ -102,7 +102,7 @@ def run_cell(
 
 
 def _apply_quirks(gpu_count: int) -> None:
-    from levers9.distributed import quirks
+    from levers9.distributed.hardware import quirks
 
     quirks.apply_quirks(local_world_size=gpu_count, backend="nccl", is_main=True)
 

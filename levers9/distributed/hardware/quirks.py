@@ -25,9 +25,9 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Literal
 
-from levers9.distributed import cards as _cards
-from levers9.distributed.cards import Card, Inventory
-from levers9.distributed.nccl import NcclInfo, nccl_info
+from levers9.distributed.hardware import cards as _cards
+from levers9.distributed.hardware.cards import Card, Inventory
+from levers9.distributed.hardware.nccl import NcclInfo, nccl_info
 from levers9.errors import QuirkError
 
 log = logging.getLogger("levers9.quirks")

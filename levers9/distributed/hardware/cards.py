@@ -20,7 +20,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from levers9.distributed.gpu_types import type_of_card
+from levers9.distributed.hardware.gpu_types import type_of_card
 
 log = logging.getLogger("levers9.cards")
 
