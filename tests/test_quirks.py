@@ -18,7 +18,7 @@ from levers9.distributed.hardware.nccl import NcclInfo
 from levers9.distributed.hardware.platform import Platform
 from levers9.distributed.hardware.quirk_rows import Match, Quirk
 from levers9.distributed.hardware.quirks import plan_quirks
-from levers9.distributed.stalls import RUN_DIR_PREFIX, runs_root
+from levers9.distributed.stalls.board import RUN_DIR_PREFIX, runs_root
 from levers9.errors import ConfigError, QuirkError
 from tests.fakes import build_fake_nccl, use_fake_pynvml
 from tests.fakes.machines import (
