@@ -135,7 +135,7 @@ def test_reading_cards_does_not_initialise_cuda(monkeypatch: pytest.MonkeyPatch)
     assert torch is None or not torch.cuda.is_initialized()
 
 
-# NVML names from facts/gpu-quirks.md section 4 (driver README "Compatible GPUs" table and logs).
+# NVML names as the NVIDIA driver reports them (its README's "Compatible GPUs" table, and driver logs).
 FACT_NAMES = [
     ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", 97887, "RTXPro6000"),
     ("NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition", 97887, "RTXPro6000"),

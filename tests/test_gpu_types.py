@@ -1,4 +1,4 @@
-"""GPU type names: NVML's names (from the facts file) to the controlplane's spellings, and users' spellings."""
+"""GPU type names: NVML's names (as drivers report them) to the controlplane's spellings, and users' spellings."""
 
 from __future__ import annotations
 
