@@ -307,7 +307,7 @@ CHECKS: tuple[Callable[[Match, _Context], Verdict | None], ...] = (
 )
 
 
-def check_match(m: Match, ctx: _Context) -> Verdict:
+def _check_match(m: Match, ctx: _Context) -> Verdict:
     """The first check that fails or cannot be told, else a holding verdict naming everything seen."""
     seen = []
     for check in CHECKS:
@@ -481,7 +481,7 @@ def plan_quirks(
         if q.id in off or "all" in off:
             outcomes.append(QuirkOutcome(q, "disabled", f"switched off ({DISABLE_VAR} or disabled=)"))
             continue
-        verdict = check_match(q.match, ctx)
+        verdict = _check_match(q.match, ctx)
         if verdict.holds is None:
             outcomes.append(QuirkOutcome(q, "unknown", verdict.text))
         elif not verdict.holds:
