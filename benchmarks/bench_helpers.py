@@ -101,7 +101,7 @@ def untracked_backward(measure: Any) -> Any:
 
 def recorder_sample_us(samples: int = 2000) -> float:
     """What one flight-recorder sample costs the rank that answers it (microseconds)."""
-    from levers9.distributed import flight_recorder
+    from levers9.distributed.stalls import flight_recorder
 
     assert flight_recorder.read_status() is not None, "torch's flight recorder recorded nothing"
     start = time.perf_counter()
@@ -129,13 +129,13 @@ def tracking_cost_us(calls: int = 200_000) -> float:
     """What the stall tracking adds to one collective call, without the communication (microseconds)."""
     import timeit
 
-    from levers9.distributed import stalls
+    from levers9.distributed.stalls import board, instrument
 
-    folder = stalls.RunFolder(1)
+    folder = board.RunFolder(1)
     try:
-        slot = stalls.RankSlot(str(folder.path), 0)
+        slot = board.RankSlot(str(folder.path), 0)
         bare = lambda x: x  # noqa: E731
-        tracked = stalls._tracked(bare, "all_reduce", slot)
+        tracked = instrument.tracked_call(bare, "all_reduce", slot)
         return (timeit.timeit(lambda: tracked(1), number=calls) - timeit.timeit(lambda: bare(1), number=calls)) / calls * 1e6
     finally:
         folder.remove()
@@ -145,7 +145,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    from levers9.distributed import stalls
+    from levers9.distributed.stalls import board
 
     # stall_timeout on: the rows measure collectives and steps with stall detection fully at work.
     result = dist.run(bench, {"rounds": args.rounds}, nprocs=2, stall_timeout=600)
@@ -162,7 +162,7 @@ def main() -> None:
     print(f"Stall tracking adds {tracking_cost_us():.2f} us to each blocking collective call (measured without communication).")
     print(
         f"A flight-recorder sample costs the rank {result['sample_us']:.1f} us; the caller asks for one at most every "
-        f"{stalls.QUIET_S:g} s, and only while no Python-level collective moved for that long."
+        f"{board.QUIET_S:g} s, and only while no Python-level collective moved for that long."
     )
 
 

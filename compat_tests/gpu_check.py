@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from levers9 import distributed as dist
-from levers9.distributed import flight_recorder
+from levers9.distributed.stalls import flight_recorder
 from levers9.errors import StallError
 
 SPIN_CYCLES = 3_000_000_000  # about a second and a half of torch.cuda._sleep on current cards

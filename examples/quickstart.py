@@ -1,4 +1,5 @@
-"""levers9 in one minute: both shapes of the seed on whatever this machine has.
+"""levers9 in one minute, on whatever this machine has: one training on several cards, and many
+trainings on one card each.
 
     python examples/quickstart.py
 
@@ -14,10 +15,10 @@ import os
 import time
 
 from sweep import cell  # @job(gpu="any", gpu_count=1): one sweep cell
-from train_ddp import train_one_rank  # the seed's training loop, one call per rank
+from train_ddp import train_one_rank  # the training loop, one call per rank
 
 from levers9 import distributed as dist
-from levers9.distributed.cards import visible_cards
+from levers9.distributed.hardware.cards import visible_cards
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Many trainings, one card each: the seed's LoRA-rank x learning-rate sweep with a tiny model.
+"""Many trainings, one card each: a LoRA-rank x learning-rate sweep with a tiny model.
 
     python examples/sweep.py
 

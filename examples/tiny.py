@@ -1,4 +1,5 @@
-"""The seed's stand-ins, small enough for a laptop: a model, synthetic (audio, text) rows, a batch."""
+"""Stand-ins for a real model and dataset, small enough for a laptop: a model, synthetic (audio, text)
+rows, a batch."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The seed's loop launched by torchrun: the process is already a rank, and the helpers read
+"""The training loop of train_ddp.py launched by torchrun: the process is already a rank, and the helpers read
 torchrun's RANK / WORLD_SIZE / LOCAL_RANK.
 
     torchrun --nproc-per-node 2 examples/torchrun_script.py

@@ -1,4 +1,4 @@
-"""The seed's `train_one_rank` loop, with gpu_count as the only knob.
+"""A `train_one_rank` training loop (a small model on synthetic audio/text rows), with gpu_count as the only knob.
 
     python examples/train_ddp.py --gpu-count 2     # one job holding 2 cards, 2 ranks inside it
     python examples/train_ddp.py --gpu-count 1     # the same function, one card, no spawn

@@ -22,9 +22,10 @@ import sys
 import time
 from typing import Any
 
-from levers9.distributed import cards as _cards
-from levers9.distributed import nccl as _nccl
-from levers9.distributed import quirks as _quirks
+from levers9.distributed.hardware import cards as _cards
+from levers9.distributed.hardware import nccl as _nccl
+from levers9.distributed.hardware import quirks as _quirks
+from levers9.distributed.hardware.platform import read_platform
 
 PROBE_TIMEOUT_S = 60.0
 # Tried in order until one works: how levers9 runs it, then the settings that fix most hangs.
@@ -90,7 +91,7 @@ def collect(nprocs: int | None = None) -> dict[str, Any]:
     report["cards"] = inv.to_dict()
     info = _nccl.nccl_info()
     report["nccl"] = {**dataclasses.asdict(info), "text": info.describe()}
-    report["platform"] = dataclasses.asdict(_quirks.read_platform())
+    report["platform"] = dataclasses.asdict(read_platform())
     report["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(_REPORTED_ENV_PREFIXES)}
     launched_lws = (
         report["launch"].get("local_world_size") if report["launch"].get("launcher") != "single" else None
@@ -293,7 +294,7 @@ def render(r: dict[str, Any]) -> str:
     else:
         out.append(f"  driver {inv['driver_version']}, CUDA driver API {inv['cuda_driver_version']}")
         for c in inv["cards"]:
-            cc = ".".join(map(str, c["compute_capability"]))
+            cc = ".".join(map(str, c["compute_capability"] or ())) or "unknown"
             procs = f", processes {', '.join(map(str, c['processes']))}" if c["processes"] else ""
             out.append(
                 f"  {c['index']}: {c['name']} [{c['type_name']}] cc {cc}, {c['memory_total_mib']} MiB, "

@@ -64,7 +64,7 @@ def clean_launcher_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Itera
 
 def forget_fake_hardware() -> None:
     """Drop a fake pynvml a test imported and the card inventory read through it, so no later test sees them."""
-    from levers9.distributed import cards
+    from levers9.distributed.hardware import cards
 
     module = sys.modules.get("pynvml")
     if module is not None and f"{os.sep}fakes{os.sep}" in (getattr(module, "__file__", "") or ""):

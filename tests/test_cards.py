@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from levers9.distributed import cards
-from levers9.distributed.gpu_types import type_of_card
+from levers9.distributed.hardware import cards
+from levers9.distributed.hardware.gpu_types import type_of_card
 from tests.fakes import use_fake_pynvml
 from tests.fakes.machines import (
     A100_80,
@@ -121,7 +121,7 @@ def test_without_a_driver_pynvml_is_not_even_imported() -> None:
     if any(os.path.exists(p) for p in cards._DRIVER_MARKERS):
         pytest.skip("this machine has an NVIDIA driver")
     code = (
-        "import sys; from levers9.distributed import cards; "
+        "import sys; from levers9.distributed.hardware import cards; "
         "print(cards.visible_cards(), 'pynvml' in sys.modules, cards.inventory().error)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -135,7 +135,7 @@ def test_reading_cards_does_not_initialise_cuda(monkeypatch: pytest.MonkeyPatch)
     assert torch is None or not torch.cuda.is_initialized()
 
 
-# NVML names from facts/gpu-quirks.md section 4 (driver README "Compatible GPUs" table and logs).
+# NVML names as the NVIDIA driver reports them (its README's "Compatible GPUs" table, and driver logs).
 FACT_NAMES = [
     ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", 97887, "RTXPro6000"),
     ("NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition", 97887, "RTXPro6000"),

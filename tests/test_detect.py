@@ -86,10 +86,21 @@ def test_sbatch_script_without_srun_is_not_a_rank() -> None:
         ("node7", ["node7"]),
         ("a[1-2],b3", ["a1", "a2", "b3"]),
         ("n[008-010]", ["n008", "n009", "n010"]),
+        ("gpu[1-2]-ib", ["gpu1-ib", "gpu2-ib"]),  # a suffix after the brackets (InfiniBand host names)
+        ("gpu[1-2]-ib,login[3]", ["gpu1-ib", "gpu2-ib", "login3"]),
     ],
 )
 def test_expand_nodelist(nodelist: str, hosts: list[str]) -> None:
     assert expand_nodelist(nodelist) == hosts
+
+
+def test_the_master_address_under_srun_is_the_first_host_of_a_suffixed_nodelist() -> None:
+    assert detect({**SRUN, "SLURM_STEP_NODELIST": "gpu[3-4]-ib"}).master_addr == "gpu3-ib"
+
+
+def test_a_malformed_nodelist_names_the_variable() -> None:
+    with pytest.raises(LauncherEnvError, match=r"SLURM_STEP_NODELIST='gpu\[1-2' is not a SLURM host list"):
+        detect({**SRUN, "SLURM_STEP_NODELIST": "gpu[1-2"})
 
 
 def test_open_mpi() -> None:

@@ -123,7 +123,7 @@ def test_a_hung_probe_is_killed_with_everything_it_started() -> None:
 
 def test_real_pynvml_without_a_driver_says_no_cards() -> None:
     """This CPU box as it is: the installed nvidia-ml-py finds no NVML library; doctor says so and exits 0."""
-    from levers9.distributed.cards import _DRIVER_MARKERS
+    from levers9.distributed.hardware.cards import _DRIVER_MARKERS
 
     if any(os.path.exists(p) for p in _DRIVER_MARKERS):
         pytest.skip("this machine has an NVIDIA driver")

@@ -1,10 +1,10 @@
-"""GPU type names: NVML's names (from the facts file) to the controlplane's spellings, and users' spellings."""
+"""GPU type names: NVML's names (as drivers report them) to the controlplane's spellings, and users' spellings."""
 
 from __future__ import annotations
 
 import pytest
 
-from levers9.distributed.gpu_types import known_types, parse_gpu_type, type_of_card
+from levers9.distributed.hardware.gpu_types import known_types, parse_gpu_type, type_of_card
 from levers9.errors import JobConfigError
 
 

@@ -215,7 +215,7 @@ def _alive(pid: int) -> bool:
 def test_real_cards_skip_other_peoples_processes_and_honour_visible_devices(
     monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
-    from levers9.distributed import cards
+    from levers9.distributed.hardware import cards
     from tests.fakes import use_fake_pynvml
     from tests.fakes.machines import RTX_PRO_6000_SERVER, machine
 

@@ -82,6 +82,39 @@ def test_cli_multi_gpu_switch_end_to_end() -> None:
     assert load_settings().multi_gpu is False
 
 
+USERS_FILE = """\
+# our lab's notes: cards 4-7 belong to the vision team
+version = 1
+
+[workspace]
+multi_gpu = false   # keep off until the new PSU is in
+team = "vision"     # read by our own tooling, not by levers9
+
+[limits]
+max_gpu_count = 4
+"""
+
+
+def test_cli_multi_gpu_on_keeps_the_users_comments_and_unknown_keys() -> None:
+    settings_path().parent.mkdir(parents=True, exist_ok=True)
+    settings_path().write_text(USERS_FILE)
+    turned = levers9("workspace", "multi-gpu", "on")
+    assert turned.returncode == 0, turned.stderr
+    text = settings_path().read_text()
+    assert text == USERS_FILE.replace("multi_gpu = false", "multi_gpu = true"), text
+    reread = load_settings()
+    assert (reread.multi_gpu, reread.max_gpu_count) == (True, 4)
+
+
+def test_a_new_file_explains_itself_and_a_default_left_unmentioned_stays_so() -> None:
+    update_settings(max_gpu_count=2)
+    text = settings_path().read_text()
+    assert "# levers9 workspace settings." in text and "max_gpu_count = 2" in text and "multi_gpu = false" in text
+    settings_path().write_text("[limits]\nmax_gpu_count = 3\n")
+    update_settings(max_gpu_count=5)
+    assert settings_path().read_text() == "[limits]\nmax_gpu_count = 5\n"
+
+
 def test_cli_max_gpu_count_end_to_end() -> None:
     changed = levers9("workspace", "max-gpu-count", "4")
     assert changed.returncode == 0 and "Max GPU count per job: 4 (was 8)" in changed.stdout

@@ -12,11 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from levers9.distributed import cards, quirks
-from levers9.distributed.cards import Inventory
-from levers9.distributed.nccl import NcclInfo
-from levers9.distributed.quirks import Match, Platform, Quirk, plan_quirks
-from levers9.errors import QuirkError
+from levers9.distributed.hardware import cards, platform, quirk_rows, quirks
+from levers9.distributed.hardware.cards import Inventory
+from levers9.distributed.hardware.nccl import NcclInfo
+from levers9.distributed.hardware.platform import Platform
+from levers9.distributed.hardware.quirk_rows import Match, Quirk
+from levers9.distributed.hardware.quirks import plan_quirks
+from levers9.distributed.stalls.board import RUN_DIR_PREFIX, runs_root
+from levers9.errors import ConfigError, QuirkError
 from tests.fakes import build_fake_nccl, use_fake_pynvml
 from tests.fakes.machines import (
     B200,
@@ -112,6 +115,21 @@ def test_blackwell_unknown_nccl_warns_instead_of_failing(monkeypatch: pytest.Mon
     assert any("could not be checked" in w for w in p.warnings)
 
 
+def test_an_unreadable_compute_capability_is_unknown_not_an_old_card(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML failing to read the capability of an RTX PRO 6000 must not make the Blackwell rows 'not apply'."""
+    unread = (RTX_PRO_6000_SERVER[0], None, RTX_PRO_6000_SERVER[2])
+    i = inv(monkeypatch, unread, unread)
+    assert i.cards[0].compute_capability is None and "compute capability unknown" in i.cards[0].describe()
+    p = plan(i, lws=2, nccl=TORCH27_NCCL)
+    assert status(p, "blackwell-nccl-kernels") == "unknown" and status(p, "rtxpro6000-p2p") == "unknown"
+    assert not p.errors and not p.set_env
+    (warning,) = [w for w in p.warnings if w.startswith("[blackwell-nccl-kernels]")]
+    assert "the compute capability of cards 0,1" in warning and "cannot be read" in warning
+    # A readable Blackwell card beside it still decides: that one lacks kernels in this NCCL.
+    mixed = plan(inv(monkeypatch, RTX_PRO_6000_SERVER, unread), lws=2, nccl=TORCH27_NCCL)
+    assert status(mixed, "blackwell-nccl-kernels") == "applies" and status(mixed, "rtxpro6000-p2p") == "applies"
+
+
 def test_blackwell_rule_ignores_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
     p = plan(inv(monkeypatch, RTX_PRO_6000_SERVER), backend="gloo", nccl=TORCH27_NCCL)
     assert not p.errors
@@ -121,11 +139,46 @@ def test_opt_out_by_argument_and_by_env(monkeypatch: pytest.MonkeyPatch) -> None
     i = inv(monkeypatch, RTX_PRO_6000_SERVER)
     assert plan(i, nccl=TORCH27_NCCL).errors
     assert not plan(i, nccl=TORCH27_NCCL, disabled=["blackwell-nccl-kernels"]).errors
-    by_env = plan(i, nccl=TORCH27_NCCL, env={"LEVERS9_DISABLE_QUIRKS": " foo-typo , blackwell-nccl-kernels"})
+    by_env = plan(i, nccl=TORCH27_NCCL, env={"LEVERS9_DISABLE_QUIRKS": " blackwell-nccl-kernels , "})
     assert not by_env.errors and status(by_env, "blackwell-nccl-kernels") == "disabled"
-    assert any("foo-typo" in w and "known ids" in w for w in by_env.warnings)
     everything = plan(i, lws=2, nccl=TORCH27_NCCL, env={"LEVERS9_DISABLE_QUIRKS": "all"})
     assert not everything.errors and not everything.set_env and not everything.warnings
+
+
+@pytest.mark.parametrize(
+    ("kw", "where"),
+    [
+        ({"disabled": ["blackwell-nccl-kernels", "foo-typo"]}, "disable_quirks="),
+        ({"env": {"LEVERS9_DISABLE_QUIRKS": " foo-typo , blackwell-nccl-kernels"}}, "LEVERS9_DISABLE_QUIRKS="),
+    ],
+)
+def test_an_unknown_quirk_id_is_refused_naming_it_and_the_known_ids(kw: dict, where: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        plan(**kw)
+    text = str(info.value)
+    assert "'foo-typo'" in text and where in text and "'blackwell-nccl-kernels'" not in text
+    assert all(q.id in text for q in quirk_rows.QUIRKS) and "'all'" in text
+
+
+def test_check_quirk_ids_knows_registered_rows_and_all() -> None:
+    quirks.check_quirk_ids(["all", "shm-too-small"])
+    with pytest.raises(ConfigError, match="'my-row'"):
+        quirks.check_quirk_ids(["my-row"])
+    quirks.register_quirk(Quirk("my-row", "a user row", Match(), "info"))
+    try:
+        quirks.check_quirk_ids(["my-row"])
+    finally:
+        quirks.unregister_quirk("my-row")
+
+
+@pytest.mark.timeout(60)
+def test_run_refuses_an_unknown_disable_quirks_id_before_starting_anything() -> None:
+    from levers9 import distributed as dist
+    from tests import rankfns
+
+    with pytest.raises(ConfigError, match="'no-such-id'"):
+        dist.run(rankfns.describe, None, nprocs=2, disable_quirks=("no-such-id",))
+    assert not list(runs_root().glob(f"{RUN_DIR_PREFIX}{os.getpid()}-*")), "a run folder was made"
 
 
 # --- Q2 rtxpro6000-p2p --------------------------------------------------------------------------
@@ -235,9 +288,9 @@ def test_small_shm_rule_does_not_match(monkeypatch, lws, backend, env, shm) -> N
 
 
 def test_shm_size_is_read_from_the_filesystem(tmp_path: Path) -> None:
-    size = quirks.shm_bytes(str(tmp_path))
+    size = platform.shm_bytes(str(tmp_path))
     assert isinstance(size, int) and size > 0
-    assert quirks.shm_bytes(str(tmp_path / "missing")) is None
+    assert platform.shm_bytes(str(tmp_path / "missing")) is None
 
 
 # --- Q6 WSL2, Q8 ROCm, Q9 timeouts ----------------------------------------------------------------
@@ -295,9 +348,9 @@ def test_register_and_replace_rows(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_every_row_has_an_id_evidence_and_a_known_action() -> None:
-    ids = [q.id for q in quirks.QUIRKS]
+    ids = [q.id for q in quirk_rows.QUIRKS]
     assert len(ids) == len(set(ids)) >= 9
-    for q in quirks.QUIRKS:
+    for q in quirk_rows.QUIRKS:
         assert q.evidence and q.description and q.action in ("set-env", "error", "warning", "info")
         assert (q.action == "set-env") == bool(q.set_env)
 
@@ -323,7 +376,7 @@ APPLY = textwrap.dedent(
     import json, logging, os, sys
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(name)s %(message)s")
     import pynvml  # the fake stands in for a driver: with pynvml imported, levers9 asks it
-    from levers9.distributed import quirks
+    from levers9.distributed.hardware import quirks
     try:
         first = quirks.apply_quirks(local_world_size=2, backend="nccl", is_main=True, disabled=["shm-too-small"])
     except Exception as exc:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from levers9 import distributed as dist
-from levers9.distributed import stalls
+from levers9.distributed.stalls import board
 from levers9.errors import NotShippableError, RankCrashed, RankFailed, RunTimeout
 from tests import rankfns
 from tests.proc_util import children_of, left_behind, wait_gone
@@ -27,7 +27,7 @@ def no_leftover_processes() -> Iterator[None]:
     before = set(children_of(os.getpid()))
     yield
     assert left_behind(before) == [], "distributed.run left child processes running"
-    assert not list(stalls.runs_root().glob(f"{stalls.RUN_DIR_PREFIX}{os.getpid()}-*")), "run folder left behind"
+    assert not list(board.runs_root().glob(f"{board.RUN_DIR_PREFIX}{os.getpid()}-*")), "run folder left behind"
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
@@ -204,12 +204,12 @@ def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path: Path) -> None:
 
 def test_ranks_exit_when_the_caller_is_killed_outright(tmp_path: Path) -> None:
     proc, pids = _start_driver(tmp_path)
-    assert list(stalls.runs_root().glob(f"{stalls.RUN_DIR_PREFIX}{proc.pid}-*"))
+    assert list(board.runs_root().glob(f"{board.RUN_DIR_PREFIX}{proc.pid}-*"))
     proc.kill()
     proc.wait(timeout=10)
     assert wait_gone(pids, 5) == []
     dist.run(rankfns.describe, None, nprocs=2)  # the next run clears what the killed caller could not
-    assert not list(stalls.runs_root().glob(f"{stalls.RUN_DIR_PREFIX}{proc.pid}-*"))
+    assert not list(board.runs_root().glob(f"{board.RUN_DIR_PREFIX}{proc.pid}-*"))
 
 
 def _listening_sockets_of(pids: set[int]) -> list[str]:

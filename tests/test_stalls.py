@@ -14,6 +14,7 @@ import pytest
 
 from levers9 import distributed as dist
 from levers9.distributed import stalls
+from levers9.distributed.stalls import board, instrument, report
 from levers9.errors import StallError
 from tests import rankfns
 from tests.proc_util import children_of, left_behind
@@ -31,7 +32,7 @@ def nothing_left() -> Iterator[None]:
     before = set(children_of(os.getpid()))
     yield
     assert left_behind(before) == []
-    assert not list(stalls.runs_root().glob(f"{stalls.RUN_DIR_PREFIX}{os.getpid()}-*")), "run folder left behind"
+    assert not list(board.runs_root().glob(f"{board.RUN_DIR_PREFIX}{os.getpid()}-*")), "run folder left behind"
 
 
 def _stall_report(fn: Callable[[Any], None], stall_timeout: float = 2) -> str:
@@ -200,8 +201,8 @@ def test_a_rank_stuck_before_a_ddp_step_is_named_and_the_other_waits_in_backward
     assert "rank 1: not in a collective" in text and f"{RANKFNS}:{_line_of('DDP-SLEEP-LINE')}" in text
 
 
-def _state(finished: int = 0, issued: int = -1, completed: int = -1, moved_at: float = 0.0, inside: bool = False) -> stalls.SlotState:
-    return stalls.SlotState(finished, inside, moved_at, moved_at, "all_reduce" if inside else "", issued, completed, moved_at)
+def _state(finished: int = 0, issued: int = -1, completed: int = -1, moved_at: float = 0.0, inside: bool = False) -> board.SlotState:
+    return board.SlotState(finished, inside, moved_at, moved_at, "all_reduce" if inside else "", issued, completed, moved_at)
 
 
 @pytest.mark.parametrize(
@@ -215,7 +216,7 @@ def _state(finished: int = 0, issued: int = -1, completed: int = -1, moved_at: f
         ([_state(2), _state(2)], False),  # recorder off, in step: everyone computes
     ],
 )
-def test_stall_rule(states: list[stalls.SlotState], expected: bool) -> None:
+def test_stall_rule(states: list[board.SlotState], expected: bool) -> None:
     assert stalls.stalled(states, stall_timeout=5, now=10) is expected
     assert stalls.stalled(states, stall_timeout=5, now=4) is False  # something moved less than 5 s ago
 
@@ -247,7 +248,7 @@ def test_a_dump_interrupted_between_threads_is_read_to_the_ranks_own_frames(tmp_
     finally:
         proc.kill()
         proc.wait(timeout=10)
-    assert str(stalls.user_frame(stalls.main_thread_frames(dumps[0]))) == "/work/train.py:7 in step"
+    assert str(report.user_frame(report.main_thread_frames(dumps[0]))) == "/work/train.py:7 in step"
 
 
 def test_the_users_frame_is_found_by_where_torch_and_levers9_are_not_by_names_in_the_path() -> None:
@@ -256,9 +257,9 @@ def test_the_users_frame_is_found_by_where_torch_and_levers9_are_not_by_names_in
 
     torch_file = str(Path(torch.__file__).parent / "distributed" / "distributed_c10d.py")
     frames = [
-        stalls.Frame(torch_file, 3252, "all_reduce"),
-        stalls.Frame(stalls.__file__, 231, "tracked"),
-        stalls.Frame("<frozen runpy>", 1, "_run_code"),
-        stalls.Frame("/home/me/levers9/tests/train.py", 7, "step"),
+        report.Frame(torch_file, 3252, "all_reduce"),
+        report.Frame(instrument.__file__, 231, "tracked"),
+        report.Frame("<frozen runpy>", 1, "_run_code"),
+        report.Frame("/home/me/levers9/tests/train.py", 7, "step"),
     ]
-    assert stalls.user_frame(frames) == frames[3]
+    assert report.user_frame(frames) == frames[3]

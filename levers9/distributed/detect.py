@@ -11,6 +11,8 @@ import dataclasses
 import re
 from collections.abc import Callable, Mapping
 
+import hostlist
+
 from levers9.errors import LauncherEnvError
 
 LAUNCHERS = ("torchrun", "accelerate", "levers9", "slurm", "mpi", "env", "single")
@@ -101,22 +103,15 @@ def detect_levers9(env: Mapping[str, str]) -> LaunchInfo | None:
     return _torchrun_layout(env, "levers9", "LEVERS9_LAUNCHER=levers9")
 
 
-def expand_nodelist(nodelist: str) -> list[str]:
-    """SLURM's compressed host list (`gpu[01-04,07],cpu1`) as host names, in order."""
-    hosts: list[str] = []
-    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?(?:,|$)", nodelist):
-        prefix, ranges = match.group(1), match.group(2)
-        if ranges is None:
-            hosts.append(prefix)
-            continue
-        for part in ranges.split(","):
-            start, _, end = part.partition("-")
-            if not end:
-                hosts.append(prefix + start)
-                continue
-            width = len(start)
-            hosts.extend(f"{prefix}{i:0{width}d}" for i in range(int(start), int(end) + 1))
-    return hosts
+def expand_nodelist(nodelist: str, variable: str = "SLURM_JOB_NODELIST") -> list[str]:
+    """SLURM's compressed host list (`gpu[01-04,07],cpu1`, `gpu[1-2]-ib`) as host names, in order."""
+    try:
+        return list(hostlist.expand_hostlist(nodelist))
+    except hostlist.BadHostlist as exc:
+        raise LauncherEnvError(
+            f"{variable}={nodelist!r} is not a SLURM host list ({exc}). Expected names such as gpu[01-04,07]; "
+            "launch with srun, or set MASTER_ADDR to the first node's name."
+        ) from None
 
 
 def _tasks_on_node(spec: str, node: int) -> int:
@@ -137,8 +132,9 @@ def detect_slurm(env: Mapping[str, str]) -> LaunchInfo | None:
     _require(env, (size_var, "SLURM_LOCALID"), "slurm", "SLURM_PROCID")
     node = _int(env, "SLURM_NODEID", "slurm") if "SLURM_NODEID" in env else 0
     per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1"
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
-    hosts = expand_nodelist(nodelist) if nodelist else []
+    variable = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
+    nodelist = env.get(variable, "")
+    hosts = expand_nodelist(nodelist, variable) if nodelist and not env.get("MASTER_ADDR") else []
     job_id = env.get("SLURM_JOB_ID", "0")
     default_port = 10000 + int(job_id) % 20000 if job_id.isdigit() else 29500
     port = _port(env, "slurm")

@@ -111,7 +111,7 @@ def destroy_own_group() -> None:
 
 def apply_quirks_here(local_world_size: int, backend: str, disabled: tuple[str, ...] = ()) -> None:
     """Apply the GPU-quirk registry in this process before its first collective (once per process)."""
-    from levers9.distributed import quirks
+    from levers9.distributed.hardware import quirks
 
     quirks.apply_quirks(
         local_world_size=local_world_size, backend=backend, is_main=world.rank() == 0, disabled=disabled

@@ -112,17 +112,11 @@ def _seconds_from_env(name: str) -> float | None:
 
 
 def _check_quirk_ids(ids: tuple[str, ...]) -> None:
-    from levers9.distributed import quirks
+    from levers9.distributed.hardware import quirks
 
     if isinstance(ids, str):
         raise ConfigError(f"disable_quirks={ids!r} is one string; expected a tuple of quirk ids, e.g. ({ids!r},).")
-    known = {q.id for q in quirks.all_quirks()} | {"all"}
-    unknown = [i for i in ids if i not in known]
-    if unknown:
-        raise ConfigError(
-            f"disable_quirks names unknown quirk id(s) {', '.join(map(repr, unknown))}; expected ids from: "
-            f"{', '.join(sorted(known))}. `levers9 doctor` lists them with what each does."
-        )
+    quirks.check_quirk_ids(ids)
 
 
 def _refuse_spawn_only(where: str, nprocs: int | None, world_size: int, stall_timeout: float | None,
@@ -303,12 +297,14 @@ class _Spawn:
 
     def _child_env(self) -> dict[str, str]:
         """Variables every rank gets on top of the caller's environment (quirk defaults included)."""
-        from levers9.distributed import quirks
+        from levers9.distributed.hardware import quirks
 
-        plan = quirks.plan_quirks(local_world_size=self.layout.nprocs, backend=self.layout.backend, disabled=self.disable_quirks)
-        plan.raise_errors()  # before any rank starts
-        plan.log()
-        env: dict[str, str] = {quirks.APPLIED_MARKER: "1", **plan.set_env}
+        env: dict[str, str] = {quirks.APPLIED_MARKER: "1"}
+        if quirks.applied_plan() is None:  # planned once: a job process applied its cards' plan already
+            plan = quirks.plan_quirks(local_world_size=self.layout.nprocs, backend=self.layout.backend, disabled=self.disable_quirks)
+            plan.raise_errors()  # before any rank starts
+            plan.log()
+            env.update(plan.set_env)
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             if name not in os.environ:
                 env[name] = "lo"  # one machine: rank-to-rank sockets stay on loopback

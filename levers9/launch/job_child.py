@@ -69,7 +69,7 @@ class JobTarget:
             os.environ.pop("LEVERS9_SIMULATED", None)
         gpu_count = int(self.env.get("LEVERS9_GPU_COUNT", "0"))
         if gpu_count > 0 and self.env.get("LEVERS9_SIMULATED") != "1":
-            from levers9.distributed import quirks
+            from levers9.distributed.hardware import quirks
 
             quirks.apply_quirks(local_world_size=gpu_count, backend="nccl", is_main=True)
         return ship_value(self.func(*self.args, **self.kwargs), "the job's return value")

@@ -1,6 +1,6 @@
 """The cards the local executor may hand out: this machine's NVIDIA cards, or a simulated pool.
 
-Real cards come from `levers9.distributed.cards.visible_cards()` (NVML, honouring the caller's own
+Real cards come from `levers9.distributed.hardware.cards.visible_cards()` (NVML, honouring the caller's own
 CUDA_VISIBLE_DEVICES). Simulated cards come from LEVERS9_SIMULATE_GPUS (or `[local].simulate_gpus`
 in workspace.toml), e.g. "RTXPro6000:4" or "RTXPro6000:4,H100:2"; they are leased and pinned by the
 same code, and jobs on them see LEVERS9_SIMULATED=1. The environment variable wins over the file.
@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 
-from levers9.distributed.gpu_types import parse_gpu_type
+from levers9.distributed.hardware.gpu_types import parse_gpu_type
 from levers9.errors import JobConfigError
 
 log = logging.getLogger("levers9.launch")
@@ -102,7 +102,7 @@ def simulated_pool(spec: str, source: str = f"simulated, {SIMULATE_VAR}") -> Poo
 
 def _real_pool(env: Mapping[str, str]) -> Pool:
     try:
-        from levers9.distributed.cards import visible_cards
+        from levers9.distributed.hardware.cards import visible_cards
     except ImportError:  # pragma: no cover - the inventory module ships with levers9
         return Pool("nvml", (), False, "NVML")
     found = visible_cards(env)
@@ -115,7 +115,7 @@ def _real_pool(env: Mapping[str, str]) -> Pool:
 
 def _read_busy(cards: tuple[PoolCard, ...]) -> frozenset[int]:
     try:
-        from levers9.distributed.cards import visible_cards
+        from levers9.distributed.hardware.cards import visible_cards
     except ImportError:  # pragma: no cover
         return frozenset()
     me = os.getpid()

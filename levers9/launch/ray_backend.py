@@ -513,7 +513,7 @@ def _cards_of_task(ids: list[str], gpu_type: str) -> tuple[bool, str]:
     declared with --num-gpus, as in tests); then the job runs its ranks on gloo, as locally."""
     if not ids:
         return False, ""
-    from levers9.distributed.cards import visible_cards
+    from levers9.distributed.hardware.cards import visible_cards
 
     cards = visible_cards({"CUDA_VISIBLE_DEVICES": ",".join(ids), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
     simulated = len(cards) < len(ids)

@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import tomlkit
+
 from levers9.errors import SettingsError
 
 if sys.version_info >= (3, 11):
@@ -148,35 +150,45 @@ def _check_value(path: Path, table: str, key: str, value: Any) -> Any:
     return value
 
 
-def render(settings: Settings) -> str:
-    """The TOML text for `settings` (the schema is small enough to write by hand)."""
-    sim = (
-        f"simulate_gpus = {_toml_str(settings.simulate_gpus)}"
-        if settings.simulate_gpus
-        else '# simulate_gpus = "RTXPro6000:4"   # fake cards for machines without GPUs'
-    )
-    return (
-        "# levers9 workspace settings. Read on every job submission: edits take effect on the next call.\n"
-        "version = 1\n\n"
-        "[workspace]\n"
-        f"name = {_toml_str(settings.name)}\n"
-        f"multi_gpu = {'true' if settings.multi_gpu else 'false'}"
-        "        # `levers9 workspace multi-gpu on|off`; gates gpu_count > 1\n\n"
-        "[limits]\n"
-        f"max_gpu_count = {settings.max_gpu_count}"
-        "        # per job; `levers9 workspace max-gpu-count N`\n\n"
-        "[local]\n"
-        f"{sim}\n"
-    )
+# A new file starts from this text, so it explains itself; an existing file keeps its own text.
+_TEMPLATE = """\
+# levers9 workspace settings. Read on every job submission: edits take effect on the next call.
+version = 1
+
+[workspace]
+name = "local"
+multi_gpu = false        # `levers9 workspace multi-gpu on|off`; gates gpu_count > 1
+
+[limits]
+max_gpu_count = 8        # per job; `levers9 workspace max-gpu-count N`
+
+[local]
+# simulate_gpus = "RTXPro6000:4"   # fake cards for machines without GPUs
+"""
 
 
-def _toml_str(text: str) -> str:
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{escaped}"'
+def render(settings: Settings, existing: str | None = None) -> str:
+    """The file's text for `settings`: the user's `existing` text with levers9's keys set to these values
+    (comments, layout and unknown keys kept), or levers9's commented template when there is no file."""
+    doc = tomlkit.parse(existing if existing is not None else _TEMPLATE)
+    for table, key in _KNOWN:
+        value = getattr(settings, key)
+        section = doc.get(table)
+        if section is None or key not in section:
+            if value is None or value == getattr(Settings, key):
+                continue  # a default the file does not mention stays unmentioned
+            if section is None:
+                section = doc[table] = tomlkit.table()
+        if value is None:
+            section.pop(key, None)
+        elif section.get(key) != value:
+            section[key] = value  # tomlkit keeps the comment that followed the old value
+    text = tomlkit.dumps(doc)
+    return text if text.endswith("\n") else text + "\n"
 
 
 def update_settings(path: Path | None = None, **changes: Any) -> tuple[Settings, Settings]:
-    """Change some settings atomically under a lock; returns (before, after)."""
+    """Change some settings atomically under a lock; returns (before, after). The rest of the file is kept as written."""
     path = settings_path() if path is None else path
     path.parent.mkdir(parents=True, exist_ok=True)
     lock_fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -185,7 +197,8 @@ def update_settings(path: Path | None = None, **changes: Any) -> tuple[Settings,
         before = load_settings(path)
         after = dataclasses.replace(before, exists=True, **changes)
         _check_all(after)
-        _atomic_write(path, render(after))
+        existing = path.read_text(encoding="utf-8") if before.exists else None
+        _atomic_write(path, render(after, existing))
         return before, after
     finally:
         os.close(lock_fd)

@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from levers9.distributed.gpu_types import parse_gpu_type
+from levers9.distributed.hardware.gpu_types import parse_gpu_type
 from levers9.errors import JobConfigError
 
 ANY = "any"

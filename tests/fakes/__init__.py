@@ -15,7 +15,7 @@ FAKE_NCCL_C = Path(FAKES_DIR) / "fake_nccl.c"
 
 def use_fake_pynvml(monkeypatch: pytest.MonkeyPatch, machine_json: str | None) -> None:
     """Make `import pynvml` give the fake, describing `machine_json` (None: NVML library not found)."""
-    from levers9.distributed import cards
+    from levers9.distributed.hardware import cards
 
     monkeypatch.syspath_prepend(FAKES_DIR)
     monkeypatch.delitem(sys.modules, "pynvml", raising=False)

@@ -1,4 +1,4 @@
-"""Machines for the fake pynvml (tests/fakes/pynvml.py): real NVML names from facts/gpu-quirks.md."""
+"""Machines for the fake pynvml (tests/fakes/pynvml.py): NVML names as real drivers report them."""
 
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ H100 = ("NVIDIA H100 80GB HBM3", (9, 0), 81559)
 A100_80 = ("NVIDIA A100-SXM4-80GB", (8, 0), 81920)
 
 
-def card(spec: tuple[str, tuple[int, int], int], i: int, *, pids: tuple[int, ...] = ()) -> dict[str, Any]:
-    """One fake device; UUIDs and PCI ids are distinct per position `i`."""
+def card(spec: tuple[str, tuple[int, int] | None, int], i: int, *, pids: tuple[int, ...] = ()) -> dict[str, Any]:
+    """One fake device; UUIDs and PCI ids are distinct per position `i`. A capability of None: NVML cannot read it."""
     name, cc, mem = spec
     return {
         "name": name,
-        "cc": list(cc),
+        "cc": list(cc) if cc is not None else None,
         "memory_mib": mem,
         "uuid": f"GPU-{i:x}{i:x}a1b2c3-d4e5-f607-1829-3a4b5c6d7e{i:02x}",
         "pci": f"00000000:{0x18 + 0x10 * i:02X}:00.0",
@@ -36,7 +36,7 @@ def card(spec: tuple[str, tuple[int, int], int], i: int, *, pids: tuple[int, ...
 
 
 def machine(
-    *specs: tuple[str, tuple[int, int], int],
+    *specs: tuple[str, tuple[int, int] | None, int],
     driver: str = "580.95.05",
     cuda: int = 13000,
     p2p: int = 0,

@@ -112,6 +112,8 @@ def nvmlDeviceGetPciInfo(handle: SimpleNamespace) -> SimpleNamespace:
 
 
 def nvmlDeviceGetCudaComputeCapability(handle: SimpleNamespace) -> tuple[int, int]:
+    if _dev(handle)["cc"] is None:  # a device or driver that cannot answer
+        raise NVMLError_NotSupported()
     major, minor = _dev(handle)["cc"]
     return int(major), int(minor)
 

@@ -60,17 +60,6 @@ class NcclInfo:
         return f"NCCL {self.version_text} ({'; '.join(parts)})"
 
 
-def nccl_runtime_version() -> tuple[int, int, int] | None:
-    """(major, minor, patch) from ncclGetVersion of the loaded or loadable libnccl.so.2; None if none."""
-    path, _ = find_library()
-    return _version_of(path) if path else None
-
-
-def nccl_wheel_version() -> str | None:
-    """The installed NCCL wheel's version (cu13 first), e.g. "2.26.2.post1"; None if none is installed."""
-    return _wheel()[1]
-
-
 def nccl_info() -> NcclInfo:
     """Runtime version, library path and where it came from, wheel name and version, build CUDA."""
     path, source = find_library()

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from levers9.distributed.gpu_types import type_of_card
+from levers9.distributed.hardware.gpu_types import type_of_card
 
 log = logging.getLogger("levers9.cards")
 
@@ -45,14 +45,14 @@ class Card:
     name: str  # NVML's full name, e.g. "NVIDIA RTX PRO 6000 Blackwell Server Edition"
     type_name: str  # gpu_types.type_of_card(name, memory_mib), e.g. "RTXPro6000"
     pci_bus_id: str
-    compute_capability: tuple[int, int]
+    compute_capability: tuple[int, int] | None  # None when NVML cannot read it
     memory_total_mib: int
     processes: tuple[int, ...]  # pids of compute processes on the card
 
     def describe(self) -> str:
         """'card 0 (NVIDIA RTX PRO 6000 Blackwell Server Edition, compute capability 12.0)'."""
-        major, minor = self.compute_capability
-        return f"card {self.index} ({self.name}, compute capability {major}.{minor})"
+        cc = self.compute_capability
+        return f"card {self.index} ({self.name}, compute capability {'unknown' if cc is None else f'{cc[0]}.{cc[1]}'})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +144,8 @@ def _select(all_cards: tuple[Card, ...], env: Mapping[str, str]) -> tuple[list[C
     if env.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST").strip().upper() != "PCI_BUS_ID":
         # CUDA's FASTEST_FIRST has no published formula; on a machine of one card type it is PCI
         # order. For mixed machines, newer architectures first is the closest public approximation.
-        ordered.sort(key=lambda c: (-c.compute_capability[0], -c.compute_capability[1]))
+        # A card whose capability cannot be read keeps its place after the readable ones.
+        ordered.sort(key=lambda c: tuple(-x for x in c.compute_capability or (-1, -1)))
     spec = env.get("CUDA_VISIBLE_DEVICES")
     if spec is None:
         return ordered, None
@@ -231,7 +232,7 @@ def _read_initialised(nv: Any) -> _Machine:
     for i, h in enumerate(handles):
         name = _text(nv.nvmlDeviceGetName(h))
         memory_mib = int(nv.nvmlDeviceGetMemoryInfo(h).total) // (1024 * 1024)
-        cc = _optional(lambda h=h: tuple(nv.nvmlDeviceGetCudaComputeCapability(h))) or (0, 0)
+        cc = _optional(lambda h=h: tuple(nv.nvmlDeviceGetCudaComputeCapability(h)))
         pci = _optional(lambda h=h: _text(nv.nvmlDeviceGetPciInfo(h).busId)) or ""
         procs = (
             _optional(lambda h=h: tuple(int(p.pid) for p in nv.nvmlDeviceGetComputeRunningProcesses(h))) or ()
@@ -244,7 +245,7 @@ def _read_initialised(nv: Any) -> _Machine:
                 name=name,
                 type_name=type_of_card(name, memory_mib),
                 pci_bus_id=pci,
-                compute_capability=(int(cc[0]), int(cc[1])),
+                compute_capability=(int(cc[0]), int(cc[1])) if cc else None,
                 memory_total_mib=memory_mib,
                 processes=procs,
             )

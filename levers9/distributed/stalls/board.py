@@ -1,0 +1,164 @@
+"""The run folder and its progress board: one slot per rank saying how far it got through its collectives.
+
+The parent creates a private run folder per `distributed.run` (`RunFolder`), holding `progress.bin`,
+one fixed-size slot per rank that the parent maps and reads to notice a stall. A rank (`RankSlot`)
+writes the first part of its slot whenever it enters or leaves a `torch.distributed` call from Python
+(how many it finished, whether it is in one now, which, and since when, on the machine-wide monotonic
+clock); its sampler thread writes the second part from torch's flight recorder (collectives issued and
+completed, whoever issued them). `ranks.json` holds the caller's pid and the ranks' pids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import mmap
+import os
+import shutil
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+from levers9.distributed.stalls.flight_recorder import RecorderStatus
+from levers9.distributed.stalls.sampler import fresh_states, request_samples, sample_fifo
+
+_CALLS = struct.Struct("=QQdd24s")  # finished, in_collective, entered_at, last_finished_at, name
+_RECORDER = struct.Struct("=qqdd40s")  # issued (-1: unknown), completed, changed_at, sampled_at, pending
+_SLOT_SIZE = _CALLS.size + _RECORDER.size
+# While no Python-level collective moved for this long, the parent asks for recorder samples this often.
+QUIET_S = 1.0
+RUN_DIR_PREFIX = "levers9-run-"
+
+
+def runs_root() -> Path:
+    """Where run folders live: /dev/shm when it exists (memory, never a slow disk), else the temp dir."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotState:
+    """One rank's collective progress as last written.
+
+    The first five fields count `torch.distributed` calls made from Python; the `recorder_` ones are
+    torch's flight recorder's counts of every collective (-1 when the recorder is off or unread).
+    """
+
+    finished: int
+    in_collective: bool
+    entered_at: float
+    last_finished_at: float
+    name: str
+    recorder_issued: int = -1
+    recorder_completed: int = -1
+    recorder_changed_at: float = 0.0
+    recorder_sampled_at: float = 0.0
+    pending: str = ""
+
+    @property
+    def recorder_known(self) -> bool:
+        return self.recorder_issued >= 0
+
+    @property
+    def waiting_for_issued(self) -> bool:
+        """It issued a collective that has not completed (NCCL's enqueued work included)."""
+        return self.recorder_issued > self.recorder_completed
+
+
+class RunFolder:
+    """The parent's side: creates the folder and the progress board, reads them, removes them."""
+
+    def __init__(self, nprocs: int) -> None:
+        remove_stale_runs()
+        self.path = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=runs_root()))
+        self.nprocs = nprocs
+        board = self.path / "progress.bin"
+        now = time.monotonic()
+        with open(board, "wb") as f:
+            for _ in range(nprocs):
+                f.write(_CALLS.pack(0, 0, 0.0, now, b"") + _RECORDER.pack(-1, -1, now, 0.0, b""))
+        for rank in range(nprocs):
+            try:
+                os.mkfifo(sample_fifo(self.path, rank), 0o600)
+            except OSError:  # a filesystem without FIFOs: no recorder samples, the Python-level counts remain
+                break
+        self._file = open(board, "r+b")  # noqa: SIM115 - closed in remove()
+        self._map = mmap.mmap(self._file.fileno(), _SLOT_SIZE * nprocs)
+        self._last_request = 0.0
+
+    def write_pids(self, parent: int, pids: list[int]) -> None:
+        (self.path / "ranks.json").write_text(json.dumps({"parent": parent, "pids": pids}))
+
+    def states(self) -> list[SlotState]:
+        return [read_slot(self._map, rank) for rank in range(self.nprocs)]
+
+    def sample_when_quiet(self, states: list[SlotState], now: float) -> None:
+        """Ask every rank for a recorder sample, at most once per QUIET_S, while no Python-level call moved."""
+        python_moved = max(max(s.entered_at, s.last_finished_at) for s in states)
+        if now - python_moved >= QUIET_S and now - self._last_request >= QUIET_S:
+            self._last_request = now
+            request_samples(self.path, range(self.nprocs))
+
+    def fresh_states(self, ranks: list[int]) -> list[SlotState]:
+        return fresh_states(self.path, ranks, self.states)
+
+    def remove(self) -> None:
+        self._map.close()
+        self._file.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def remove_stale_runs() -> None:
+    """Remove run folders whose caller no longer exists (it was killed outright, so it could not)."""
+    for folder in runs_root().glob(f"{RUN_DIR_PREFIX}*"):
+        pid_text = folder.name[len(RUN_DIR_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:  # another user's live process
+            continue
+
+
+def read_slot(board: mmap.mmap, rank: int) -> SlotState:
+    offset = rank * _SLOT_SIZE
+    finished, busy, entered, last, name = _CALLS.unpack_from(board, offset)
+    issued, completed, changed_at, sampled_at, pending = _RECORDER.unpack_from(board, offset + _CALLS.size)
+    return SlotState(
+        finished, bool(busy), entered, last, _text(name), issued, completed, changed_at, sampled_at, _text(pending)
+    )
+
+
+def _text(raw: bytes) -> str:
+    return raw.rstrip(b"\0").decode(errors="replace")
+
+
+class RankSlot:
+    """A rank's side: records entering and leaving collectives, and the recorder's counts, in its slot."""
+
+    def __init__(self, folder: str, rank: int) -> None:
+        self._file = open(os.path.join(folder, "progress.bin"), "r+b")  # noqa: SIM115 - lives as long as the rank
+        self._map = mmap.mmap(self._file.fileno(), 0)
+        self._offset = rank * _SLOT_SIZE
+        self._finished = 0
+        self._entered = 0.0
+        self._last_finished = read_slot(self._map, rank).last_finished_at
+
+    def enter(self, name: str) -> None:
+        self._entered = time.monotonic()
+        _CALLS.pack_into(self._map, self._offset, self._finished, 1, self._entered, self._last_finished, name.encode()[:24])
+
+    def leave(self, name: str) -> None:
+        self._finished += 1
+        self._last_finished = time.monotonic()
+        _CALLS.pack_into(self._map, self._offset, self._finished, 0, self._entered, self._last_finished, name.encode()[:24])
+
+    def record(self, status: RecorderStatus | None, changed_at: float, sampled_at: float, pending: str) -> None:
+        """Written by the sampler thread only; `enter`/`leave` (main thread) write the other part."""
+        issued, completed = (status.issued, status.completed) if status is not None else (-1, -1)
+        _RECORDER.pack_into(
+            self._map, self._offset + _CALLS.size, issued, completed, changed_at, sampled_at, pending.encode()[:40]
+        )

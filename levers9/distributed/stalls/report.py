@@ -1,0 +1,176 @@
+"""Where each rank is: stack dumps on a signal, the frames they hold, and the stall rule and report text.
+
+Each rank's faulthandler writes every thread's Python stack to `stack-<rank>.txt` in the run folder
+when it gets SIGUSR1, so the parent (or `levers9 stacks <pid>` from another terminal) can say where it
+is. `stalled` decides from the progress board when a run is stuck; `describe_ranks` says how.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import functools
+import importlib.util
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import levers9
+from levers9.distributed.stalls.board import SlotState
+
+STACK_SIGNAL = signal.SIGUSR1
+RANK_ENTRY = "rank_main"  # the function that calls the rank's fn in each rank: where its frames end
+
+
+def enable_stack_dumps(folder: str, rank: int) -> None:
+    """Have this rank write every thread's Python stack to its stack file on SIGUSR1."""
+    handle = open(os.path.join(folder, f"stack-{rank}.txt"), "w")  # noqa: SIM115 - faulthandler keeps it
+    faulthandler.register(STACK_SIGNAL, file=handle, all_threads=True, chain=False)
+    global _stack_handle
+    _stack_handle = handle
+
+
+_stack_handle: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} in {self.function}"
+
+
+_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    """Where levers9 and torch are installed, found without importing torch (`levers9 stacks` stays quick)."""
+    dirs = [os.path.dirname(os.path.abspath(levers9.__file__))]
+    spec = importlib.util.find_spec("torch")
+    if spec is not None and spec.submodule_search_locations:
+        dirs.extend(spec.submodule_search_locations)
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
+
+
+def _is_library(file: str) -> bool:
+    """A frame of levers9, torch or the threading module, or a pseudo-file such as "<frozen runpy>".
+
+    Decided by where those packages really are, never by a name in the path: a project checked out
+    as ~/levers9 or ~/torch/ is the user's code.
+    """
+    if file.startswith("<"):
+        return True
+    real = os.path.realpath(file)
+    return real == os.path.realpath(threading.__file__) or real.startswith(_library_dirs())
+
+
+def main_thread_frames(dump: str) -> list[Frame]:
+    """The frames (most recent first) of the thread in a faulthandler dump that runs the rank's fn."""
+    threads = re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump.strip())
+    parsed = [[Frame(m["file"], int(m["line"]), m["func"]) for m in map(_FRAME.match, t.splitlines()) if m] for t in threads]
+    for frames in parsed:
+        entry = next((i for i, f in enumerate(frames) if f.function == RANK_ENTRY), None)
+        if entry is not None:
+            return frames[:entry]  # what the rank's fn called, not how levers9 got there
+    # faulthandler stops at 100 frames, so a deep stack (an import chain) can hide the entry frame: the
+    # thread that runs fn is then the oldest one, which faulthandler writes last.
+    return parsed[-1] if parsed else []
+
+
+def user_frame(frames: list[Frame]) -> Frame | None:
+    """The most recent frame outside torch and levers9: where the user's code is."""
+    return next((f for f in frames if not _is_library(f.file)), frames[0] if frames else None)
+
+
+def collect_stacks(pids: dict[int, int], folder: Path, wait_s: float = 3.0) -> dict[int, str]:
+    """Ask each rank (rank -> pid) for its stacks with SIGUSR1; return the new text of each stack file.
+
+    faulthandler writes thread by thread, newest thread first, so the thread running the rank's fn
+    comes last: a dump counts once it holds that thread's entry frame (`RANK_ENTRY`). A rank that has
+    not got that far by `wait_s` gives what it wrote; one that wrote nothing is left out.
+    """
+    start: dict[int, int] = {}
+    for rank, pid in pids.items():
+        path = folder / f"stack-{rank}.txt"
+        start[rank] = path.stat().st_size if path.exists() else 0
+        try:
+            os.kill(pid, STACK_SIGNAL)
+        except ProcessLookupError:
+            continue
+    dumps: dict[int, str] = {}
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        time.sleep(0.02)
+        for rank in pids:
+            dumps[rank] = _text_since(folder / f"stack-{rank}.txt", start[rank])
+        if all(f" in {RANK_ENTRY}\n" in text for text in dumps.values()):
+            break
+    return {rank: text for rank, text in dumps.items() if text}
+
+
+def _text_since(path: Path, offset: int) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            f.seek(offset)
+            return f.read()
+    except OSError:
+        return ""
+
+
+def describe_ranks(states: list[SlotState], dumps: dict[int, str], now: float) -> str:
+    """One line per rank (waiting in which collective for how long, or where it is), then every rank's stack."""
+    lines = []
+    for rank, state in enumerate(states):
+        where = user_frame(main_thread_frames(dumps.get(rank, "")))
+        at = f" at {where}" if where else " (no stack: the rank did not answer)"
+        counts = _counts(state)
+        if state.in_collective:
+            lines.append(f"  rank {rank}: waiting in {state.name} for {now - state.entered_at:.1f} s ({counts}){at}")
+        elif state.waiting_for_issued:
+            collective = state.pending or "a collective it issued"
+            lines.append(
+                f"  rank {rank}: waiting for {collective} to complete, for {now - state.recorder_changed_at:.1f} s "
+                f"({counts}){at}"
+            )
+        else:
+            lines.append(f"  rank {rank}: not in a collective ({counts}){at}")
+    stacks = []
+    for rank in range(len(states)):
+        frames = main_thread_frames(dumps.get(rank, ""))
+        if frames:
+            stacks.append(f"Rank {rank} (most recent call first):\n" + "\n".join(f"  {f}" for f in frames))
+    return "\n".join(lines) + ("\n\n" + "\n\n".join(stacks) if stacks else "")
+
+
+def _counts(state: SlotState) -> str:
+    """The recorder's counts when it is on (they include collectives issued from C++), else the Python calls'."""
+    last = f"; last call {state.name}" if state.name else ""
+    if state.recorder_known:
+        return f"{state.recorder_issued} collective(s) issued, {state.recorder_completed} completed{last}"
+    return f"{state.finished + state.in_collective} collective(s) issued{last}"
+
+
+def stalled(states: list[SlotState], stall_timeout: float, now: float) -> bool:
+    """True when nothing moved for `stall_timeout` seconds while at least one rank waits for a collective.
+
+    Waiting: inside a blocking `torch.distributed` call (gloo, barriers), or, by torch's flight recorder,
+    holding a collective it issued that has not completed (NCCL returns once a collective is enqueued,
+    so the rank ahead waits further on, e.g. in `.item()`). With the recorder off, ranks that issued
+    different numbers of collectives from Python stand in for the second test.
+    """
+    last_move = max(max(s.entered_at, s.last_finished_at, s.recorder_changed_at) for s in states)
+    if now - last_move < stall_timeout:
+        return False
+    if any(s.in_collective or s.waiting_for_issued for s in states):
+        return True
+    if any(s.recorder_known for s in states):  # it is on: a rank it has not seen has issued nothing
+        return False
+    return len({s.finished for s in states}) > 1
