@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from levers9.context import JobContext, current_job
+
 __version__ = "0.1.0"
-__all__ = ["distributed", "launch", "job", "__version__"]
+__all__ = ["distributed", "launch", "job", "current_job", "JobContext", "__version__"]
 
 if TYPE_CHECKING:
     from levers9 import distributed, launch

@@ -23,14 +23,17 @@ class Unrebuildable(Exception):
 
 def report(tag: Any, seconds: float = 0.3) -> dict[str, Any]:
     """Sleep, and say which cards this job saw and when it ran."""
+    import levers9
+
+    job = levers9.current_job()
     start = time.time()
     time.sleep(seconds)
     return {
         "tag": tag,
         "cards": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "order": os.environ.get("CUDA_DEVICE_ORDER"),
-        "simulated": os.environ.get("LEVERS9_SIMULATED"),
-        "gpu_count": os.environ.get("LEVERS9_GPU_COUNT"),
+        "simulated": None if job is None else job.simulated,
+        "gpu_count": None if job is None else str(job.gpu_count),
         "start": start,
         "end": time.time(),
         "pid": os.getpid(),

@@ -64,7 +64,7 @@ def test_fresh_interpreter_path_keeps_the_semantics(monkeypatch: pytest.MonkeyPa
     fn = job(gpu="RTXPro6000")(jobfns.report)
     results = list(fn.map([(i, 0.1) for i in range(4)]))
     assert sorted(r["cards"] for r in results) == ["0", "1", "2", "3"]
-    assert all(r["simulated"] == "1" for r in results)
+    assert all(r["simulated"] is True for r in results)
     failing = job(gpu="RTXPro6000")(jobfns.fail)
     with pytest.raises(jobfns.CellError):
         failing.remote("custom")
@@ -174,11 +174,16 @@ def test_job_env_is_exactly_its_cards_and_the_user_env() -> None:
     env = fn.remote()
     assert env["EXTRA"] == "yes" and env["OMP_NUM_THREADS"] == "2"
     assert env["CUDA_VISIBLE_DEVICES"] in {"0", "1", "2", "3"} and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
-    assert env["LEVERS9_SIMULATED"] == "1" and env["LEVERS9_GPU_TYPE"] == "RTXPro6000"
+    assert not [name for name in env if name.startswith("LEVERS9_") and name not in os.environ], "no internal variables"
+    assert env["job"] == {"gpu_type": "RTXPro6000", "gpu_count": 1, "simulated": True}
 
 
 def _env_probe() -> dict[str, str]:
-    return dict(os.environ)
+    import levers9
+
+    job = levers9.current_job()
+    assert job is not None
+    return {**os.environ, "job": {"gpu_type": job.gpu_type, "gpu_count": job.gpu_count, "simulated": job.simulated}}
 
 
 def test_script_style_usage_in_a_subprocess_leaves_nothing_running(tmp_path: Path) -> None:
@@ -225,7 +230,7 @@ def test_real_cards_skip_other_peoples_processes_and_honour_visible_devices(
     fn = job(gpu="RTXPro6000", stream_output=False)(jobfns.report)
     results = list(fn.map([(i, 0.2) for i in range(6)]))
     assert {r["cards"] for r in results} <= {"0", "1", "3"}  # card 2 runs someone else's process
-    assert all(r["simulated"] is None for r in results)
+    assert all(r["simulated"] is False for r in results)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
     results = list(fn.map([(i, 0.1) for i in range(3)]))
     assert {r["cards"] for r in results} <= {"3", "1"}  # NVML indices, in PCI_BUS_ID order

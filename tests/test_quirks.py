@@ -377,6 +377,8 @@ APPLY = textwrap.dedent(
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(name)s %(message)s")
     import pynvml  # the fake stands in for a driver: with pynvml imported, levers9 asks it
     from levers9.distributed.hardware import quirks
+    if os.environ.get("TEST_MARK_APPLIED"):
+        quirks.mark_applied()  # what each rank of distributed.run does: its parent applied the quirks
     try:
         first = quirks.apply_quirks(local_world_size=2, backend="nccl", is_main=True, disabled=["shm-too-small"])
     except Exception as exc:
@@ -407,7 +409,7 @@ def test_apply_sets_defaults_once_and_logs(tmp_path: Path) -> None:
     kept, _ = _apply({"FAKE_PYNVML": two_pro, "LD_LIBRARY_PATH": str(tmp_path), "NCCL_P2P_DISABLE": "0"})
     assert kept["p2p"] == "0" and kept["set"] == {}
     marked, logs = _apply(
-        {"FAKE_PYNVML": two_pro, "LD_LIBRARY_PATH": str(tmp_path), "LEVERS9_QUIRKS_APPLIED": "1"}
+        {"FAKE_PYNVML": two_pro, "LD_LIBRARY_PATH": str(tmp_path), "TEST_MARK_APPLIED": "1"}
     )
     assert marked["set"] == {} and marked["p2p"] is None and "LOG" not in logs
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+import levers9
 from levers9.cli import main as cli_main
 from levers9.errors import InfeasibleJobError
 from levers9.launch import job
@@ -122,7 +123,7 @@ def test_gpu_type_routing(on_ray: str) -> None:
 
 def typed_report() -> dict[str, Any]:
     return {
-        "type": os.environ.get("LEVERS9_GPU_TYPE"),
+        "type": levers9.current_job().gpu_type,  # type: ignore[union-attr]
         "cards": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
 
@@ -139,7 +140,7 @@ def two_ranks(cfg: dict[str, Any]) -> dict[str, Any]:
         "mean_rank": float(dist.all_reduce_mean(float(dist.rank()))),
         "backend": torch_dist.get_backend(),
         "cards": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "simulated": os.environ.get("LEVERS9_SIMULATED"),
+        "simulated": levers9.current_job().simulated,  # type: ignore[union-attr]
     }
 
 
@@ -154,7 +155,7 @@ def test_a_two_gpu_job_runs_two_gloo_ranks(on_ray: str) -> None:
     result = fn.remote()
     assert result["world_size"] == 2 and result["rank"] == 0
     assert result["mean_rank"] == 0.5 and result["backend"] == "gloo"
-    assert result["simulated"] == "1"
+    assert result["simulated"] is True
 
 
 def test_levers9_backend_variable_selects_ray(on_ray: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,6 +21,7 @@ log = logging.getLogger("levers9.distributed")
 
 DEFAULT_TIMEOUT_S = 600.0
 _created_by_us = False
+_cpu_only = False
 
 
 def pg_timeout(seconds: float | None = None) -> datetime.timedelta:
@@ -30,9 +31,20 @@ def pg_timeout(seconds: float | None = None) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+def compute_on_cpu() -> None:
+    """Make this process compute on the CPU even where CUDA is present (ranks of a gloo run on simulated cards)."""
+    global _cpu_only
+    _cpu_only = True
+
+
+def cpu_only() -> bool:
+    """True once compute_on_cpu() was called in this process."""
+    return _cpu_only
+
+
 def wants_cuda() -> bool:
     """True if this process should compute on a card (CUDA present and not forced onto the CPU)."""
-    if os.environ.get("LEVERS9_DEVICE") == "cpu":
+    if _cpu_only:
         return False
     if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
         return False

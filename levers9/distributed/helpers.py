@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
-_device_cache: dict[tuple[int, str | None, str | None], torch.device] = {}
+_device_cache: dict[tuple[int, bool, str | None], torch.device] = {}
 
 
 def device() -> torch.device:
@@ -21,7 +21,7 @@ def device() -> torch.device:
     import torch
 
     local = world.local_rank()
-    key = (local, os.environ.get("LEVERS9_DEVICE"), os.environ.get("ACCELERATE_USE_CPU"))
+    key = (local, group.cpu_only(), os.environ.get("ACCELERATE_USE_CPU"))
     cached = _device_cache.get(key)
     if cached is not None:
         return cached

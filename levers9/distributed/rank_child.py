@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from levers9.context import JobContext, enter_job
 from levers9.distributed import stalls
 from levers9.procs.failure import ship_value, unship
 
@@ -26,6 +27,8 @@ class RankSpec:
     port: int
     call_without_cfg: bool
     run_folder: str
+    use_cuda: bool
+    job: JobContext | None  # the job that called distributed.run, if any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +45,13 @@ class RankTarget:
 
 def rank_main(spec: RankSpec, fn: Callable[..., Any], cfg: Any) -> bytes | None:
     """Run fn on this rank; rank 0's value shipped for the caller, None on the others."""
+    from levers9.distributed import group
+    from levers9.distributed.hardware import quirks
+
+    enter_job(spec.job)
+    quirks.mark_applied()  # the parent applied them for every rank, before starting any
+    if not spec.use_cuda:
+        group.compute_on_cpu()
     stalls.enable_stack_dumps(spec.run_folder, spec.rank)
     slot = stalls.RankSlot(spec.run_folder, spec.rank)
     stalls.instrument_collectives(slot)
@@ -51,8 +61,6 @@ def rank_main(spec: RankSpec, fn: Callable[..., Any], cfg: Any) -> bytes | None:
         result = fn() if spec.call_without_cfg else fn(cfg)
         return ship_value(to_cpu(result), "rank 0's return value") if spec.rank == 0 else None
     finally:
-        from levers9.distributed import group
-
         group.destroy_own_group()
 
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from levers9.context import current_job
 from levers9.distributed import group, stalls, world
 from levers9.distributed.rank_child import RankSpec, RankTarget
 from levers9.distributed.self_timer import SelfTimer
@@ -83,8 +84,9 @@ def run(
     if layout.nprocs == 1:
         _refuse_spawn_only("in place", None, 1, stall_timeout, start_method, None)
         return _run_in_place(fn, cfg, call_without_cfg, layout.backend, timeout, disable_quirks)
-    if stall_timeout is None:
-        stall_timeout = _seconds_from_env("LEVERS9_STALL_TIMEOUT")  # set by @job(stall_timeout=...)
+    job = current_job()
+    if stall_timeout is None and job is not None:
+        stall_timeout = job.stall_timeout  # @job(stall_timeout=...)
     return _Spawn(fn, cfg, call_without_cfg, layout, timeout, stall_timeout, start.choose(start_method),
                   True if prefix_output is None else prefix_output, disable_quirks, stop_grace).run()  # fmt: skip
 
@@ -95,20 +97,6 @@ def _check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not allow_zero):
         expected = "a number of seconds >= 0" if allow_zero else "a positive number of seconds, or None for no limit"
         raise ConfigError(f"{name}={value!r}; expected {expected}.")
-
-
-def _seconds_from_env(name: str) -> float | None:
-    """A positive number of seconds from environment variable `name`, or None when it is unset or empty."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise ConfigError(f"{name}={text!r}; expected a positive number of seconds. Unset it or fix its value.")
-    return value
 
 
 def _check_quirk_ids(ids: tuple[str, ...]) -> None:
@@ -165,9 +153,9 @@ def plan_layout(nprocs: int | None, backend: str | None) -> Layout:
         raise ConfigError(f"nprocs={nprocs!r}; expected a whole number >= 1, or None for one rank per visible card.")
     if backend is not None and backend not in ("nccl", "gloo"):
         raise ConfigError(f"backend={backend!r}; expected 'nccl', 'gloo' or None (nccl on cards, gloo on the CPU).")
-    if os.environ.get("LEVERS9_SIMULATED") == "1":
-        cards = int(os.environ.get("LEVERS9_GPU_COUNT", "1") or 1)
-        return Layout(nprocs or cards, "gloo", use_cuda=False, simulated=True)
+    job = current_job()
+    if job is not None and job.simulated:  # a job on simulated cards: one CPU rank per card
+        return Layout(nprocs or job.gpu_count, "gloo", use_cuda=False, simulated=True)
     cards = visible_card_count()
     if backend == "gloo" or (cards == 0 and backend is None):
         return Layout(nprocs or 1, "gloo", use_cuda=False)
@@ -266,7 +254,8 @@ class _Spawn:
                                 wait_for_workers=False, master_listen_fd=os.dup(listener.fileno()))  # fmt: skip
             listener.close()
             for rank in range(self.layout.nprocs):
-                spec = RankSpec(rank, self.layout.nprocs, self.layout.backend, port, self.call_without_cfg, str(folder.path))
+                spec = RankSpec(rank, self.layout.nprocs, self.layout.backend, port, self.call_without_cfg,
+                                str(folder.path), self.layout.use_cuda, current_job())  # fmt: skip
                 target = RankTarget(spec, shipped if shipped is not None else (self.fn, self.cfg))
                 rank_shipped = ship(target) if shipped is not None else None
                 child = start.start(target, method=self.method, shipped=rank_shipped,
@@ -299,7 +288,7 @@ class _Spawn:
         """Variables every rank gets on top of the caller's environment (quirk defaults included)."""
         from levers9.distributed.hardware import quirks
 
-        env: dict[str, str] = {quirks.APPLIED_MARKER: "1"}
+        env: dict[str, str] = {}
         if quirks.applied_plan() is None:  # planned once: a job process applied its cards' plan already
             plan = quirks.plan_quirks(local_world_size=self.layout.nprocs, backend=self.layout.backend, disabled=self.disable_quirks)
             plan.raise_errors()  # before any rank starts
@@ -308,8 +297,6 @@ class _Spawn:
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             if name not in os.environ:
                 env[name] = "lo"  # one machine: rank-to-rank sockets stay on loopback
-        if not self.layout.use_cuda:
-            env["LEVERS9_DEVICE"] = "cpu"
         return env
 
     def _forward(self, child: Child, stream: str, line: str) -> None:

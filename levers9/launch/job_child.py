@@ -1,7 +1,8 @@
 """Child side: what runs inside a job process, the same for every backend.
 
-`job_env` is the environment a job sees (its cards, LEVERS9_* facts about the job, the user's env).
-A JobTarget is what levers9.procs runs in the job process: it applies GPU quirks on real cards,
+`job_env` is the environment a job sees (its cards, thread counts, the user's env); what it knows about
+itself travels as a typed JobContext inside the JobTarget, which levers9.procs runs in the job
+process: it enters the context, applies GPU quirks on real cards,
 calls the function and ships its value back; the child layer sends that, or the failure, to the caller.
 """
 
@@ -9,69 +10,43 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
+from levers9.context import JobContext, enter_job
 from levers9.errors import NotShippableError
 from levers9.launch.spec import JobSpec
 from levers9.procs.failure import ship, ship_value
 
 
-def job_env(
-    spec: JobSpec,
-    *,
-    nvml_indices: list[int],
-    gpu_type: str,
-    simulated: bool,
-    run_id: str,
-    cell_index: int,
-    attempt: int,
-    job_dir: Path,
-) -> dict[str, str]:
-    """The variables a job process gets on top of the caller's environment."""
+def job_env(spec: JobSpec, nvml_indices: list[int]) -> dict[str, str]:
+    """The variables a job process gets on top of the caller's environment: its cards, thread counts, the user's."""
     env = dict(spec.env)
     if spec.cpu is not None:
         threads = str(max(1, math.ceil(spec.cpu)))
         env.setdefault("OMP_NUM_THREADS", threads)
         env.setdefault("MKL_NUM_THREADS", threads)
-    env.update(
-        CUDA_VISIBLE_DEVICES=",".join(map(str, nvml_indices)),
-        CUDA_DEVICE_ORDER="PCI_BUS_ID",
-        LEVERS9_RUN_ID=run_id,
-        LEVERS9_JOB_ID=f"{run_id}/{cell_index}",
-        LEVERS9_CELL_INDEX=str(cell_index),
-        LEVERS9_ATTEMPT=str(attempt),
-        LEVERS9_GPU_COUNT=str(len(nvml_indices)),
-        LEVERS9_GPU_TYPE=gpu_type,
-        LEVERS9_JOB_DIR=str(job_dir),
-    )
-    if simulated and nvml_indices:
-        env["LEVERS9_SIMULATED"] = "1"
-    if spec.stall_timeout is not None:
-        env["LEVERS9_STALL_TIMEOUT"] = repr(spec.stall_timeout)
+    env.update(CUDA_VISIBLE_DEVICES=",".join(map(str, nvml_indices)), CUDA_DEVICE_ORDER="PCI_BUS_ID")
     return env
 
 
 @dataclasses.dataclass(frozen=True)
 class JobTarget:
-    """One cell's call, as the child layer runs it in the job process: its environment, then func(*args, **kwargs)."""
+    """One cell's call, as the child layer runs it in the job process: its context, then func(*args, **kwargs)."""
 
     func: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: Mapping[str, Any]
-    env: Mapping[str, str]
+    context: JobContext
 
     def __call__(self) -> bytes:
-        """Apply the job's environment and quirks, call the function, ship its value for the caller."""
-        if "LEVERS9_SIMULATED" not in self.env:
-            os.environ.pop("LEVERS9_SIMULATED", None)
-        gpu_count = int(self.env.get("LEVERS9_GPU_COUNT", "0"))
-        if gpu_count > 0 and self.env.get("LEVERS9_SIMULATED") != "1":
+        """Enter the job's context, apply its cards' quirks (once, for every rank it may start), call the
+        function, ship its value for the caller."""
+        enter_job(self.context)
+        if self.context.gpu_count > 0 and not self.context.simulated:
             from levers9.distributed.hardware import quirks
 
-            quirks.apply_quirks(local_world_size=gpu_count, backend="nccl", is_main=True)
+            quirks.apply_quirks(local_world_size=self.context.gpu_count, backend="nccl", is_main=True)
         return ship_value(self.func(*self.args, **self.kwargs), "the job's return value")
 
 

@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from levers9.context import JobContext
 from levers9.errors import JobTimeout
 from levers9.launch import job_child, outcomes, runs
 from levers9.launch.backend import Batch
@@ -172,17 +173,18 @@ class _Supervisor:
         cards = (
             [self.pool.cards[s] for s in lease.slots] if lease is not None and self.pool is not None else []
         )
-        env = job_child.job_env(
-            spec,
-            nvml_indices=[c.nvml_index for c in cards],
-            gpu_type=cards[0].type_name if cards else "",
-            simulated=bool(self.pool and self.pool.simulated),
+        env = job_child.job_env(spec, [c.nvml_index for c in cards])
+        context = JobContext(
             run_id=self.batch.run_id,
             cell_index=cell.index,
             attempt=attempt,
-            job_dir=run.job_dir,
+            job_dir=str(run.job_dir),
+            gpu_count=len(cards),
+            gpu_type=cards[0].type_name if cards else "",
+            simulated=bool(cards and self.pool and self.pool.simulated),
+            stall_timeout=spec.stall_timeout,
         )
-        target = job_child.JobTarget(self.batch.func, cell.args, cell.kwargs, env)
+        target = job_child.JobTarget(self.batch.func, cell.args, cell.kwargs, context)
         shipped = None if self.method.forks else job_child.ship_target(target)
         tail = OutputTail()
         with open(run.job_dir / "stdout.log", "ab") as out_log, open(run.job_dir / "stderr.log", "ab") as err_log:

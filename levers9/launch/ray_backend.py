@@ -39,6 +39,7 @@ from typing import Any
 
 import ray
 
+from levers9.context import JobContext
 from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, NotShippableError, RankFailure
 from levers9.launch import job_child, outcomes, runs
 from levers9.launch.backend import Batch
@@ -458,18 +459,19 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
     lines: collections.deque[tuple[str, str]] = collections.deque()
     watcher = Watcher(lambda child, stream, line: lines.append((stream, line + "\n")))
     try:
-        env = job_child.job_env(
-            spec,
-            nvml_indices=list(range(len(ids))),
-            gpu_type=gpu_type,
-            simulated=simulated,
+        env = job_child.job_env(spec, [])
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)  # Ray's ids for this task; "" for a CPU job
+        context = JobContext(
             run_id=payload["run_id"],
             cell_index=index,
             attempt=attempt,
-            job_dir=job_dir,
+            job_dir=str(job_dir),
+            gpu_count=len(ids),
+            gpu_type=gpu_type,
+            simulated=simulated,
+            stall_timeout=spec.stall_timeout,
         )
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)  # Ray's ids for this task; "" for a CPU job
-        target = job_child.JobTarget(func, args, kwargs, env)
+        target = job_child.JobTarget(func, args, kwargs, context)
         method = start.choose()
         shipped = None if method.forks else job_child.ship_target(target)
         child = watcher.add(start.start(target, method=method, shipped=shipped, env=env, name=f"cell {index}"))
@@ -523,7 +525,7 @@ def _cards_of_task(ids: list[str], gpu_type: str) -> tuple[bool, str]:
 
 
 def _scratch_dir(index: int, attempt: int) -> Path:
-    """A folder for the job's outcome file (LEVERS9_JOB_DIR), removed when the task ends. Folders of
+    """A folder for the job (its context's job_dir), removed when the task ends. Folders of
     tasks whose worker was killed (cancel, lost caller) are removed by the next task on the node."""
     root = Path(tempfile.gettempdir()) / f"levers9-ray-{os.getuid()}"
     for _ in range(3):

@@ -31,7 +31,6 @@ from levers9.errors import ConfigError, QuirkError
 log = logging.getLogger("levers9.quirks")
 
 DISABLE_VAR = "LEVERS9_DISABLE_QUIRKS"
-APPLIED_MARKER = "LEVERS9_QUIRKS_APPLIED"  # set by the spawner for its ranks: the parent already applied
 _MIB = 1024 * 1024
 
 Status = Literal["applies", "does not apply", "unknown", "disabled"]
@@ -521,6 +520,15 @@ _applied: QuirkPlan | None = None
 _apply_lock = threading.Lock()
 
 
+def mark_applied() -> None:
+    """Record that this process's quirks were applied by its parent (distributed.run's ranks): later
+    apply_quirks calls do nothing."""
+    global _applied
+    with _apply_lock:
+        if _applied is None:
+            _applied = QuirkPlan()
+
+
 def applied_plan() -> QuirkPlan | None:
     """The plan this process already applied (a job process applies its cards' plan before the job's
     function runs), or None."""
@@ -533,14 +541,11 @@ def apply_quirks(
     """Plan against os.environ, raise QuirkError for errors, setdefault each variable, log on the main rank.
 
     Once per process: later calls return the first plan. A no-op (empty plan) when the parent already
-    applied the quirks for this process (LEVERS9_QUIRKS_APPLIED=1, set by distributed.run for its ranks).
+    applied the quirks for this process (`mark_applied`, which distributed.run's ranks call).
     """
     global _applied
     with _apply_lock:
         if _applied is not None:
-            return _applied
-        if os.environ.get(APPLIED_MARKER) == "1":
-            _applied = QuirkPlan()
             return _applied
         plan = plan_quirks(local_world_size=local_world_size, backend=backend, disabled=disabled)
         plan.raise_errors()
