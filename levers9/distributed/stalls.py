@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from levers9.distributed import flight_recorder
+from levers9.private_dir import private_dir
 
 STACK_SIGNAL = signal.SIGUSR1
 _CALLS = struct.Struct("=QQdd24s")  # finished, in_collective, entered_at, last_finished_at, name
@@ -75,9 +76,11 @@ COLLECTIVES = (
 
 
 def runs_root() -> Path:
-    """Where run folders live: /dev/shm when it exists (memory, never a slow disk), else the temp dir."""
+    """Where run folders live: our private levers9-<uid> folder in /dev/shm when it exists (memory, never a
+    slow disk), else in the temp dir."""
     shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return private_dir(base / f"levers9-{os.getuid()}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from levers9.launch import fds
+from levers9.private_dir import private_dir
 
 
 @dataclasses.dataclass
@@ -60,7 +61,7 @@ class LeaseDir:
     def __init__(self, path: Path, lock_names: list[str]) -> None:
         self.path = path
         self.lock_names = lock_names
-        (path / "queue").mkdir(parents=True, exist_ok=True)
+        (private_dir(path) / "queue").mkdir(exist_ok=True)
 
     @contextmanager
     def _mutex(self) -> Iterator[None]:

@@ -27,6 +27,7 @@ from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.settings import runs_dir
 from levers9.launch.spec import JobSpec
+from levers9.private_dir import private_dir
 
 KEEP_RUNS = 50  # run folders kept under runs_dir(); older ones are removed when a new run starts
 TAIL_LINES = 40  # lines of a job's output kept for the message when it crashes
@@ -38,8 +39,7 @@ class Cancelled(Exception):
 
 def new_run_dir(run_id: str) -> Path:
     """runs_dir()/run_id, created; the oldest run folders beyond KEEP_RUNS are removed first."""
-    root = runs_dir()
-    root.mkdir(parents=True, exist_ok=True)
+    root = private_dir(runs_dir())
     with contextlib.suppress(OSError):
         old = sorted(root.iterdir(), key=lambda p: p.stat().st_mtime)
         for stale in old[: max(0, len(old) - KEEP_RUNS + 1)]:

@@ -49,6 +49,7 @@ from levers9.launch.process import JobProcess, ship_function, start_job, start_m
 from levers9.launch.ray_cli import RESOURCE_PREFIX, node_resources, resource_name
 from levers9.launch.spec import JobSpec
 from levers9.launch.worker import resolve
+from levers9.private_dir import private_dir
 
 log = logging.getLogger("levers9.launch.ray")
 
@@ -541,7 +542,7 @@ def _scratch_dir(index: int, attempt: int) -> Path:
     tasks whose worker was killed (cancel, lost caller) are removed by the next task on the node."""
     root = Path(tempfile.gettempdir()) / f"levers9-ray-{os.getuid()}"
     for _ in range(3):
-        root.mkdir(mode=0o700, exist_ok=True)
+        private_dir(root)
         with contextlib.suppress(OSError):
             for stale in root.iterdir():
                 owner = stale.name.partition("-")[0]
