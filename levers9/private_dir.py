@@ -55,7 +55,9 @@ def _check_ours(path: Path, info: os.stat_result) -> None:
             f"keeps its lock and result files only in a real folder of its own. Fix: {FIX}."
         )
     if not stat.S_ISDIR(info.st_mode):
-        raise PrivateDirError(f"{path} exists and is not a folder (owned by {_owner(info.st_uid)}). Fix: {FIX}.")
+        raise PrivateDirError(
+            f"{path} exists and is not a folder (owned by {_owner(info.st_uid)}). Fix: {FIX}."
+        )
     if info.st_uid != os.getuid():
         raise PrivateDirError(
             f"{path} belongs to {_owner(info.st_uid)}, not to you ({_owner(os.getuid())}); another user created "

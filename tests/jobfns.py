@@ -128,3 +128,14 @@ def touch(path: str) -> str:
     """Create the file at `path` (tests check whether the job ran at all)."""
     Path(path).touch()
     return path
+
+
+def killed_like_the_oom_killer(counter_file: str | None) -> None:
+    """Die by SIGKILL; with `counter_file` (a stand-in cgroup's counter file) first raise its oom_kill
+    count, as the kernel's OOM killer does."""
+    from tests.rankfns import bump_oom_kill
+
+    print("allocating", flush=True)
+    if counter_file:
+        bump_oom_kill(counter_file)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -37,7 +37,9 @@ def _gpu_job() -> object:
     return job(gpu="RTXPro6000", stream_output=False)(jobfns.add)
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="creating a folder as another user needs root; the symlink case covers the rest")
+@pytest.mark.skipif(
+    os.getuid() != 0, reason="creating a folder as another user needs root; the symlink case covers the rest"
+)
 @pytest.mark.timeout(60)
 def test_a_lease_folder_another_user_created_first_is_refused(shared_tmp: Path) -> None:
     planted = shared_tmp / f"levers9-{os.getuid()}"
@@ -103,7 +105,9 @@ def test_a_state_dir_others_can_write_is_refused_before_anything_runs(
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="creating a folder as another user needs root")
-def test_a_state_dir_inside_another_users_folder_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_a_state_dir_inside_another_users_folder_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     os.chown(theirs, NOBODY, NOBODY)

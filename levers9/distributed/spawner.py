@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from levers9 import oom
 from levers9.distributed import _rank, forking, group, stalls, world
 from levers9.distributed.detect import LaunchInfo
 from levers9.errors import NotShippableError, RankCrashed, RankFailed, RankFailure, RunTimeout, StallError
@@ -277,6 +278,7 @@ class _Spawn:
         self.ranks: list[_RankProcess] = []
         self.selector = selectors.DefaultSelector()
         self.started = time.monotonic()
+        self.oom_before = oom.oom_kills()  # the cgroup's OOM-kill count, to name the OOM killer if it fires
 
     @staticmethod
     def _choose_start_method(requested: str) -> tuple[str, str]:
@@ -538,7 +540,7 @@ class _Spawn:
         if report is None:
             hint = ""
             if failure.signal == signal.SIGKILL:
-                hint = "\nSIGKILL often means the kernel's out-of-memory killer: check `dmesg` or reduce the batch size."
+                hint = f"\nrank {root.rank} was {oom.killed_by(failure.signal, self.oom_before, oom.oom_kills())}."
             raise RankCrashed(f"{headline}\n\n{failure.describe()}{hint}", failure)
         if report.exc_type == "SystemExit":
             raise RankCrashed(

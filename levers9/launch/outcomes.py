@@ -15,13 +15,13 @@ import dataclasses
 import json
 import logging
 import shutil
-import signal
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import Any
 
-from levers9.errors import JobCrashed, JobTimeout, RankFailure, signal_name
+from levers9 import oom
+from levers9.errors import JobCrashed, JobTimeout, RankFailure
 from levers9.launch import runner
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
@@ -141,13 +141,14 @@ class JobAttempt:
     attempt: int
     allowed: int  # attempts in all: retries + 1
     job_dir: Path
+    oom_before: int | None = None  # this cgroup's OOM-kill count when the attempt began
 
     @classmethod
     def begin(cls, run_dir: Path, label: str, index: int, attempt: int, spec: JobSpec) -> JobAttempt:
         """The attempt, with its log folder run_dir/<index>-<attempt> created."""
         job_dir = run_dir / f"{index:04d}-{attempt}"
         job_dir.mkdir(parents=True, exist_ok=True)
-        return cls(label, index, attempt, spec.retries.max_retries + 1, job_dir)
+        return cls(label, index, attempt, spec.retries.max_retries + 1, job_dir, oom.oom_kills())
 
     @property
     def attempts(self) -> str:
@@ -183,19 +184,20 @@ def result(
     signum: int | None,
     tail: OutputTail,
     node: str | None = None,
+    oom_counts: tuple[int | None, int | None] | None = None,
 ) -> Any:
     """The value of a finished attempt from its outcome file; raises the job's exception with a note
-    saying where it ran, or JobCrashed (how it ended, the output's tail) if it wrote no outcome."""
+    saying where it ran, or JobCrashed (how it ended, the output's tail) if it wrote no outcome.
+    `oom_counts` are the OOM-kill counts (before, after) of the cgroup the job ran in when that is
+    not this process's (a Ray node); by default the attempt's start count and this cgroup's now."""
     outcome = runner.read_outcome(run.job_dir, run.label)
     if outcome is None:
-        how = f"was killed by {signal_name(signum)}" if signum is not None else f"exited with code {exitcode}"
-        hint = (
-            " (SIGKILL with no one asking is usually the out-of-memory killer)"
-            if signum == signal.SIGKILL
-            else ""
-        )
+        before, after = oom_counts if oom_counts is not None else (run.oom_before, oom.oom_kills())
+        how = f"exited with code {exitcode}"
+        if signum is not None:
+            how = f"was {oom.killed_by(signum, before, after)}"
         raise JobCrashed(
-            f"{run.label} (pid {pid}{_on(node)}) {how} before returning{hint}; {run.attempts}. "
+            f"{run.label} (pid {pid}{_on(node)}) {how} before returning; {run.attempts}. "
             f"Last output:\n{tail.last_output}\n{run.where}",
             RankFailure(rank=run.index, pid=pid, exitcode=exitcode, signal=signum, output_tail=tail.text),
         )

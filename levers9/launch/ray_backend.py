@@ -40,6 +40,7 @@ from typing import Any
 import cloudpickle
 import ray
 
+from levers9 import oom
 from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, NotShippableError, RankFailure
 from levers9.launch import fds, outcomes, runner
 from levers9.launch.backend import Batch, CancelToken
@@ -426,7 +427,7 @@ class _RayCell:
             raise outcomes.timed_out(run, spec.timeout, pid, node)
         if end["outcome"] is not None:
             (job_dir / runner.RESULT_FILE).write_bytes(end["outcome"])
-        return outcomes.result(run, pid, end["exitcode"], end["signal"], tail, node)
+        return outcomes.result(run, pid, end["exitcode"], end["signal"], tail, node, end.get("oom"))
 
 
 def _free_gpus() -> str:
@@ -467,6 +468,7 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
         )
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)  # Ray's ids for this task; "" for a CPU job
         cell = Cell(index, args, kwargs)
+        oom_before = oom.oom_kills()  # this node's cgroup, read here: the caller's may be another machine's
         proc, out_r, err_r = start_job(start_method()[0], func, (func_ref, func_blob), cell, env, job_dir, [])
         lines: collections.deque[tuple[str, str]] = collections.deque()
         pumps = [
@@ -509,6 +511,7 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
             "killed_for": outcome[0] if outcome else None,
             "exitcode": exitcode,
             "signal": signum,
+            "oom": (oom_before, oom.oom_kills()),
             "outcome": result.read_bytes() if result.exists() else None,
             "time": time.time(),
         }
