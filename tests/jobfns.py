@@ -139,3 +139,19 @@ def killed_like_the_oom_killer(counter_file: str | None) -> None:
     if counter_file:
         bump_oom_kill(counter_file)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def nested_remote(tag: Any, backend: str | None = None, gpu_count: int = 1) -> dict[str, Any]:
+    """A GPU job that starts another GPU job (`gpu_count` cards) and returns both views of the cards."""
+    from levers9.launch import job
+
+    inner = job(gpu="RTXPro6000", gpu_count=gpu_count, backend=backend, stream_output=False)(report)
+    return {"outer": os.environ.get("CUDA_VISIBLE_DEVICES"), "inner": inner.remote(tag, 0.2)}
+
+
+def nested_map(cells: int) -> dict[str, Any]:
+    """A GPU job that maps `cells` one-card GPU jobs and returns the cards each saw and when it ran."""
+    from levers9.launch import job
+
+    inner = job(gpu="RTXPro6000", stream_output=False)(report)
+    return {"outer": os.environ.get("CUDA_VISIBLE_DEVICES"), "inner": list(inner.map(range(cells)))}

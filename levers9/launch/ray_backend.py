@@ -7,6 +7,9 @@ Ray's scheduler does the gang allocation: a task asks for `num_gpus=N` and, for 
 custom resource `levers9_<type>: N` that `levers9 ray node-args` declares on each node. Before
 anything is submitted, the alive nodes are read and a job no node could ever hold fails at once.
 
+A GPU job submitted from inside such a job (which holds its task's GPUs while it waits) runs on that
+job's own cards through the local executor, as a job nested in a local job does.
+
 Inside the task runs the local executor's job machinery: the task is only a supervisor that starts
 the job as its own process (runner.run_cell, by fork when safe), pins exactly the task's cards,
 enforces the timeout on the job's process group, and streams output lines and the outcome file back
@@ -45,7 +48,9 @@ from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, NotShippa
 from levers9.launch import fds, outcomes, runner
 from levers9.launch.backend import Batch, CancelToken
 from levers9.launch.cells import Cell
+from levers9.launch.local import LocalBackend
 from levers9.launch.outcomes import Cancelled, OutputTail
+from levers9.launch.pool import holds_cards
 from levers9.launch.process import JobProcess, ship_function, start_job, start_method
 from levers9.launch.ray_cli import RESOURCE_PREFIX, node_resources, resource_name
 from levers9.launch.spec import JobSpec
@@ -66,7 +71,11 @@ class RayBackend:
         self.admission = _Admission()
 
     def submit(self, batch: Batch) -> list[Future[Any]]:
-        """Connect, check that some alive node could hold the job, then follow one Ray task per cell."""
+        """Connect, check that some alive node could hold the job, then follow one Ray task per cell.
+        A GPU job started inside a job that holds cards runs on those cards instead (see pool.py): the
+        caller keeps its Ray GPUs while it waits, so asking Ray for others could wait forever."""
+        if batch.spec.gpu_count > 0 and holds_cards(os.environ):
+            return LocalBackend().submit(batch)
         connect()
         plan = plan_job(batch.spec, alive_nodes())
         func_ref, func_blob = ship_function(batch.func)

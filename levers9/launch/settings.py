@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from levers9.errors import SettingsError
+from levers9.launch.pool import holds_cards
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -72,8 +73,11 @@ def settings_path(env: os._Environ[str] | dict[str, str] | None = None) -> Path:
 
 def lease_dir(env: os._Environ[str] | dict[str, str] | None = None) -> Path:
     """The folder of card lease locks: $LEVERS9_STATE_DIR/leases, else $XDG_RUNTIME_DIR/levers9/leases,
-    else /tmp/levers9-<uid>/leases (a local file system, where flock is reliable)."""
+    else /tmp/levers9-<uid>/leases (a local file system, where flock is reliable). Inside a job that
+    holds cards: $LEVERS9_JOB_DIR/leases, where jobs it starts lease its own cards."""
     env = os.environ if env is None else env
+    if holds_cards(env):
+        return Path(env["LEVERS9_JOB_DIR"]) / "leases"
     if env.get("LEVERS9_STATE_DIR"):
         return Path(env["LEVERS9_STATE_DIR"]).expanduser() / "leases"
     if env.get("XDG_RUNTIME_DIR"):
