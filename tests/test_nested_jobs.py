@@ -9,10 +9,13 @@ from collections.abc import Iterator
 
 import pytest
 
+from levers9.distributed import cards
 from levers9.errors import InfeasibleJobError
 from levers9.launch import job
 from levers9.launch.settings import update_settings
 from tests import jobfns, ray_cluster
+from tests.fakes import use_fake_pynvml
+from tests.fakes.machines import RTX_PRO_6000_SERVER, machine
 
 
 @pytest.fixture
@@ -54,6 +57,19 @@ def test_an_inner_job_bigger_than_its_callers_cards_fails_at_once(two_cards: Non
     assert "asks for 2 RTXPro6000 cards" in text and "started inside job" in text and "holds 1× RTXPro6000" in text
     assert "deadlock" in text and "start the inner jobs from the top-level script" in text
     assert time.monotonic() - start < 20
+
+
+@pytest.mark.timeout(60)
+def test_on_real_cards_nested_jobs_run_on_the_callers_cards(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    request.addfinalizer(cards.clear_cache)  # the fake machine must not outlive this test
+    use_fake_pynvml(monkeypatch, machine(*[RTX_PRO_6000_SERVER] * 2))
+    outer = job(gpu="RTXPro6000", stream_output=False)(jobfns.nested_remote)
+    results = list(outer.map(["a", "b"]))
+    assert sorted(r["outer"] for r in results) == ["0", "1"]
+    for r in results:
+        assert r["inner"]["cards"] == r["outer"] and r["inner"]["simulated"] is None
 
 
 @pytest.fixture
