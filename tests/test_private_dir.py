@@ -114,3 +114,26 @@ def test_a_state_dir_inside_another_users_folder_is_refused(
     with pytest.raises(PrivateDirError, match="belongs to nobody"):
         private_dir(theirs / "state" / "runs")
     assert list(theirs.iterdir()) == []
+
+
+def test_ray_scratch_refuses_a_planted_symlink(shared_tmp: Path, tmp_path: Path) -> None:
+    from levers9.launch.ray_backend import _scratch_dir
+
+    target = tmp_path / "theirs"
+    target.mkdir()
+    (shared_tmp / f"levers9-ray-{os.getuid()}").symlink_to(target)
+    with pytest.raises(PrivateDirError, match="symlink"):
+        _scratch_dir(0, 1)
+    assert list(target.iterdir()) == []
+
+
+def test_stall_boards_live_in_a_private_folder() -> None:
+    from levers9.distributed import stalls
+
+    folder = stalls.RunFolder(2)
+    try:
+        root = os.lstat(folder.path.parent)
+        assert folder.path.parent.name == f"levers9-{os.getuid()}"
+        assert (root.st_uid, stat.S_IMODE(root.st_mode), stat.S_ISDIR(root.st_mode)) == (os.getuid(), 0o700, True)
+    finally:
+        folder.remove()
