@@ -43,7 +43,14 @@ def private_dir(path: Path | str) -> Path:
     info = os.lstat(path)
     _check_ours(path, info)
     if stat.S_IMODE(info.st_mode) != 0o700:
-        os.chmod(path, 0o700, follow_symlinks=False)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            now = os.fstat(fd)
+            if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+                raise PrivateDirError(f"{path} was replaced while levers9 checked it. Fix: {FIX}.")
+            os.fchmod(fd, 0o700)  # the folder just checked, never what a symlink swapped in points at
+        finally:
+            os.close(fd)
     return path
 
 
