@@ -13,6 +13,7 @@ Classes also derive from the builtin a caller would naturally catch (ValueError,
     │   ├── RunTimeout (TimeoutError)       the run outlived timeout=
     │   └── StallError                      ranks stopped making progress in a collective
     ├── QuirkError (RuntimeError)           this machine's cards / NCCL / shm cannot run the job as set up
+    ├── PrivateDirError (PermissionError)   a folder levers9 keeps state in is another user's, a symlink, or open to others
     └── JobError                            the job layer (levers9.launch)
         ├── JobConfigError (ConfigError)    bad @job arguments or map cells; nothing was started
         ├── SettingsError (ValueError)      a corrupt or invalid workspace settings file
@@ -112,6 +113,10 @@ class StallError(RankFailed):
 
 class QuirkError(Levers9Error, RuntimeError):
     """A registered GPU/NCCL/platform quirk forbids this run as configured; the message names the fix."""
+
+
+class PrivateDirError(Levers9Error, PermissionError):
+    """A folder at a predictable path is not ours alone (owner, symlink or mode); names it and the fix."""
 
 
 class JobError(Levers9Error):

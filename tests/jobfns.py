@@ -159,3 +159,36 @@ def noisy_until(gate: str) -> str:
         time.sleep(0.02)
     print("through the gate", flush=True)
     return "done"
+
+
+def touch(path: str) -> str:
+    """Create the file at `path` (tests check whether the job ran at all)."""
+    Path(path).touch()
+    return path
+
+
+def killed_like_the_oom_killer(counter_file: str | None) -> None:
+    """Die by SIGKILL; with `counter_file` (a stand-in cgroup's counter file) first raise its oom_kill
+    count, as the kernel's OOM killer does."""
+    from tests.rankfns import bump_oom_kill
+
+    print("allocating", flush=True)
+    if counter_file:
+        bump_oom_kill(counter_file)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def nested_remote(tag: Any, backend: str | None = None, gpu_count: int = 1) -> dict[str, Any]:
+    """A GPU job that starts another GPU job (`gpu_count` cards) and returns both views of the cards."""
+    from levers9.launch import job
+
+    inner = job(gpu="RTXPro6000", gpu_count=gpu_count, backend=backend, stream_output=False)(report)
+    return {"outer": os.environ.get("CUDA_VISIBLE_DEVICES"), "inner": inner.remote(tag, 0.2)}
+
+
+def nested_map(cells: int) -> dict[str, Any]:
+    """A GPU job that maps `cells` one-card GPU jobs and returns the cards each saw and when it ran."""
+    from levers9.launch import job
+
+    inner = job(gpu="RTXPro6000", stream_output=False)(report)
+    return {"outer": os.environ.get("CUDA_VISIBLE_DEVICES"), "inner": list(inner.map(range(cells)))}

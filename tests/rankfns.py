@@ -201,3 +201,25 @@ def rank1_stalls_before_a_ddp_step(cfg: Any) -> None:
         if step == 2 and dist.rank() == 1:
             time.sleep(60)  # DDP-SLEEP-LINE
         model(torch.ones(2, 4)).sum().backward()  # DDP-BACKWARD-LINE
+
+
+def killed_like_the_oom_killer_on_rank_1(counter_file: str | None) -> None:
+    """Rank 1 dies by SIGKILL; with `counter_file` (a stand-in cgroup's memory.events or
+    memory.oom_control) it first raises the oom_kill count there, as the kernel's OOM killer does."""
+    if dist.rank() == 1:
+        if counter_file:
+            bump_oom_kill(counter_file)
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(10)
+    dist.barrier()
+
+
+def bump_oom_kill(counter_file: str) -> None:
+    """Add one to the `oom_kill N` line of a cgroup counter file, keeping its other lines."""
+    with open(counter_file) as f:
+        lines = f.read().splitlines()
+    lines = [f"oom_kill {int(line.split()[1]) + 1}" if line.startswith("oom_kill ") else line for line in lines]
+    partial = counter_file + ".partial"
+    with open(partial, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(partial, counter_file)

@@ -33,6 +33,7 @@ from levers9.errors import (
     RankFailure,
     RunTimeout,
     StallError,
+    signal_name,
 )
 from levers9.procs import oom, start
 from levers9.procs.failure import rebuild, ship, unpicklable_part, unship
@@ -349,7 +350,10 @@ class _Spawn:
         stopped = f"; the other rank(s) {', '.join(others)} were stopped" if others else ""
         report = root.failure
         if report is None:
-            hint = oom.crash_hint(root.signal, self.oom_before, oom.oom_kills())
+            hint = ""
+            if root.signal is not None:
+                phrase = oom.killed_by(root.signal, self.oom_before, oom.oom_kills())
+                hint = "" if phrase == f"killed by {signal_name(root.signal)}" else f"\nrank {failure.rank} was {phrase}."
             raise RankCrashed(f"distributed.run: {failure.describe().splitlines()[0]}{stopped}.{hint}\n\n{failure.describe()}", failure)
         if report.is_exit:
             raise RankCrashed(

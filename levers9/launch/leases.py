@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from levers9.private_dir import private_dir
 from levers9.procs import fds
 
 
@@ -60,7 +61,7 @@ class LeaseDir:
     def __init__(self, path: Path, lock_names: list[str]) -> None:
         self.path = path
         self.lock_names = lock_names
-        (path / "queue").mkdir(parents=True, exist_ok=True)
+        (private_dir(path) / "queue").mkdir(exist_ok=True)
 
     @contextmanager
     def _mutex(self) -> Iterator[None]:

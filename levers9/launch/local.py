@@ -230,4 +230,4 @@ class _Supervisor:
         if supervision.killed_for == "timeout":
             raise outcomes.timed_out(run, spec.timeout, child.pid)
         outcome = (child.result, child.failure) if child.reported else None
-        return outcomes.result(run, child.pid, child.status or (None, None), outcome, tail, hint=supervision.oom_hint())
+        return outcomes.result(run, child.pid, child.status or (None, None), outcome, tail)

@@ -21,7 +21,7 @@ from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import Any
 
-from levers9.errors import JobCrashed, JobTimeout, RankFailure, RemoteError, add_note, signal_name
+from levers9.errors import JobCrashed, JobTimeout, RankFailure, RemoteError, add_note
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.spec import JobSpec
@@ -129,13 +129,14 @@ class JobAttempt:
     attempt: int
     allowed: int  # attempts in all: retries + 1
     job_dir: Path
+    oom_before: int | None = None  # this cgroup's OOM-kill count when the attempt began
 
     @classmethod
     def begin(cls, run_dir: Path, label: str, index: int, attempt: int, spec: JobSpec) -> JobAttempt:
         """The attempt, with its log folder run_dir/<index>-<attempt> created."""
         job_dir = run_dir / f"{index:04d}-{attempt}"
         job_dir.mkdir(parents=True, exist_ok=True)
-        return cls(label, index, attempt, spec.retries.max_retries + 1, job_dir)
+        return cls(label, index, attempt, spec.retries.max_retries + 1, job_dir, oom.oom_kills())
 
     @property
     def attempts(self) -> str:
@@ -173,7 +174,6 @@ class Supervision:
         self.watcher, self.child, self.grace, self.should_stop = watcher, child, grace, should_stop
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.killed_for: str | None = None
-        self.oom_before = oom.oom_kills()
 
     def step(self, wait: float) -> bool:
         """Pump for up to `wait` s; True once the job process has ended (and was stopped, if it had to be)."""
@@ -199,9 +199,6 @@ class Supervision:
         while not self.step(0.1):
             pass
 
-    def oom_hint(self) -> str:
-        return oom.crash_hint(self.child.signal, self.oom_before, oom.oom_kills())
-
 
 def result(
     run: JobAttempt,
@@ -210,18 +207,21 @@ def result(
     outcome: tuple[bytes | None, Failure | None] | None,
     tail: OutputTail,
     node: str | None = None,
-    hint: str = "",
+    oom_counts: tuple[int | None, int | None] | None = None,
 ) -> Any:
     """The value of a finished attempt; raises the job's exception with a note saying where it ran, or
-    JobCrashed (how it ended, the output's tail, `hint`) if it reported no outcome or called sys.exit(N)."""
+    JobCrashed (how it ended, the output's tail) if it reported no outcome or called sys.exit(N).
+    `oom_counts` are the OOM-kill counts (before, after) of the cgroup the job ran in when that is not
+    this process's (a Ray node); by default the attempt's start count and this cgroup's now."""
     exitcode, signum = status
     value, failure = outcome if outcome is not None else (None, None)
     if outcome is None or (failure is not None and failure.is_exit):
         if failure is not None:
             exitcode = failure.exitcode
-        how = f"was killed by {signal_name(signum)}" if signum is not None else f"exited with code {exitcode}"
+        before, after = oom_counts if oom_counts is not None else (run.oom_before, oom.oom_kills())
+        how = f"was {oom.killed_by(signum, before, after)}" if signum is not None else f"exited with code {exitcode}"
         raise JobCrashed(
-            f"{run.label} (pid {pid}{_on(node)}) {how} before returning;{hint} {run.attempts}. "
+            f"{run.label} (pid {pid}{_on(node)}) {how} before returning; {run.attempts}. "
             f"Last output:\n{tail.last_output}\n{run.where}",
             RankFailure(rank=run.index, pid=pid, exitcode=exitcode, signal=signum, output_tail=tail.text),
         )

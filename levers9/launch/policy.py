@@ -31,6 +31,8 @@ def check_policy(spec: JobSpec, settings: Settings) -> None:
 def check_feasible(spec: JobSpec, pool: Pool) -> list[list[int]]:
     """The slot groups the job may take from; InfeasibleJobError if no group could ever hold it."""
     want = spec.describe_cards()
+    if pool.held_by:
+        return _check_nested(spec, pool)
     if not pool.cards:
         raise InfeasibleJobError(
             f"Job {spec.name!r} asks for {want} but this machine has no NVIDIA GPU that levers9 can see "
@@ -53,3 +55,19 @@ def check_feasible(spec: JobSpec, pool: Pool) -> list[list[int]]:
             f"with gpu_count=, or run it where more cards are attached."
         )
     return groups
+
+
+def _check_nested(spec: JobSpec, pool: Pool) -> list[list[int]]:
+    """For a job started inside a job: its caller's cards must be able to hold it, or it fails now."""
+    groups = [g for g in pool.groups(spec.gpu_types) if g]
+    if groups and max(len(g) for g in groups) >= spec.gpu_count:
+        return groups
+    visible = ",".join(str(c.nvml_index) for c in pool.cards)
+    raise InfeasibleJobError(
+        f"Job {spec.name!r} asks for {spec.describe_cards()} but was started inside job {pool.held_by}, which "
+        f"holds {pool.summary()} (CUDA_VISIBLE_DEVICES={visible}). A job started inside a job runs on its "
+        f"caller's cards: the caller keeps its cards while it waits, so waiting for other cards could "
+        f"deadlock (callers holding every card, each waiting for an inner job that needs one). Ask the inner "
+        f"job for at most {pool.summary()} (gpu_count=, gpu=), give the outer job the cards the inner one "
+        f"needs, or start the inner jobs from the top-level script rather than from inside a job."
+    )

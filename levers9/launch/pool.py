@@ -3,7 +3,13 @@
 Real cards come from `levers9.distributed.hardware.cards.visible_cards()` (NVML, honouring the caller's own
 CUDA_VISIBLE_DEVICES). Simulated cards come from LEVERS9_SIMULATE_GPUS (or `[local].simulate_gpus`
 in workspace.toml), e.g. "RTXPro6000:4" or "RTXPro6000:4,H100:2"; they are leased and pinned by the
-same code, and jobs on them see LEVERS9_SIMULATED=1. The environment variable wins over the file.
+same code, and jobs on them see `levers9.current_job().simulated`. The environment variable wins over the file.
+
+Inside a job that holds cards, the pool is that job's own cards and nothing else: a job started from
+inside a job runs on its caller's cards (the caller is blocked on it anyway), leased in a folder of
+the caller's own, so nested jobs share those cards among themselves. Waiting for the machine's other
+cards instead could wait forever: with every card held by a caller waiting on its inner job, no inner
+job ever gets one.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 
+from levers9.context import current_job
 from levers9.distributed.hardware.gpu_types import parse_gpu_type
 from levers9.errors import JobConfigError
 
@@ -42,6 +49,7 @@ class Pool:
     cards: tuple[PoolCard, ...]
     simulated: bool
     source: str  # where the cards came from, for messages
+    held_by: str = ""  # the job (its job_id) whose own cards these are, for a job started inside it
     _busy_at: float = 0.0
     _busy: frozenset[int] = frozenset()
 
@@ -63,7 +71,7 @@ class Pool:
 
     def foreign_busy(self) -> frozenset[int]:
         """Slots of real cards that a process other than this one is using (re-read at most once a second)."""
-        if self.simulated or not self.cards:
+        if self.simulated or self.held_by or not self.cards:  # a caller's cards are busy with the caller
             return frozenset()
         now = time.monotonic()
         if now - self._busy_at > 1.0:
@@ -75,11 +83,35 @@ class Pool:
 def local_pool(env: Mapping[str, str] | None = None, simulate: str | None = None) -> Pool:
     """The pool for this call: simulated when LEVERS9_SIMULATE_GPUS (or `simulate`) is set, else NVML's cards."""
     env = os.environ if env is None else env
+    if holds_cards():
+        return callers_pool(env)
     spec = env.get(SIMULATE_VAR) or simulate
     if spec:
         source = f"simulated, {SIMULATE_VAR}" if env.get(SIMULATE_VAR) else "simulated, [local].simulate_gpus"
         return simulated_pool(spec, source)
     return _real_pool(env)
+
+
+def holds_cards() -> bool:
+    """True inside a job process (or a rank it started) whose job holds cards."""
+    job = current_job()
+    return job is not None and job.gpu_count > 0
+
+
+def callers_pool(env: Mapping[str, str]) -> Pool:
+    """The cards of the job this process runs in (its CUDA_VISIBLE_DEVICES), as a pool for jobs it starts."""
+    job = current_job()
+    assert job is not None, "callers_pool() is for a process inside a job; ask holds_cards() first"
+    ids = [i.strip() for i in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if i.strip()]
+    source = f"the cards of job {job.job_id}, which started this one"
+    if job.simulated:
+        type_name = job.gpu_type or "GPU"
+        cards = tuple(
+            PoolCard(slot, int(i) if i.isdigit() else slot, type_name, f"card{i}") for slot, i in enumerate(ids)
+        )
+        return Pool(f"job-sim-{len(cards)}", cards, True, f"simulated, {source}", held_by=job.job_id)
+    real = _real_pool(env)
+    return dataclasses.replace(real, pool_id="job-nvml", source=source, held_by=job.job_id)
 
 
 def simulated_pool(spec: str, source: str = f"simulated, {SIMULATE_VAR}") -> Pool:

@@ -7,6 +7,9 @@ Ray's scheduler does the gang allocation: a task asks for `num_gpus=N` and, for 
 custom resource `levers9_<type>: N` that `levers9 ray node-args` declares on each node. Before
 anything is submitted, the alive nodes are read and a job no node could ever hold fails at once.
 
+A GPU job submitted from inside such a job (which holds its task's GPUs while it waits) runs on that
+job's own cards through the local executor, as a job nested in a local job does.
+
 Inside the task runs the local executor's job machinery: the task is only a supervisor that starts
 the job as its own process (levers9.procs, by fork when safe), pins exactly the task's cards,
 enforces the timeout on the job's process group, and streams output lines and the outcome back
@@ -44,10 +47,13 @@ from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, NotShippa
 from levers9.launch import job_child, outcomes, runs
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
+from levers9.launch.local import LocalBackend
 from levers9.launch.outcomes import Cancelled, OutputTail
+from levers9.launch.pool import holds_cards
 from levers9.launch.ray_cli import RESOURCE_PREFIX, node_resources, resource_name
 from levers9.launch.spec import JobSpec
-from levers9.procs import start
+from levers9.private_dir import private_dir
+from levers9.procs import oom, start
 from levers9.procs.failure import ship, unship
 from levers9.procs.watch import Watcher
 
@@ -65,7 +71,11 @@ class RayBackend:
         self.admission = _Admission()
 
     def submit(self, batch: Batch) -> list[Future[Any]]:
-        """Connect, check that some alive node could hold the job, then follow one Ray task per cell."""
+        """Connect, check that some alive node could hold the job, then follow one Ray task per cell.
+        A GPU job started inside a job that holds cards runs on those cards instead (see pool.py): the
+        caller keeps its Ray GPUs while it waits, so asking Ray for others could wait forever."""
+        if batch.spec.gpu_count > 0 and holds_cards():
+            return LocalBackend().submit(batch)
         connect()
         plan = plan_job(batch.spec, alive_nodes())
         try:
@@ -430,7 +440,7 @@ class _RayCell:
         if end["killed_for"] == "timeout":
             raise outcomes.timed_out(run, spec.timeout, pid, node)
         status = (end["exitcode"], end["signal"])
-        return outcomes.result(run, pid, status, end["outcome"], tail, node, hint=end["hint"])
+        return outcomes.result(run, pid, status, end["outcome"], tail, node, oom_counts=end["oom"])
 
 
 def _free_gpus() -> str:
@@ -474,6 +484,7 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
         target = job_child.JobTarget(func, args, kwargs, context)
         method = start.choose()
         shipped = None if method.forks else job_child.ship_target(target)
+        oom_before = oom.oom_kills()
         child = watcher.add(start.start(target, method=method, shipped=shipped, env=env, name=f"cell {index}"))
         yield {
             "kind": "started",
@@ -496,7 +507,7 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
             "exitcode": child.exitcode,
             "signal": child.signal,
             "outcome": (child.result, child.failure) if child.reported else None,
-            "hint": supervision.oom_hint(),
+            "oom": (oom_before, oom.oom_kills()),  # this node's cgroup, not the caller's
             "time": time.time(),
         }
     finally:
@@ -529,7 +540,7 @@ def _scratch_dir(index: int, attempt: int) -> Path:
     tasks whose worker was killed (cancel, lost caller) are removed by the next task on the node."""
     root = Path(tempfile.gettempdir()) / f"levers9-ray-{os.getuid()}"
     for _ in range(3):
-        root.mkdir(mode=0o700, exist_ok=True)
+        private_dir(root)
         with contextlib.suppress(OSError):
             for stale in root.iterdir():
                 owner = stale.name.partition("-")[0]

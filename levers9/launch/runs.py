@@ -39,6 +39,7 @@ import cloudpickle
 from levers9.errors import ConfigError, RunFormatError
 from levers9.launch.cells import Cell
 from levers9.launch.settings import runs_dir
+from levers9.private_dir import private_dir
 
 log = logging.getLogger("levers9.launch")
 
@@ -65,8 +66,7 @@ def keep_runs() -> int:
 
 def run_folder(run_id: str) -> Path:
     """runs_dir()/run_id, created private (0700) if missing; creating one applies retention first."""
-    root = runs_dir()
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    root = private_dir(runs_dir())
     path = root / run_id
     if not path.is_dir():
         clean(keep=keep_runs() - 1)

@@ -23,6 +23,7 @@ from typing import Any
 
 import tomlkit
 
+from levers9.context import current_job
 from levers9.errors import SettingsError
 
 if sys.version_info >= (3, 11):
@@ -74,8 +75,12 @@ def settings_path(env: os._Environ[str] | dict[str, str] | None = None) -> Path:
 
 def lease_dir(env: os._Environ[str] | dict[str, str] | None = None) -> Path:
     """The folder of card lease locks: $LEVERS9_STATE_DIR/leases, else $XDG_RUNTIME_DIR/levers9/leases,
-    else /tmp/levers9-<uid>/leases (a local file system, where flock is reliable)."""
+    else /tmp/levers9-<uid>/leases (a local file system, where flock is reliable). Inside a job that
+    holds cards: <the job's folder>/leases, where jobs it starts lease its own cards."""
     env = os.environ if env is None else env
+    job = current_job()
+    if job is not None and job.gpu_count > 0:
+        return Path(job.job_dir) / "leases"
     if env.get("LEVERS9_STATE_DIR"):
         return Path(env["LEVERS9_STATE_DIR"]).expanduser() / "leases"
     if env.get("XDG_RUNTIME_DIR"):

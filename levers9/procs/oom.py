@@ -1,10 +1,10 @@
-"""Parent side: the cgroup's out-of-memory-kill counter, read before a run and after a crash, so a child
-killed by SIGKILL can be named: the kernel's OOM killer, or something else.
+"""Was it the out-of-memory killer? This process's cgroup counts the processes it killed.
 
-cgroup v2 keeps the count in `memory.events` (`oom_kill N`), v1 in `memory.oom_control` (`oom_kill N`),
-in this process's cgroup folder (found through /proc/self/cgroup and /proc/self/mountinfo). Children
-are in the same cgroup unless something moved them. `LEVERS9_CGROUP_DIR` points at another folder
-holding either file (tests use a stand-in folder).
+cgroup v2 keeps the count as `oom_kill N` in `memory.events`, cgroup v1 in `memory.oom_control` of the
+memory controller. The cgroup is the one /proc/self/cgroup names, found under the cgroup file
+system's mount point from /proc/self/mountinfo. LEVERS9_CGROUP_DIR names the cgroup folder to read
+instead (tests point it at a stand-in folder). A caller reads the count when a rank or job starts and
+again when it sees a SIGKILL: a higher count means the kernel's OOM killer fired in this cgroup.
 """
 
 from __future__ import annotations
@@ -13,71 +13,92 @@ import os
 import signal
 from pathlib import Path
 
+from levers9.errors import signal_name
+
 CGROUP_DIR_VAR = "LEVERS9_CGROUP_DIR"
+_COUNTER_FILES = ("memory.events", "memory.oom_control")  # v2, v1
 
 
-def cgroup_dir() -> Path | None:
-    """The folder of this process's memory cgroup, or None where none can be found."""
+def oom_kills() -> int | None:
+    """How many processes the OOM killer has killed in this process's cgroup; None when unknown."""
+    for folder in _cgroup_dirs():
+        for name in _COUNTER_FILES:
+            count = _read_count(folder / name)
+            if count is not None:
+                return count
+    return None
+
+
+def killed_by(signum: int, before: int | None, after: int | None) -> str:
+    """How a process that died by `signum` is described, given this cgroup's OOM-kill count when it
+    started and when its death was seen: 'killed by SIGKILL; the out-of-memory killer fired in this
+    cgroup (count 0 → 1): reduce batch size or give the job more memory' only when the count rose;
+    a plain 'killed by SIGKILL' when it did not (no claim without evidence)."""
+    how = f"killed by {signal_name(signum)}"
+    if signum != signal.SIGKILL:
+        return how
+    if before is None or after is None:
+        return (
+            f"{how} (this cgroup's out-of-memory kill count could not be read; `dmesg` shows whether the "
+            f"kernel's out-of-memory killer fired)"
+        )
+    if after > before:
+        return (
+            f"{how}; the out-of-memory killer fired in this cgroup (count {before} → {after}): "
+            f"reduce batch size or give the job more memory"
+        )
+    return how
+
+
+def _cgroup_dirs() -> list[Path]:
+    """The cgroup folders to look in: LEVERS9_CGROUP_DIR alone when set, else this process's."""
     override = os.environ.get(CGROUP_DIR_VAR)
     if override:
-        return Path(override)
+        return [Path(override)]
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        return cgroup_dirs(Path("/proc/self/cgroup").read_text(), Path("/proc/self/mountinfo").read_text())
     except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # cgroup v2: one unified hierarchy
-            root = _mount_point("cgroup2", None)
+        return []
+
+
+def cgroup_dirs(membership: str, mountinfo: str) -> list[Path]:
+    """The memory cgroup folders of a process, from its /proc/<pid>/cgroup and mountinfo texts."""
+    mounts = mountinfo.splitlines()
+    found: list[Path] = []
+    for line in membership.splitlines():  # "0::/path" (v2) or "4:memory:/path" (v1)
+        if line.count(":") < 2:
+            continue
+        _, controllers, rel = line.split(":", 2)
+        if controllers == "":
+            found += _under_mounts(mounts, "cgroup2", None, rel)
         elif "memory" in controllers.split(","):
-            root = _mount_point("cgroup", "memory")
-        else:
+            found += _under_mounts(mounts, "cgroup", "memory", rel)
+    return found
+
+
+def _under_mounts(mounts: list[str], fstype: str, option: str | None, rel: str) -> list[Path]:
+    """The folder of cgroup `rel` under each matching mount (mountinfo: root is field 4, mount point field 5)."""
+    out = []
+    for line in mounts:
+        before, _, after = line.partition(" - ")
+        fields, tail = before.split(), after.split()
+        if len(fields) < 5 or len(tail) < 3 or tail[0] != fstype:
             continue
-        if root is not None:
-            return root / path.lstrip("/")
-    return None
+        if option is not None and option not in tail[2].split(","):
+            continue
+        root, point = fields[3], fields[4]
+        inner = rel[len(root) :] if root != "/" and rel.startswith(root) else rel
+        out.append(Path(point) / inner.lstrip("/"))
+    return out
 
 
-def _mount_point(fstype: str, option: str | None) -> Path | None:
-    """Where a cgroup filesystem of `fstype` (with `option` among its super options) is mounted."""
+def _read_count(path: Path) -> int | None:
     try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+        text = path.read_text()
     except OSError:
         return None
-    for line in lines:
-        before, _, after = line.partition(" - ")
-        fields, rest = before.split(), after.split()
-        if len(fields) >= 5 and rest and rest[0] == fstype and (option is None or option in rest[-1].split(",")):
-            return Path(fields[4])
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill" and value.strip().isdigit():
+            return int(value)
     return None
-
-
-def oom_kills(folder: Path | None = None) -> int | None:
-    """How many processes the OOM killer has killed in this cgroup so far; None where that cannot be read."""
-    folder = folder or cgroup_dir()
-    if folder is None:
-        return None
-    for name in ("memory.events", "memory.oom_control"):
-        try:
-            text = (folder / name).read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill" and value.strip().isdigit():
-                return int(value)
-    return None
-
-
-def crash_hint(signum: int | None, before: int | None, after: int | None) -> str:
-    """A sentence to add to a crash report: whether a SIGKILL was the out-of-memory killer ('' otherwise)."""
-    if signum != signal.SIGKILL:
-        return ""
-    if before is not None and after is not None:
-        if after > before:
-            return (
-                f" Killed by SIGKILL; the out-of-memory killer fired in this cgroup (count {before} → {after}): "
-                f"reduce the batch size or give the job more memory."
-            )
-        return f" The out-of-memory killer did not fire in this cgroup (count {after}): something else sent SIGKILL."
-    return " SIGKILL with no one asking is usually the kernel's out-of-memory killer: check `dmesg`, or reduce the batch size."

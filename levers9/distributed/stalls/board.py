@@ -22,6 +22,7 @@ from pathlib import Path
 
 from levers9.distributed.stalls.flight_recorder import RecorderStatus
 from levers9.distributed.stalls.sampler import fresh_states, request_samples, sample_fifo
+from levers9.private_dir import private_dir
 
 _CALLS = struct.Struct("=QQdd24s")  # finished, in_collective, entered_at, last_finished_at, name
 _RECORDER = struct.Struct("=qqdd40s")  # issued (-1: unknown), completed, changed_at, sampled_at, pending
@@ -32,9 +33,11 @@ RUN_DIR_PREFIX = "levers9-run-"
 
 
 def runs_root() -> Path:
-    """Where run folders live: /dev/shm when it exists (memory, never a slow disk), else the temp dir."""
+    """Where run folders live: our private levers9-<uid> folder in /dev/shm when it exists (memory, never a
+    slow disk), else in the temp dir."""
     shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return private_dir(base / f"levers9-{os.getuid()}")
 
 
 @dataclasses.dataclass(frozen=True)

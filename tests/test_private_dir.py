@@ -1,0 +1,139 @@
+"""Folders at predictable paths are ours alone: another user's folder, a symlink, or a folder others can
+write is refused before levers9 puts a lock or reads a result there."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import stat
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from levers9.errors import PrivateDirError
+from levers9.launch import job
+from levers9.private_dir import private_dir
+from tests import jobfns
+
+NOBODY = pwd.getpwnam("nobody").pw_uid
+
+
+@pytest.fixture
+def shared_tmp(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """A stand-in for /tmp (mode 1777) that levers9 uses as the temp dir, with no state dir set."""
+    shared = tmp_path / "shared-tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))
+    monkeypatch.delenv("LEVERS9_STATE_DIR")
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("LEVERS9_SIMULATE_GPUS", "RTXPro6000:2")
+    return shared
+
+
+def _gpu_job() -> object:
+    return job(gpu="RTXPro6000", stream_output=False)(jobfns.add)
+
+
+@pytest.mark.skipif(
+    os.getuid() != 0, reason="creating a folder as another user needs root; the symlink case covers the rest"
+)
+@pytest.mark.timeout(60)
+def test_a_lease_folder_another_user_created_first_is_refused(shared_tmp: Path) -> None:
+    planted = shared_tmp / f"levers9-{os.getuid()}"
+    planted.mkdir(mode=0o777)
+    os.chown(planted, NOBODY, NOBODY)
+    with pytest.raises(PrivateDirError) as info:
+        _gpu_job().remote(1, 2)  # type: ignore[attr-defined]
+    message = str(info.value)
+    assert str(planted) in message and "nobody" in message and "LEVERS9_STATE_DIR" in message
+    assert list(planted.iterdir()) == []  # no lock file of ours ended up in their folder
+
+
+@pytest.mark.timeout(60)
+def test_a_symlink_planted_at_the_lease_path_is_refused(shared_tmp: Path, tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    planted = shared_tmp / f"levers9-{os.getuid()}"
+    planted.symlink_to(target)
+    with pytest.raises(PrivateDirError, match="symlink"):
+        _gpu_job().remote(1, 2)  # type: ignore[attr-defined]
+    assert list(target.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_job_in_a_clean_temp_dir_makes_its_folders_0700(shared_tmp: Path) -> None:
+    assert _gpu_job().remote(1, 2) == 3  # type: ignore[attr-defined]
+    ours = shared_tmp / f"levers9-{os.getuid()}"
+    for folder in (ours, ours / "leases"):
+        info = os.lstat(folder)
+        assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (os.getuid(), 0o700)
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o777, 0o702])
+def test_a_folder_of_ours_that_others_can_write_is_refused(tmp_path: Path, mode: int) -> None:
+    folder = tmp_path / "open"
+    folder.mkdir()
+    folder.chmod(mode)
+    with pytest.raises(PrivateDirError, match=f"writable by others \\(mode {mode:04o}\\)"):
+        private_dir(folder)
+    assert stat.S_IMODE(folder.stat().st_mode) == mode  # refused, not silently changed
+
+
+def test_a_folder_of_ours_that_others_can_only_read_is_tightened_to_0700(tmp_path: Path) -> None:
+    folder = tmp_path / "readable"
+    folder.mkdir()
+    folder.chmod(0o755)
+    assert private_dir(folder) == folder
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+
+
+@pytest.mark.timeout(60)
+def test_a_state_dir_others_can_write_is_refused_before_anything_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    state = tmp_path / "lab-shared"
+    state.mkdir()
+    state.chmod(0o777)
+    monkeypatch.setenv("LEVERS9_STATE_DIR", str(state))
+    marker = tmp_path / "ran"
+    with pytest.raises(PrivateDirError, match="lab-shared.*writable by others"):
+        job(stream_output=False)(jobfns.touch).remote(str(marker))
+    assert not marker.exists() and list(state.iterdir()) == []
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="creating a folder as another user needs root")
+def test_a_state_dir_inside_another_users_folder_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, NOBODY, NOBODY)
+    with pytest.raises(PrivateDirError, match="belongs to nobody"):
+        private_dir(theirs / "state" / "runs")
+    assert list(theirs.iterdir()) == []
+
+
+def test_ray_scratch_refuses_a_planted_symlink(shared_tmp: Path, tmp_path: Path) -> None:
+    from levers9.launch.ray_backend import _scratch_dir
+
+    target = tmp_path / "theirs"
+    target.mkdir()
+    (shared_tmp / f"levers9-ray-{os.getuid()}").symlink_to(target)
+    with pytest.raises(PrivateDirError, match="symlink"):
+        _scratch_dir(0, 1)
+    assert list(target.iterdir()) == []
+
+
+def test_stall_boards_live_in_a_private_folder() -> None:
+    from levers9.distributed import stalls
+
+    folder = stalls.RunFolder(2)
+    try:
+        root = os.lstat(folder.path.parent)
+        assert folder.path.parent.name == f"levers9-{os.getuid()}"
+        assert (root.st_uid, stat.S_IMODE(root.st_mode), stat.S_ISDIR(root.st_mode)) == (os.getuid(), 0o700, True)
+    finally:
+        folder.remove()
