@@ -6,8 +6,10 @@ driver was initialised cannot use CUDA). Forks never happen on the caller's thre
 one long-lived forker thread that never runs user work. A child is a copy of the thread that forked
 it, so it inherits no OpenMP team of the caller's (GNU OpenMP keeps a thread's team in that
 thread's own storage; a child forked from a thread that ran a parallel region hangs in its first
-one). The kernel's parent-death signal follows the thread that forked, so that thread lives as long
-as this process. `LEVERS9_START_METHOD=spawn` forces fresh interpreters; `=fork` insists on forking.
+one). The fork happens while the forker holds every logging handler's lock, so a thread of the
+caller's that logs is never caught holding its stream's lock; the child writes to new streams on
+its own pipes. The kernel's parent-death signal follows the thread that forked, so that thread
+lives as long as this process. `LEVERS9_START_METHOD=spawn` forces fresh interpreters; `=fork` insists on forking.
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ def start(
         if method.forks:
             _flush_std_streams()
             keep_fds = (msg_w, out_w, err_w, lifeline, *keep)
-            pid = _forker.call(lambda: fds.fork_child(keep_fds, lambda: child.forked_main(target, ends, env)))
+            pid = _forker.call(lambda: _fork(keep_fds, lambda: child.forked_main(target, ends, env)))
             handle = Child(pid, None, msg_r, out_r, err_r, name)
         else:
             if shipped is None:
@@ -191,6 +193,23 @@ def start(
         for fd in (msg_w, out_w, err_w):
             fds.close(fd)
     return handle
+
+
+def _fork(keep: tuple[int, ...], child_main: Callable[[], None]) -> int:
+    """Fork while holding every logging handler's lock: no thread of the caller is then inside a handler,
+    writing to its stream, so the child inherits no stream lock held by a thread it does not have
+    (logging itself re-creates its locks in the child, and releases them here)."""
+    import logging
+
+    handlers = [ref() for ref in list(getattr(logging, "_handlerList", []))]
+    held = [h for h in handlers if isinstance(h, logging.Handler) and h.lock is not None]
+    for handler in held:
+        handler.acquire()
+    try:
+        return fds.fork_child(keep, child_main)
+    finally:
+        for handler in held:
+            handler.release()
 
 
 def _exec(ends: child.Ends, env: dict[str, str], keep: tuple[int, ...]) -> subprocess.Popen[bytes]:
