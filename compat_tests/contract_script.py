@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 2 compat_tests/contract_script.py --mode direct
     accelerate launch --multi_gpu --num_processes 2 compat_tests/contract_script.py --mode run
     torchrun --nproc-per-node 2 compat_tests/contract_script.py --mode own-init   # a classic DDP script
+    LEVERS9_SIMULATE_GPUS=RTXPro6000:2 python compat_tests/contract_script.py --mode job   # @job(gpu_count=2)
 
 Each training step takes a global batch of 4 rows that `shard` splits across the ranks, and DDP
 averages the gradients, so the losses are the same on 1 or 2 ranks. Rank 0 prints one line
@@ -59,9 +60,14 @@ def contract(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def on_two_cards(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The job: one rank per card of the job, through distributed.run."""
+    return dist.run(contract, cfg)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["direct", "run", "own-init"], default="direct")
+    parser.add_argument("--mode", choices=["direct", "run", "own-init", "job"], default="direct")
     parser.add_argument("--nprocs", type=int, default=None)
     args = parser.parse_args()
     cfg = {"steps": STEPS}
@@ -74,6 +80,10 @@ def main() -> None:
         result = contract(cfg)
         gc.collect()  # DDP's pending gloo work must go before the group (pytorch/pytorch#190489)
         td.destroy_process_group()
+    elif args.mode == "job":
+        from levers9 import job
+
+        result = job(gpu="RTXPro6000", gpu_count=2, timeout=240)(on_two_cards).remote(cfg)
     else:
         result = contract(cfg)
     if dist.is_main():

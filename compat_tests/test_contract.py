@@ -34,6 +34,7 @@ LAUNCHES = {
     "accelerate launch 2": ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", SCRIPT, "--mode", "run"],
     "accelerate launch 1": ["accelerate", "launch", "--num_processes", "1", SCRIPT, "--mode", "run"],
     "classic DDP script under torchrun": ["torchrun", "--nproc-per-node", "2", SCRIPT, "--mode", "own-init"],
+    "@job gpu_count=2 + distributed.run": [sys.executable, SCRIPT, "--mode", "job"],
 }
 EXPECTED_LAUNCHER = {
     "plain python": "single",
@@ -43,6 +44,7 @@ EXPECTED_LAUNCHER = {
     "accelerate launch 2": "accelerate",
     "accelerate launch 1": "accelerate",
     "classic DDP script under torchrun": "torchrun",
+    "@job gpu_count=2 + distributed.run": "single",  # the caller's; the job's ranks are levers9's
 }
 
 
@@ -52,6 +54,9 @@ def _launch(name: str) -> tuple[dict, dict]:
         cmd = [_tool(cmd[0]), *cmd[1:]]
     with tempfile.TemporaryDirectory() as tmp:  # torchrun's agent leaves torchelastic_* folders in $TMPDIR
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TMPDIR": tmp}
+        if "--mode" in cmd and cmd[cmd.index("--mode") + 1] == "job":  # two simulated cards, multi-GPU on
+            env.update(LEVERS9_SIMULATE_GPUS="RTXPro6000:2", LEVERS9_CONFIG_DIR=f"{tmp}/config", LEVERS9_STATE_DIR=f"{tmp}/state")
+            subprocess.run([sys.executable, "-m", "levers9", "workspace", "multi-gpu", "on"], env=env, check=True, capture_output=True)
         done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{name} failed:\n{done.stdout}\n{done.stderr}"
     lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith(("CONTRACT ", "WORLD "))}

@@ -223,3 +223,38 @@ def bump_oom_kill(counter_file: str) -> None:
     with open(partial, "w") as f:
         f.write("\n".join(lines) + "\n")
     os.replace(partial, counter_file)
+
+
+def checkpoint_on_sigterm_when_rank_0_fails(folder: str) -> None:
+    """Rank 1 saves a checkpoint in its SIGTERM handler; rank 0 fails once rank 1 is ready for it."""
+    ready, saved = os.path.join(folder, "ready"), os.path.join(folder, "checkpoint")
+
+    def save_and_leave(signum: int, frame: Any) -> None:
+        with open(saved, "w") as f:
+            f.write("step 7")
+        sys.exit(0)
+
+    if dist.rank() == 1:
+        signal.signal(signal.SIGTERM, save_and_leave)
+        open(ready, "w").close()
+        time.sleep(60)
+    while not os.path.exists(ready):
+        time.sleep(0.01)
+    raise CustomError("rank 0 gives up")
+
+
+def ignore_sigterm_with_a_grandchild_when_rank_0_fails(folder: str) -> None:
+    """Rank 1 and a grandchild of its own ignore SIGTERM; rank 0 fails once both are there."""
+    if dist.rank() == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        grandchild = os.fork()
+        if grandchild == 0:
+            time.sleep(60)
+            os._exit(0)
+        with open(os.path.join(folder, ".pids"), "w") as f:
+            f.write(f"{os.getpid()} {grandchild}")
+        os.replace(os.path.join(folder, ".pids"), os.path.join(folder, "pids"))
+        time.sleep(60)
+    while not os.path.exists(os.path.join(folder, "pids")):
+        time.sleep(0.01)
+    raise CustomError("rank 0 gives up")

@@ -172,7 +172,7 @@ def test_cap_refuses_more_cards_than_allowed(backend: str, multi_gpu: None) -> N
 
 
 def test_timeout_kills_the_job_and_frees_its_cards(backend: str, tmp_path: Path, multi_gpu: None) -> None:
-    sleeper = job(gpu="RTXPro6000", gpu_count=4, timeout=1.0, kill_grace=1.0, backend=backend)(
+    sleeper = job(gpu="RTXPro6000", gpu_count=4, timeout=1.0, stop_grace=1.0, backend=backend)(
         jobfns.pid_and_sleep
     )
     started = time.monotonic()
@@ -234,7 +234,7 @@ def test_map_raises_the_first_failure_with_its_cell(backend: str) -> None:
 
 
 def test_leaving_the_loop_cancels_the_rest(backend: str, tmp_path: Path) -> None:
-    fn = job(gpu="RTXPro6000", kill_grace=1.0, backend=backend)(jobfns.quick_or_slow)
+    fn = job(gpu="RTXPro6000", stop_grace=1.0, backend=backend)(jobfns.quick_or_slow)
     started = time.monotonic()
     for result in fn.map([(str(tmp_path), i) for i in range(8)]):
         assert result == 0
@@ -246,7 +246,7 @@ def test_leaving_the_loop_cancels_the_rest(backend: str, tmp_path: Path) -> None
 
 
 def test_dropping_the_results_cancels_the_rest(backend: str, tmp_path: Path) -> None:
-    fn = job(gpu="RTXPro6000", kill_grace=1.0, backend=backend)(jobfns.quick_or_slow)
+    fn = job(gpu="RTXPro6000", stop_grace=1.0, backend=backend)(jobfns.quick_or_slow)
     results = fn.map([(str(tmp_path), i) for i in range(1, 4)])
     deadline = time.monotonic() + 20
     while len(list(tmp_path.glob("*.pid"))) < 3 and time.monotonic() < deadline:

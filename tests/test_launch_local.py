@@ -243,7 +243,7 @@ import sys
 from levers9.launch import job
 from tests import jobfns
 
-fn = job(gpu="RTXPro6000", kill_grace=1.0)(jobfns.pid_and_sleep)
+fn = job(gpu="RTXPro6000", stop_grace=1.0)(jobfns.pid_and_sleep)
 try:
     list(fn.map([(sys.argv[1], i, 60) for i in range(2)]))
 except KeyboardInterrupt:

@@ -21,7 +21,7 @@ from tests import jobfns
 def spec(**kw: object) -> object:
     args: dict[str, object] = dict(
         name="f", gpu=None, gpu_count=None, timeout=None, retries=0, env=None, cpu=None, memory=None,
-        queue_timeout=None, kill_grace=10.0, stream_output=True,
+        queue_timeout=None, stop_grace=10.0, stream_output=True,
     )  # fmt: skip
     args.update(kw)
     return build_spec(**args)  # type: ignore[arg-type]

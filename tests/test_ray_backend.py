@@ -44,7 +44,7 @@ def on_ray(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
 def spec(**kwargs: Any) -> Any:
     args: dict[str, Any] = dict(
         name="cell", gpu=None, gpu_count=None, timeout=None, retries=0, env=None, cpu=None, memory=None,
-        queue_timeout=None, kill_grace=10.0, stream_output=True,
+        queue_timeout=None, stop_grace=10.0, stream_output=True,
     )  # fmt: skip
     args.update(kwargs)
     return build_spec(**args)

@@ -148,10 +148,29 @@ def test_grandchildren_are_stopped_with_their_rank(tmp_path: Path) -> None:
     assert wait_gone(pids, 5) == []
 
 
+@pytest.mark.timeout(60)
+def test_a_failing_sibling_gives_the_others_stop_grace_to_save_a_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(rankfns.CustomError, match="rank 0 gives up"):
+        dist.run(rankfns.checkpoint_on_sigterm_when_rank_0_fails, str(tmp_path), nprocs=2, stop_grace=10)
+    assert (tmp_path / "checkpoint").read_text() == "step 7"
+
+
+@pytest.mark.timeout(60)
+def test_after_stop_grace_the_whole_tree_is_killed_even_if_it_ignores_sigterm(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(rankfns.CustomError):
+        dist.run(rankfns.ignore_sigterm_with_a_grandchild_when_rank_0_fails, str(tmp_path), nprocs=2, stop_grace=1)
+    assert time.monotonic() - start < 15
+    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+    assert wait_gone(pids, 5) == []
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
         ({"nprocs": 0}, "nprocs=0"),
+        ({"stop_grace": -1}, "stop_grace=-1"),
+        ({"disable_quirks": "shm-too-small"}, "one string"),
         ({"nprocs": 2.0}, "nprocs=2.0"),
         ({"nprocs": True}, "nprocs=True"),
         ({"backend": "mpi"}, "backend='mpi'"),

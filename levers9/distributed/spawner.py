@@ -111,21 +111,23 @@ def _check_quirk_ids(ids: tuple[str, ...]) -> None:
 def _refuse_spawn_only(where: str, nprocs: int | None, world_size: int, stall_timeout: float | None,
                        start_method: str | None, prefix_output: bool | None) -> None:  # fmt: skip
     """Arguments that only mean something for ranks this call starts: refused, not ignored, elsewhere."""
-    under = f"under {where}" if where != "in place" else "with one process (it runs in place)"
+    in_place = where == "in place"
+    under = "fn runs in place, as a world of one" if in_place else f"this process is already a rank, under {where}"
     if nprocs is not None and nprocs != world_size:
         raise ConfigError(
-            f"nprocs={nprocs} but this process is already one of {world_size} rank(s) {under}; the launcher "
+            f"nprocs={nprocs} but this process is already one of {world_size} rank(s) under {where}; the launcher "
             f"decides how many ranks run. Drop nprocs=, or launch {nprocs} ranks (e.g. --nproc-per-node {nprocs})."
         )
+    fix = "pass nprocs=2 or more to start ranks, or drop it" if in_place else "drop it"
     for name, value, instead in (
-        ("stall_timeout", stall_timeout, "pass timeout= (every rank watches itself) or run without a launcher"),
-        ("start_method", start_method, "drop it"),
+        ("stall_timeout", stall_timeout, fix if in_place else "pass timeout= instead (every rank watches itself)"),
+        ("start_method", start_method, fix),
         ("prefix_output", prefix_output, "use the launcher's own output options (torchrun --tee/--redirects)"),
     ):
         if value is not None:
             raise ConfigError(
-                f"{name}={value!r} applies only to ranks distributed.run starts itself, and here it starts none "
-                f"({under}). Expected it unset here; {instead}."
+                f"{name}={value!r} applies only to ranks distributed.run starts itself, and here it starts none: "
+                f"{under}. Expected it unset here; {instead}."
             )
 
 

@@ -370,7 +370,7 @@ def job(
     memory: int | str | None = None,
     name: str | None = None,
     queue_timeout: float | None = None,
-    kill_grace: float = 10.0,
+    stop_grace: float = 10.0,
     stream_output: bool = True,
     stall_timeout: float | None = None,
     backend: str | None = None,
@@ -390,7 +390,7 @@ def job(
     memory: int | str | None = None,
     name: str | None = None,
     queue_timeout: float | None = None,
-    kill_grace: float = 10.0,
+    stop_grace: float = 10.0,
     stream_output: bool = True,
     stall_timeout: float | None = None,
     backend: str | None = None,
@@ -410,7 +410,8 @@ def job(
     name: for logs and messages (default: the function's qualified name).
     queue_timeout: seconds a job may wait for free cards before JobTimeout, counted from when it is
         next in line in its sweep; None waits as long as needed.
-    kill_grace: seconds between SIGTERM and SIGKILL when a job is timed out or cancelled.
+    stop_grace: seconds between SIGTERM and SIGKILL when a job is timed out or cancelled (default 10):
+        time for its own SIGTERM handler to save a checkpoint. Its whole process tree is killed after.
     stream_output: copy each job's output to this process, prefixed with its cell (it is logged to a
         file under the run folder either way).
     stall_timeout: seconds; distributed.run inside the job stops and names the stalled ranks when no
@@ -430,7 +431,7 @@ def job(
             cpu=cpu,
             memory=memory,
             queue_timeout=queue_timeout,
-            kill_grace=kill_grace,
+            stop_grace=stop_grace,
             stream_output=stream_output,
             stall_timeout=stall_timeout,
         )

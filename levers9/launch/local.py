@@ -208,10 +208,10 @@ class _Supervisor:
                 card_text = env["CUDA_VISIBLE_DEVICES"] if cards else "no card"
                 self.batch.events.started(cell, card_text, attempt)
                 started = time.time()
-                supervision = outcomes.Supervision(watcher, child, spec.timeout, spec.kill_grace, self.stopped)
+                supervision = outcomes.Supervision(watcher, child, spec.timeout, spec.stop_grace, self.stopped)
                 supervision.run()
             finally:
-                watcher.stop(spec.kill_grace)
+                watcher.stop(spec.stop_grace)
                 watcher.close()
         run.write_meta(
             {

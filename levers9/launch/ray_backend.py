@@ -494,7 +494,7 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
             "node_id": ray.get_runtime_context().get_node_id(),
             "time": time.time(),
         }
-        supervision = outcomes.Supervision(watcher, child, spec.timeout, spec.kill_grace, lambda: False)
+        supervision = outcomes.Supervision(watcher, child, spec.timeout, spec.stop_grace, lambda: False)
         while not supervision.step(OUTPUT_EVERY):
             if lines:
                 yield {"kind": "output", "lines": _drain(lines)}
@@ -511,7 +511,7 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
             "time": time.time(),
         }
     finally:
-        watcher.stop(spec.kill_grace)
+        watcher.stop(spec.stop_grace)
         watcher.close()
         shutil.rmtree(job_dir, ignore_errors=True)
         with contextlib.suppress(OSError):

@@ -81,7 +81,7 @@ class JobSpec:
     cpu: float | None = None
     memory_mib: int | None = None
     queue_timeout: float | None = None
-    kill_grace: float = 10.0
+    stop_grace: float = 10.0
     stream_output: bool = True
     stall_timeout: float | None = None
 
@@ -105,7 +105,7 @@ def build_spec(
     cpu: Any,
     memory: Any,
     queue_timeout: Any,
-    kill_grace: Any,
+    stop_grace: Any,
     stream_output: bool,
     stall_timeout: Any = None,
 ) -> JobSpec:
@@ -121,7 +121,7 @@ def build_spec(
         cpu=_cpu(cpu),
         memory_mib=_memory(memory),
         queue_timeout=_seconds("queue_timeout", queue_timeout),
-        kill_grace=_seconds("kill_grace", kill_grace) or 0.0,
+        stop_grace=_seconds("stop_grace", stop_grace) or 0.0,
         stream_output=bool(stream_output),
         stall_timeout=_seconds("stall_timeout", stall_timeout),
     )
@@ -187,7 +187,7 @@ def _seconds(name: str, value: Any) -> float | None:
         or value <= 0
     ):
         if (
-            name == "kill_grace"
+            name == "stop_grace"
             and isinstance(value, (int, float))
             and not isinstance(value, bool)
             and value == 0
