@@ -192,3 +192,23 @@ def nested_map(cells: int) -> dict[str, Any]:
 
     inner = job(gpu="RTXPro6000", stream_output=False)(report)
     return {"outer": os.environ.get("CUDA_VISIBLE_DEVICES"), "inner": list(inner.map(range(cells)))}
+
+
+def slow_once(marker: str) -> str:
+    """Outlive any short timeout on the first attempt, return at once on the next; counts attempts in the marker."""
+    path = Path(marker)
+    attempts = int(path.read_text()) if path.exists() else 0
+    path.write_text(str(attempts + 1))
+    if attempts == 0:
+        time.sleep(60)
+    return f"ok after {attempts + 1} attempts"
+
+
+def raise_once(marker: str) -> str:
+    """Raise ValueError on the first attempt, return on the next; counts attempts in the marker."""
+    path = Path(marker)
+    attempts = int(path.read_text()) if path.exists() else 0
+    path.write_text(str(attempts + 1))
+    if attempts == 0:
+        raise ValueError("first attempt fails")
+    return f"ok after {attempts + 1} attempts"

@@ -205,6 +205,23 @@ def test_crash_is_retried(backend: str, tmp_path: Path) -> None:
         no_retry.remote(str(marker))
 
 
+def test_a_timed_out_attempt_is_retried(backend: str, tmp_path: Path) -> None:
+    marker = tmp_path / "attempts"
+    fn = job(gpu="RTXPro6000", timeout=2, stop_grace=0.5, retries=Retries(1, initial_delay=0), backend=backend)(jobfns.slow_once)
+    assert fn.remote(str(marker)) == "ok after 2 attempts"
+
+
+def test_an_exception_is_retried_only_when_asked(backend: str, tmp_path: Path) -> None:
+    marker = tmp_path / "attempts"
+    by_default = job(gpu="RTXPro6000", retries=Retries(1, initial_delay=0), backend=backend)(jobfns.raise_once)
+    with pytest.raises(ValueError, match="first attempt fails"):
+        by_default.remote(str(marker))
+    assert marker.read_text() == "1"
+    marker.unlink()
+    asked = job(gpu="RTXPro6000", retries=Retries(1, initial_delay=0, on=("exception",)), backend=backend)(jobfns.raise_once)
+    assert asked.remote(str(marker)) == "ok after 2 attempts"
+
+
 def test_exceptions_keep_their_type_and_traceback(backend: str) -> None:
     fn = job(gpu="RTXPro6000", backend=backend)(jobfns.fail)
     with pytest.raises(ValueError, match="boom") as value_error:
