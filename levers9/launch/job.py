@@ -23,6 +23,7 @@ import queue
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent import futures
 from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, Generic, Literal, ParamSpec, TypeVar, overload
@@ -61,10 +62,6 @@ class JobFunction(Generic[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Run the function in this process, as if it were not decorated."""
-        return self.func(*args, **kwargs)
-
-    def local(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        """Same as calling the function: in this process, no job, no card lease."""
         return self.func(*args, **kwargs)
 
     def remote(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -315,19 +312,20 @@ class MapResults(Generic[T]):
             return
         self._closed = True
         self._cancel.cancel()
-        for future in self._futures:
-            try:
-                future.exception()
-            except BaseException:
-                pass
-        if self._reporter is not None:
-            self._reporter.close()
-        if self._record is not None:
-            # Futures wake their waiters before running done-callbacks: wait for the callback that
-            # closes the record (it runs after every result was stored), so a resume right after
-            # this sweep finds them all.
-            self._record.closed.wait(RECORD_WAIT)
-            self._record.close()
+        try:
+            # A second Ctrl-C while the jobs are being stopped is the caller's: it propagates (the
+            # jobs are already cancelled and die with their lifeline), only the waiting is cut short.
+            futures.wait(self._futures)
+            if self._record is not None:
+                # Futures wake their waiters before running done-callbacks: wait for the callback that
+                # closes the record (it runs after every result was stored), so a resume right after
+                # this sweep finds them all.
+                self._record.closed.wait(RECORD_WAIT)
+        finally:
+            if self._reporter is not None:
+                self._reporter.close()
+            if self._record is not None:
+                self._record.close()
 
     def __enter__(self) -> MapResults[T]:
         return self
