@@ -1,4 +1,4 @@
-"""What runs inside each rank that `distributed.run` started: join the group, call fn, report back.
+"""What runs inside each rank that `distributed.run` started: call fn (the group is made lazily), report back.
 
 A rank talks to its parent over one pipe, in length-prefixed pickled messages:
     ("result", rank, bytes | None)       fn returned (rank 0 sends its pickled value)
@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from levers9.distributed import forking, stalls
+from levers9.distributed import forking, group, stalls
 
 _HEADER = struct.Struct("!Q")
 
@@ -183,23 +183,6 @@ def _redirect_stdio(out_fd: int, err_fd: int) -> None:
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
 
 
-def _join_group(spec: RankSpec) -> None:
-    import torch.distributed as td
-
-    from levers9.distributed import group
-
-    store = td.TCPStore("127.0.0.1", spec.port, None, False, group.pg_timeout(spec.pg_timeout))
-    local_rank = spec.rank  # one node: local rank == global rank
-    group.init_group(
-        backend=spec.backend,
-        rank=spec.rank,
-        world_size=spec.world_size,
-        local_rank=local_rank,
-        store=store,
-        timeout=spec.pg_timeout,
-    )
-
-
 def rank_main(spec: RankSpec, fn: Callable[..., Any], cfg: Any, msg_fd: int) -> int:
     """Run one rank to completion; returns the exit status for os._exit."""
     os.environ.update(spec.env)
@@ -212,7 +195,9 @@ def rank_main(spec: RankSpec, fn: Callable[..., Any], cfg: Any, msg_fd: int) -> 
         slot = stalls.RankSlot(spec.run_folder, spec.rank)
         stalls.instrument_collectives(slot)
         stalls.start_recorder_sampler(slot, spec.run_folder, spec.rank)
-        _join_group(spec)
+        # No group yet: fn may create it (init_process_group joins the parent's store), else
+        # levers9's helpers create it on first need (group.ensure_group).
+        group.route_env_rendezvous()
         result = fn() if spec.call_without_cfg else fn(cfg)
         payload = None
         if spec.rank == 0:
@@ -252,8 +237,6 @@ def rank_main(spec: RankSpec, fn: Callable[..., Any], cfg: Any, msg_fd: int) -> 
 
 def _leave_group() -> None:
     try:
-        from levers9.distributed import group
-
         group.destroy_own_group()
     except Exception:
         pass

@@ -159,3 +159,79 @@ def ensure_group() -> None:
     info = world.launch_info()
     if info.world_size > 1 and join_launcher_group(info):
         atexit.register(destroy_own_group)
+
+
+# Set by distributed.run for its ranks: the loopback port of the rendezvous store the parent hosts.
+STORE_PORT_VAR = "LEVERS9_STORE_PORT"
+
+
+def route_env_rendezvous() -> None:
+    """Make `init_process_group(..., init_method="env://")` (the default) right inside a levers9 rank.
+
+    MASTER_PORT naming the parent's store: every rank, rank 0 included, joins it as a client (torch's
+    TORCHELASTIC_USE_AGENT_STORE rule), and a rank/world_size argument that contradicts the ranks
+    started is refused at once instead of waiting for ranks that never come. Any other MASTER_PORT (a
+    script that sets its own, as the PyTorch DDP tutorial does): torch's own env:// rendezvous, in
+    which rank 0 hosts the store. Installed once per process, in place of torch's "env" handler.
+    """
+    import importlib
+
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+
+    handlers = rendezvous._rendezvous_handlers  # torch offers no public way to replace a registered scheme
+    original = handlers.get("env")
+    if original is None or getattr(original, "__levers9_wrapped__", False):
+        return
+
+    def env_handler(url: str, **kwargs: Any) -> Any:
+        if _names_parent_store():
+            _check_asked_world(url, ("world_size", "rank"))
+            return original(url, **kwargs)
+        _check_asked_world(url, ("world_size",))
+        return _without_agent_store(original(url, **kwargs))
+
+    env_handler.__levers9_wrapped__ = True  # type: ignore[attr-defined]
+    handlers["env"] = env_handler
+
+
+def _names_parent_store() -> bool:
+    """True while MASTER_ADDR/MASTER_PORT still name the store distributed.run's parent hosts."""
+    port = os.environ.get(STORE_PORT_VAR)
+    return (
+        port is not None
+        and os.environ.get("MASTER_PORT") == port
+        and os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost")
+    )
+
+
+def _without_agent_store(inner: Any) -> Any:
+    """Torch's env:// rendezvous with TORCHELASTIC_USE_AGENT_STORE off while it makes its store (rank 0 hosts it)."""
+    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        first = next(inner)
+    finally:
+        if saved is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
+    yield first
+    yield from inner
+
+
+def _check_asked_world(url: str, names: tuple[str, ...]) -> None:
+    """ConfigError when init_process_group's rank= or world_size= contradicts the ranks distributed.run started."""
+    from urllib.parse import parse_qs, urlparse
+
+    from levers9.errors import ConfigError
+
+    query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
+    started = {"world_size": os.environ.get("WORLD_SIZE"), "rank": os.environ.get("RANK")}
+    for name in names:
+        value = started[name]
+        asked = query.get(name)
+        if asked is not None and value is not None and asked != value:
+            raise ConfigError(
+                f"init_process_group({name}={asked}) on a rank that levers9 started as RANK={started['rank']} of "
+                f"WORLD_SIZE={started['world_size']}: the group would wait for ranks that were never started. "
+                f"Expected {name}={value}; drop the {name}= argument (env:// reads RANK and WORLD_SIZE), or "
+                f"start as many ranks as the script asks for (`levers9 run --nproc-per-node {asked if name == 'world_size' else 'N'}`, "
+                f"or nprocs= in distributed.run)."
+            )
