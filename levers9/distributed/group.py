@@ -184,6 +184,8 @@ def route_env_rendezvous() -> None:
         return
 
     def env_handler(url: str, **kwargs: Any) -> Any:
+        if STORE_PORT_VAR not in os.environ:  # not (or no longer) inside a levers9 run
+            return original(url, **kwargs)
         if _names_parent_store():
             _check_asked_world(url, ("world_size", "rank"))
             return original(url, **kwargs)
