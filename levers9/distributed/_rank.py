@@ -196,8 +196,8 @@ def rank_main(spec: RankSpec, fn: Callable[..., Any], cfg: Any, msg_fd: int) -> 
         stalls.instrument_collectives(slot)
         stalls.start_recorder_sampler(slot, spec.run_folder, spec.rank)
         # No group yet: fn may create it (init_process_group joins the parent's store), else
-        # levers9's helpers create it on first need (group.ensure_group).
-        group.route_env_rendezvous()
+        # it is created on first need (a levers9 helper or a torch.distributed collective).
+        group.prepare_lazy_group(slot)
         result = fn() if spec.call_without_cfg else fn(cfg)
         payload = None
         if spec.rank == 0:

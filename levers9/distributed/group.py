@@ -152,17 +152,59 @@ def join_launcher_group(info: LaunchInfo, *, backend: str | None = None, timeout
     return True
 
 
+# In a rank of distributed.run: its stall slot, so that waiting for the other ranks to form the group
+# counts as waiting in a collective (a rank that never arrives is then reported as a stall).
+_stall_slot: Any = None
+
+
 def ensure_group() -> None:
     """Make sure a group exists when the launcher says there are several ranks (helpers call this lazily)."""
     if world.live_group() is not None:
         return
     info = world.launch_info()
-    if info.world_size > 1 and join_launcher_group(info):
+    if info.world_size <= 1:
+        return
+    slot = _stall_slot
+    if slot is not None:
+        slot.enter("init_process_group")
+    try:
+        created = join_launcher_group(info)
+    finally:
+        if slot is not None:
+            slot.leave("init_process_group")
+    if created:
         atexit.register(destroy_own_group)
 
 
 # Set by distributed.run for its ranks: the loopback port of the rendezvous store the parent hosts.
 STORE_PORT_VAR = "LEVERS9_STORE_PORT"
+
+
+def prepare_lazy_group(stall_slot: Any = None) -> None:
+    """In a rank of distributed.run, before fn: no group yet, but one is made whenever it is first needed.
+
+    fn may make it (`init_process_group`, see route_env_rendezvous); levers9's helpers make it through
+    ensure_group; and a torch.distributed collective called with no group (code written for levers9's
+    former eager group) makes it too, instead of failing with "Default process group has not been
+    initialized". Only a group made here is destroyed by levers9.
+    """
+    global _stall_slot
+    _stall_slot = stall_slot
+    route_env_rendezvous()
+    import importlib
+
+    c10d = importlib.import_module("torch.distributed.distributed_c10d")
+    original = c10d._get_default_group  # what every collective called with group=None asks first
+    if getattr(original, "__levers9_wrapped__", False):
+        return
+
+    def default_group() -> Any:
+        if not c10d.is_initialized() and STORE_PORT_VAR in os.environ:
+            join_launcher_group(world.launch_info())  # the collective asking is already counted as one
+        return original()
+
+    default_group.__levers9_wrapped__ = True  # type: ignore[attr-defined]
+    c10d._get_default_group = default_group  # type: ignore[attr-defined]
 
 
 def route_env_rendezvous() -> None:
