@@ -2,8 +2,8 @@
 
     python benchmarks/bench_launch.py --repeats 5
 
-Each launcher starts the whole job as a fresh process (`python ...`, `torchrun ...`, `accelerate
-launch ...`), interleaved round by round so machine noise hits all of them alike; the table gives
+Each launcher starts the whole job as a fresh process (`python ...`, `levers9 run ...`, `torchrun ...`,
+`accelerate launch ...`), interleaved round by round so machine noise hits all of them alike; the table gives
 the median and the fastest whole-process wall time, and each one's ratio to torchrun's median.
 """
 
@@ -30,6 +30,7 @@ def tool(name: str) -> str:
 
 LAUNCHERS = {
     "levers9 distributed.run": [sys.executable, JOB, "levers9"],
+    "levers9 run": [sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2", JOB, "plain"],
     "torchrun": [tool("torchrun"), "--nproc-per-node", "2", JOB, "plain"],
     "torch.multiprocessing.spawn": [sys.executable, JOB, "mp-spawn"],
     "accelerate launch": [tool("accelerate"), "launch", "--multi_gpu", "--num_processes", "2", JOB, "plain"],

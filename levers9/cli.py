@@ -7,6 +7,8 @@ import importlib
 import logging
 import sys
 
+from levers9 import __version__
+
 # Modules that each add one subcommand (and its options) to the parser.
 COMMAND_MODULES: tuple[str, ...] = (
     "levers9.launch.workspace_cli",
@@ -14,6 +16,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "levers9.stacks_cli",
     "levers9.launch.ray_cli",
     "levers9.launch.runs_cli",
+    "levers9.run_cli",
 )
 
 
@@ -21,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The full argument parser, with every subcommand registered."""
     parser = argparse.ArgumentParser(prog="levers9", description="Train on 1, 2, 4 or 8 cards.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("--version", action="version", version=f"levers9 {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)

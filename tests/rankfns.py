@@ -131,15 +131,29 @@ def accelerate_adopts(cfg: Any) -> dict[str, Any]:
     }
 
 
+def rank1_sleeps_in_a_formed_group(cfg: Any) -> None:
+    """The same in a group formed first, as torchrun code does: rank 0 waits inside gloo's all_reduce."""
+    form_group_as_torchrun_code_does()
+    rank1_sleeps_before_all_reduce(cfg)
+
+
 def rank1_sleeps_before_all_reduce(cfg: Any) -> None:
-    """Rank 0 waits in all_reduce while rank 1 sleeps (alive, not in a collective)."""
+    """Rank 0 waits in all_reduce while rank 1 sleeps (alive, not in a collective); the group is made
+    lazily by that all_reduce, so rank 0 waits for rank 1 to join it."""
     if dist.rank() == 1:
         time.sleep(60)  # STALL-LINE rank 1
     torch.distributed.all_reduce(torch.ones(1))
 
 
+def form_group_as_torchrun_code_does() -> None:
+    """init_process_group at the top, as a script written for torchrun does: the group exists before any
+    rank falls behind (otherwise the first collective waits for the group to form, not in gloo)."""
+    torch.distributed.init_process_group("gloo")
+
+
 def rank1_skips_barrier(cfg: Any) -> None:
     """Rank 1 skips the barrier rank 0 waits in, and keeps computing."""
+    form_group_as_torchrun_code_does()
     if dist.rank() == 0:
         dist.barrier()
     else:
@@ -158,6 +172,7 @@ def slow_but_progressing(cfg: Any) -> int:
 
 def rank0_ahead_by_an_async_collective(cfg: Any) -> None:
     """Rank 0 issues an all_reduce and moves on (as NCCL's return-on-enqueue does); rank 1 never issues it."""
+    form_group_as_torchrun_code_does()
     if dist.rank() == 0:
         torch.distributed.all_reduce(torch.ones(1), async_op=True)
         time.sleep(60)  # AHEAD-LINE
@@ -169,6 +184,7 @@ def rank1_sleeps_before_a_functional_all_reduce(cfg: Any) -> None:
     """Rank 0 waits for an all_reduce issued from C++ (functional collectives), never through torch.distributed.all_reduce."""
     from torch.distributed import _functional_collectives as funcol
 
+    form_group_as_torchrun_code_does()
     if dist.rank() == 1:
         time.sleep(60)  # FUNCOL-SLEEP-LINE
     reduced = funcol.all_reduce(torch.ones(1), "sum", torch.distributed.group.WORLD)

@@ -46,13 +46,20 @@ def _stall_report(fn: Callable[[Any], None], stall_timeout: float = 2) -> str:
 
 
 def test_a_sleeping_rank_is_named_with_its_line_and_the_waiting_rank_with_its_collective() -> None:
-    text = _stall_report(rankfns.rank1_sleeps_before_all_reduce)
+    text = _stall_report(rankfns.rank1_sleeps_in_a_formed_group)
     assert "rank 0: waiting in all_reduce for " in text
     assert "(1 collective(s) issued, 0 completed; last call all_reduce)" in text
     assert (
         f"rank 1: not in a collective (0 collective(s) issued) at {RANKFNS}:{_line_of('STALL-LINE')} "
         "in rank1_sleeps_before_all_reduce" in text
     )
+
+
+def test_a_rank_waiting_for_the_lazy_group_to_form_is_a_stall_too() -> None:
+    """No group yet: rank 0's first collective makes it and waits there for rank 1, which never comes."""
+    text = _stall_report(rankfns.rank1_sleeps_before_all_reduce)
+    assert "rank 0: waiting in all_reduce for " in text and "(1 collective(s) issued" in text
+    assert f"rank 1: not in a collective (0 collective(s) issued) at {RANKFNS}:{_line_of('STALL-LINE')}" in text
 
 
 def test_a_rank_that_skips_a_barrier_is_named() -> None:
@@ -122,6 +129,7 @@ import sys, time, torch
 from levers9 import distributed as dist
 
 def fn(cfg):
+    torch.distributed.init_process_group("gloo")  # as a script written for torchrun does
     if dist.rank() == 1:
         time.sleep(120)  # LIVE-LINE
     torch.distributed.all_reduce(torch.ones(1))
@@ -151,7 +159,7 @@ def test_levers9_stacks_reports_a_live_run_without_stopping_it(tmp_path: Path) -
         assert "rank 0: waiting in all_reduce" in done.stdout
         # No stall_timeout here: only the command's own request got these counts from rank 0's recorder.
         assert "(1 collective(s) issued, 0 completed; last call all_reduce)" in done.stdout
-        assert f"{script}:7 in fn" in done.stdout
+        assert f"{script}:8 in fn" in done.stdout
         assert proc.poll() is None, "asking for stacks must not stop the run"
     finally:
         proc.kill()

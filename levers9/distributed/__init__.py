@@ -9,6 +9,8 @@
         return metrics if dist.is_main() else {}
 
     dist.run(train_one_rank, cfg)        # one rank per card; rank 0's result comes back
+    dist.run_script("train.py", ["--epochs", "3"])   # a torchrun script, unchanged (`levers9 run` in Python)
+    dist.spawn(main, args=(world,), nprocs=2)        # torch.multiprocessing.spawn's signature
 
 Under torchrun, `accelerate launch`, SLURM or MPI the same helpers read the launcher's RANK /
 WORLD_SIZE / LOCAL_RANK, and `run` spawns nothing. With nothing launched, every helper answers as a
@@ -16,6 +18,8 @@ world of one.
 """
 
 from levers9.distributed.helpers import PaddedShard, all_reduce_mean, barrier, device, print0, shard, wrap
+from levers9.distributed.mpspawn import spawn
+from levers9.distributed.script import run_script
 from levers9.distributed.spawner import run
 from levers9.distributed.world import (
     is_main,
@@ -29,6 +33,8 @@ from levers9.distributed.world import (
 
 __all__ = [
     "run",
+    "run_script",
+    "spawn",
     "rank",
     "local_rank",
     "world_size",

@@ -15,6 +15,9 @@ import hostlist
 
 from levers9.errors import LauncherEnvError
 
+# levers9's ranks carry torchrun's TORCHELASTIC_RUN_ID too (scripts test it); this prefix tells them apart.
+LEVERS9_RUN_ID_PREFIX = "levers9-"
+
 LAUNCHERS = ("torchrun", "accelerate", "levers9", "slurm", "mpi", "env", "single")
 
 
@@ -90,15 +93,18 @@ def detect_accelerate(env: Mapping[str, str]) -> LaunchInfo | None:
 
 
 def detect_torchrun(env: Mapping[str, str]) -> LaunchInfo | None:
-    """torchrun (torch.distributed.run / elastic agent): TORCHELASTIC_RUN_ID."""
-    if "TORCHELASTIC_RUN_ID" not in env:
+    """torchrun (torch.distributed.run / elastic agent): TORCHELASTIC_RUN_ID, unless it is a levers9 rank's."""
+    if "TORCHELASTIC_RUN_ID" not in env or detect_levers9(env) is not None:
         return None
     return _torchrun_layout(env, "torchrun", "TORCHELASTIC_RUN_ID")
 
 
 def detect_levers9(env: Mapping[str, str]) -> LaunchInfo | None:
-    """A rank started by levers9's own spawner or job runner: LEVERS9_LAUNCHER=levers9."""
+    """A rank started by levers9's own spawner or job runner: LEVERS9_LAUNCHER=levers9 (and, when
+    TORCHELASTIC_RUN_ID is set, a levers9 run id: torchrun started inside a levers9 rank is torchrun)."""
     if env.get("LEVERS9_LAUNCHER") != "levers9":
+        return None
+    if not env.get("TORCHELASTIC_RUN_ID", LEVERS9_RUN_ID_PREFIX).startswith(LEVERS9_RUN_ID_PREFIX):
         return None
     return _torchrun_layout(env, "levers9", "LEVERS9_LAUNCHER=levers9")
 

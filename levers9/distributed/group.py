@@ -166,10 +166,130 @@ def join_launcher_group(
     return True
 
 
+# In a rank of distributed.run: its stall slot, so that waiting for the other ranks to form the group
+# counts as waiting in a collective (a rank that never arrives is then reported as a stall).
+_stall_slot: Any = None
+
+
 def ensure_group() -> None:
     """Make sure a group exists when the launcher says there are several ranks (helpers call this lazily)."""
     if world.live_group() is not None:
         return
     info = world.launch_info()
-    if info.world_size > 1 and join_launcher_group(info):
+    if info.world_size <= 1:
+        return
+    slot = _stall_slot
+    if slot is not None:
+        slot.enter("init_process_group")
+    try:
+        created = join_launcher_group(info)
+    finally:
+        if slot is not None:
+            slot.leave("init_process_group")
+    if created:
         atexit.register(destroy_own_group)
+
+
+# Set by distributed.run for its ranks: the loopback port of the rendezvous store the parent hosts.
+STORE_PORT_VAR = "LEVERS9_STORE_PORT"
+
+
+def prepare_lazy_group(stall_slot: Any = None) -> None:
+    """In a rank of distributed.run, before fn: no group yet, but one is made whenever it is first needed.
+
+    fn may make it (`init_process_group`, see route_env_rendezvous); levers9's helpers make it through
+    ensure_group; and a torch.distributed collective called with no group (code written for levers9's
+    former eager group) makes it too, instead of failing with "Default process group has not been
+    initialized". Only a group made here is destroyed by levers9.
+    """
+    global _stall_slot
+    _stall_slot = stall_slot
+    route_env_rendezvous()
+    import importlib
+
+    c10d = importlib.import_module("torch.distributed.distributed_c10d")
+    original = c10d._get_default_group  # what every collective called with group=None asks first
+    if getattr(original, "__levers9_wrapped__", False):
+        return
+
+    def default_group() -> Any:
+        if not c10d.is_initialized() and STORE_PORT_VAR in os.environ:
+            join_launcher_group(world.launch_info())  # the collective asking is already counted as one
+        return original()
+
+    default_group.__levers9_wrapped__ = True  # type: ignore[attr-defined]
+    c10d._get_default_group = default_group  # type: ignore[attr-defined]
+
+
+def route_env_rendezvous() -> None:
+    """Make `init_process_group(..., init_method="env://")` (the default) right inside a levers9 rank.
+
+    MASTER_PORT naming the parent's store: every rank, rank 0 included, joins it as a client (torch's
+    TORCHELASTIC_USE_AGENT_STORE rule), and a rank/world_size argument that contradicts the ranks
+    started is refused at once instead of waiting for ranks that never come. Any other MASTER_PORT (a
+    script that sets its own, as the PyTorch DDP tutorial does): torch's own env:// rendezvous, in
+    which rank 0 hosts the store. Installed once per process, in place of torch's "env" handler.
+    """
+    import importlib
+
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+
+    handlers = rendezvous._rendezvous_handlers  # torch offers no public way to replace a registered scheme
+    original = handlers.get("env")
+    if original is None or getattr(original, "__levers9_wrapped__", False):
+        return
+
+    def env_handler(url: str, **kwargs: Any) -> Any:
+        if STORE_PORT_VAR not in os.environ:  # not (or no longer) inside a levers9 run
+            return original(url, **kwargs)
+        if _names_parent_store():
+            _check_asked_world(url, ("world_size", "rank"))
+            return original(url, **kwargs)
+        _check_asked_world(url, ("world_size",))
+        return _without_agent_store(original(url, **kwargs))
+
+    env_handler.__levers9_wrapped__ = True  # type: ignore[attr-defined]
+    handlers["env"] = env_handler
+
+
+def _names_parent_store() -> bool:
+    """True while MASTER_ADDR/MASTER_PORT still name the store distributed.run's parent hosts."""
+    port = os.environ.get(STORE_PORT_VAR)
+    return (
+        port is not None
+        and os.environ.get("MASTER_PORT") == port
+        and os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost")
+    )
+
+
+def _without_agent_store(inner: Any) -> Any:
+    """Torch's env:// rendezvous with TORCHELASTIC_USE_AGENT_STORE off while it makes its store (rank 0 hosts it)."""
+    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        first = next(inner)
+    finally:
+        if saved is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
+    yield first
+    yield from inner
+
+
+def _check_asked_world(url: str, names: tuple[str, ...]) -> None:
+    """ConfigError when init_process_group's rank= or world_size= contradicts the ranks distributed.run started."""
+    from urllib.parse import parse_qs, urlparse
+
+    from levers9.errors import ConfigError
+
+    query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
+    started = {"world_size": os.environ.get("WORLD_SIZE"), "rank": os.environ.get("RANK")}
+    for name in names:
+        value = started[name]
+        asked = query.get(name)
+        if asked is not None and value is not None and asked != value:
+            raise ConfigError(
+                f"init_process_group({name}={asked}) on a rank that levers9 started as RANK={started['rank']} of "
+                f"WORLD_SIZE={started['world_size']}: the group would wait for ranks that were never started. "
+                f"Expected {name}={value}; drop the {name}= argument (env:// reads RANK and WORLD_SIZE), or "
+                f"start as many ranks as the script asks for (`levers9 run --nproc-per-node {asked if name == 'world_size' else 'N'}`, "
+                f"or nprocs= in distributed.run)."
+            )

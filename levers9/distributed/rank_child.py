@@ -1,8 +1,9 @@
 """Child side: what runs inside each rank that `distributed.run` started.
 
 The parent starts each rank through levers9.procs with a RankTarget; the rank sets up the stall
-board, takes its place in the world (torchrun's variables), joins the group, calls fn and ships rank
-0's value back (every other rank sends None). Failures travel through procs' failure codec.
+board, takes its place in the world (torchrun's variables), calls fn and ships rank 0's value back
+(every other rank sends None). The group is made lazily: by fn's own init_process_group, or on first
+need by a levers9 helper or a torch.distributed collective. Failures travel through procs' failure codec.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ class RankSpec:
     rank: int
     world_size: int
     backend: str
-    port: int
     call_without_cfg: bool
     run_folder: str
     use_cuda: bool
@@ -57,7 +57,9 @@ def rank_main(spec: RankSpec, fn: Callable[..., Any], cfg: Any) -> bytes | None:
     stalls.instrument_collectives(slot)
     stalls.start_recorder_sampler(slot, spec.run_folder, spec.rank)
     try:
-        _join_group(spec)
+        # No group yet: fn may create it (init_process_group joins the parent's store), else it is
+        # created on first need (a levers9 helper, or a torch.distributed collective with no group).
+        group.prepare_lazy_group(slot)
         result = fn() if spec.call_without_cfg else fn(cfg)
         return ship_value(to_cpu(result), "rank 0's return value") if spec.rank == 0 else None
     finally:
@@ -76,12 +78,3 @@ def to_cpu(value: Any) -> Any:
     if type(value) in (list, tuple):
         return type(value)(to_cpu(v) for v in value)
     return value
-
-
-def _join_group(spec: RankSpec) -> None:
-    import torch.distributed as td
-
-    from levers9.distributed import group
-
-    store = td.TCPStore("127.0.0.1", spec.port, None, False, group.pg_timeout())
-    group.init_group(backend=spec.backend, rank=spec.rank, world_size=spec.world_size, local_rank=spec.rank, store=store)

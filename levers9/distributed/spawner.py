@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from levers9.context import current_job
-from levers9.distributed import group, stalls, world
+from levers9.distributed import detect, group, stalls, world
 from levers9.distributed.rank_child import RankSpec, RankTarget
 from levers9.distributed.self_timer import SelfTimer
 from levers9.errors import (
@@ -216,11 +216,8 @@ def _run_as_rank(fn: Callable[..., Any], cfg: Any, call_without_cfg: bool, backe
 
 def _run_in_place(fn: Callable[..., Any], cfg: Any, call_without_cfg: bool, backend: str,
                   timeout: float | None, disabled: tuple[str, ...]) -> Any:  # fmt: skip
-    """A world of one: a group of one rank (no port: an in-memory store) around a plain call."""
-    import torch.distributed as td
-
+    """A world of one: a plain call with quirks applied; no group unless fn makes one (then it is fn's)."""
     group.apply_quirks_here(1, backend, disabled)
-    group.init_group(backend=backend, rank=0, world_size=1, local_rank=0, store=td.HashStore())
     try:
         with SelfTimer(timeout, "distributed.run (in place, a world of one)", under_launcher=False):
             return _call(fn, cfg, call_without_cfg)
@@ -257,7 +254,7 @@ class _Spawn:
                                 wait_for_workers=False, master_listen_fd=os.dup(listener.fileno()))  # fmt: skip
             listener.close()
             for rank in range(self.layout.nprocs):
-                spec = RankSpec(rank, self.layout.nprocs, self.layout.backend, port, self.call_without_cfg,
+                spec = RankSpec(rank, self.layout.nprocs, self.layout.backend, self.call_without_cfg,
                                 str(folder.path), self.layout.use_cuda, current_job())  # fmt: skip
                 target = RankTarget(spec, shipped if shipped is not None else (self.fn, self.cfg))
                 rank_shipped = ship(target) if shipped is not None else None
@@ -423,15 +420,30 @@ def output_excerpt(lines: list[str]) -> str:
 
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    """The torchrun-style variables a rank of a one-node run gets."""
+    """The variables a rank of a one-node run gets: those torchrun's agent gives a worker, plus levers9's own.
+
+    MASTER_ADDR/MASTER_PORT name the store the parent hosts, and TORCHELASTIC_USE_AGENT_STORE=True
+    makes torch's env:// rendezvous join it as a client on every rank (rank 0 included), as under
+    torchrun; TORCHELASTIC_RUN_ID makes torch.distributed.is_torchelastic_launched() answer True.
+    """
     return {
         "LEVERS9_LAUNCHER": "levers9",
+        group.STORE_PORT_VAR: str(port),
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
         "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(world),
         "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
         "NODE_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world),
+        "ROLE_NAME": "default",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": f"{detect.LEVERS9_RUN_ID_PREFIX}{os.getpid()}-{port}",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     }

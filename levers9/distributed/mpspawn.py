@@ -1,0 +1,56 @@
+"""`distributed.spawn`: torch.multiprocessing.spawn's signature and meaning on distributed.run's ranks.
+
+An mp.spawn script switches by changing one import (`from levers9.distributed import spawn`) and
+gains the fast start, torchrun's environment in each rank, loopback-only rendezvous, and failure
+reports that name the rank and carry its traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from levers9.errors import ConfigError
+
+
+def spawn(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    nprocs: int = 1,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str | None = None,
+) -> Any:
+    """Call `fn(i, *args)` in `nprocs` processes (i = 0 .. nprocs-1) and wait for all of them.
+
+    As torch.multiprocessing.spawn, except: a failing rank raises its own exception (or RankCrashed
+    for an exit code or signal) with the rank and its traceback, after the other ranks were stopped;
+    rank 0's return value is returned (torch returns None); ranks always end with the caller (`daemon`
+    is accepted for compatibility); `start_method` None (the default) forks where that is safe and
+    starts fresh interpreters otherwise ("forkserver" counts as "spawn"). `join=False` is refused.
+    """
+    if not callable(fn):
+        raise ConfigError(f"spawn: fn is {type(fn).__name__} {fn!r}; expected a function called as fn(i, *args).")
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ConfigError(f"spawn: nprocs={nprocs!r}; expected a whole number >= 1, e.g. spawn(fn, nprocs=2).")
+    if not isinstance(args, tuple):
+        raise ConfigError(f"spawn: args={args!r} ({type(args).__name__}); expected a tuple, e.g. args=(world_size,).")
+    if not join:
+        raise ConfigError(
+            "spawn: join=False; levers9 waits for its ranks so that a failure stops them all and is raised here, "
+            "and returns no ProcessContext. Expected join=True; run spawn(...) in a thread if the caller must go on, "
+            "or keep torch.multiprocessing.spawn for join=False."
+        )
+    if start_method == "forkserver":
+        start_method = "spawn"
+    from levers9.distributed.spawner import run
+
+    return run(_call_with_rank, (fn, args), nprocs=nprocs, start_method=start_method)
+
+
+def _call_with_rank(packed: tuple[Callable[..., Any], tuple[Any, ...]]) -> Any:
+    """What each rank runs: fn(rank, *args), where rank is this process's index among the spawned ones."""
+    from levers9.distributed import world
+
+    fn, args = packed
+    return fn(world.launch_info().rank, *args)

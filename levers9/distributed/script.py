@@ -1,0 +1,403 @@
+"""`distributed.run_script`: run an existing script, module or program on every rank, as torchrun would.
+
+Each rank runs the target as `__main__` with `sys.argv` set and torchrun's worker variables in its
+environment, so a script written for torchrun (it calls `init_process_group` itself) runs unchanged.
+The ranks are `distributed.run`'s, so they start fast and a failure comes back with the rank, its
+traceback and its exit code. `exit_code_for` maps a failure to the exit status torchrun would give.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import io
+import os
+import runpy
+import shutil
+import socket
+import subprocess
+import sys
+import traceback
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from levers9.distributed import group, world
+from levers9.errors import ConfigError, RankCrashed, RankFailed, RankFailure
+
+NPROC_WORDS = ("gpu", "cpu", "auto")
+_LIBRARY_FILES = (str(Path(__file__).resolve().parent.parent), runpy.__file__, "<frozen runpy>")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptTarget:
+    """What every rank runs, and how: shipped to the ranks as distributed.run's cfg."""
+
+    kind: str  # "path" (a .py file), "module" (-m) or "program" (--no-python)
+    name: str  # absolute path, module name or program
+    argv: tuple[str, ...] = ()
+    one_omp_thread: bool = False  # OMP_NUM_THREADS=1 on every rank (it was unset and several ranks run)
+    log_dir: str | None = None  # a copy of each rank's output goes to LOG_DIR/<local rank>/{stdout,stderr}.log
+    console_ranks: tuple[int, ...] | None = None  # local ranks whose output reaches the console (None: all)
+
+
+def run_script(
+    target: str,
+    argv: Sequence[str] = (),
+    *,
+    module: bool = False,
+    no_python: bool = False,
+    nprocs: int | str | None = None,
+    backend: str | None = None,
+    timeout: float | None = None,
+    stall_timeout: float | None = None,
+    start_method: str | None = None,
+    prefix_output: bool = True,
+    log_dir: str | None = None,
+    console_ranks: Sequence[int] | None = None,
+) -> None:
+    """Run the script `target` (or module, with `module=True`; or program, with `no_python=True`) with
+    arguments `argv` on every rank, each as `__main__` under torchrun's environment; return when all
+    ranks are done.
+
+    `nprocs`: a number of ranks, "gpu" (one per card), "cpu" (one per CPU core), "auto" (cards if
+    any, else CPU cores) or None (one per visible card, else one). A rank that raises, exits non-zero or
+    dies makes this raise as `distributed.run` does (the other ranks are stopped); a rank that exits 0
+    early is not a failure. Bad arguments raise ConfigError before anything starts.
+    """
+    script = prepare(
+        target, argv, module=module, no_python=no_python, log_dir=log_dir, console_ranks=console_ranks
+    )
+    count, backend = resolve_nprocs(nprocs, backend)
+    script = with_omp_default(script, count)
+    from levers9.distributed.spawner import run
+
+    run(
+        run_target,
+        script,
+        nprocs=count,
+        backend=backend,
+        timeout=timeout,
+        stall_timeout=stall_timeout,
+        start_method=start_method,
+        prefix_output=prefix_output,
+    )
+
+
+def refuse_inside_a_rank(what: str) -> None:
+    """ConfigError when this process is already a rank of torchrun, srun, mpirun or levers9."""
+    info = world.launch_info()
+    if info.launcher == "single" and world.live_group() is None:
+        return
+    raise ConfigError(
+        f"{what} was started inside rank {info.rank} of {info.world_size} (launcher: {info.launcher}), but it starts "
+        f"ranks itself: each rank would start {what.split()[0]} ranks of its own. Expected to be started once, "
+        f"outside any launcher; run it from a plain shell (`levers9 run --nproc-per-node N train.py`), or keep the "
+        f"launcher and run the script directly under it (`torchrun --nproc-per-node N train.py`)."
+    )
+
+
+def prepare(
+    target: str,
+    argv: Sequence[str] = (),
+    *,
+    module: bool = False,
+    no_python: bool = False,
+    log_dir: str | None = None,
+    console_ranks: Sequence[int] | None = None,
+    what: str = "distributed.run_script",
+) -> ScriptTarget:
+    """A checked ScriptTarget, or ConfigError naming what is missing and how to fix it."""
+    refuse_inside_a_rank(what)
+    if not isinstance(target, str) or not target:
+        raise ConfigError(f"{what}: the target is {target!r}; expected a script path, a module name or a program.")
+    if isinstance(argv, str) or not all(isinstance(a, str) for a in argv):
+        raise ConfigError(
+            f"{what}: argv={argv!r}; expected a list of strings, e.g. [\"--epochs\", \"3\"] (not one string)."
+        )
+    if module and no_python:
+        raise ConfigError(f"{what}: both module and no-python were asked for; expected at most one (-m or --no-python).")
+    if no_python:
+        found = shutil.which(target)
+        if found is None:
+            raise ConfigError(
+                f"{what}: program {target!r} (--no-python) was not found on PATH. Expected an executable; "
+                f"give its full path, or drop --no-python to run a Python script."
+            )
+        kind, name = "program", found
+    elif module:
+        if _find_module(target) is None:
+            raise ConfigError(
+                f"{what}: module {target!r} (-m) cannot be found from {os.getcwd()} and sys.path. Expected an "
+                f"importable module; check its spelling, install its package, or run from the folder that holds it."
+            )
+        kind, name = "module", target
+    else:
+        path = Path(target)
+        if not path.is_file():
+            hint = f" `{target}` names a module: add -m (module=True)." if _find_module(target) is not None else ""
+            raise ConfigError(
+                f"{what}: script {target!r} does not exist (looked in {os.getcwd()}). Expected a path to a Python "
+                f"file; check the path, or pass a module with -m.{hint}"
+            )
+        kind, name = "path", str(path.resolve())
+    return ScriptTarget(
+        kind,
+        name,
+        tuple(argv),
+        log_dir=str(Path(log_dir).resolve()) if log_dir else None,
+        console_ranks=tuple(console_ranks) if console_ranks is not None else None,
+    )
+
+
+def _find_module(name: str) -> Any:
+    if not name or name.endswith(".py") or "/" in name:
+        return None
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: the current folder is importable
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+
+
+def resolve_nprocs(value: int | str | None, backend: str | None = None, *, flag: str = "nprocs") -> tuple[int, str | None]:
+    """How many ranks to start, and the backend a word implies ("cpu": gloo), from a number or a torchrun word."""
+    from levers9.distributed.spawner import plan_layout
+
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if value is None:
+        return plan_layout(None, backend).nprocs, backend
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ConfigError(
+                f"{flag}={value}; expected a whole number of ranks >= 1, or one of {', '.join(NPROC_WORDS)}. "
+                f"Pass e.g. {flag}=2."
+            )
+        return value, backend
+    if value not in NPROC_WORDS:
+        raise ConfigError(
+            f"{flag}={value!r}; expected a whole number of ranks >= 1, or one of {', '.join(NPROC_WORDS)} "
+            f"(as torchrun accepts). Pass e.g. {flag}=2."
+        )
+    cards = plan_layout(None, None).nprocs if _has_cards() else 0
+    if value == "gpu":
+        if cards == 0:
+            raise ConfigError(
+                f"{flag}=gpu but this process sees no CUDA card{group.visible_devices_note()}. Expected at least one "
+                f"card; pass a number of CPU ranks instead ({flag}=2, on gloo) or {flag}=cpu."
+            )
+        return cards, backend
+    if value == "auto" and cards:
+        return cards, backend
+    return os.cpu_count() or 1, "gloo"
+
+
+def _has_cards() -> bool:
+    from levers9.distributed.spawner import visible_card_count
+
+    return os.environ.get("LEVERS9_SIMULATED") == "1" or visible_card_count() > 0
+
+
+def with_omp_default(script: ScriptTarget, nprocs: int) -> ScriptTarget:
+    """`script` with OMP_NUM_THREADS=1 for every rank when it is unset and several ranks run (said once)."""
+    if nprocs <= 1 or "OMP_NUM_THREADS" in os.environ:
+        return script
+    print(
+        f"levers9: OMP_NUM_THREADS is unset; each of the {nprocs} ranks gets OMP_NUM_THREADS=1 (as torchrun does) so "
+        f"the ranks do not oversubscribe the CPU cores. Set OMP_NUM_THREADS to choose another number.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return dataclasses.replace(script, one_omp_thread=True)
+
+
+def run_target(script: ScriptTarget) -> None:
+    """What each rank of run_script does: run the target as __main__ (in place, as a world of one, if no rank was started)."""
+    if world.launch_info().launcher == "single":
+        _run_in_place(script)
+        return
+    if script.one_omp_thread:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)  # a forked rank inherits the parent's thread pool, not just its environment
+    local = world.launch_info().local_rank
+    if script.console_ranks is not None and local not in script.console_ranks:
+        _silence_console()
+    with _copies_to(script.log_dir, local):
+        if script.kind == "program":
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.execv(script.name, [script.name, *script.argv])
+        _run_as_main(script)
+
+
+def _run_as_main(script: ScriptTarget) -> None:
+    """Run a Python script or module as __main__ with sys.argv set, as `python script.py args` would."""
+    if script.kind == "module":
+        sys.argv = [script.name, *script.argv]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(script.name, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [script.name, *script.argv]
+        sys.path.insert(0, os.path.dirname(script.name))
+        runpy.run_path(script.name, run_name="__main__")
+
+
+def _run_in_place(script: ScriptTarget) -> None:
+    """One rank: run the target in this process under torchrun's variables for a world of one, then put back
+    sys.argv, sys.path and the environment; a sys.exit(N) with N != 0 becomes RankCrashed, as with more ranks."""
+    from levers9.distributed.spawner import rank_env
+
+    if script.kind == "program":
+        with _hosted_store() as port:
+            code = subprocess.call([script.name, *script.argv], env={**os.environ, **rank_env(0, 1, port)})
+        if code != 0:
+            _raise_exit(code if code > 0 else None, -code if code < 0 else None, f"program {script.name}")
+        return
+    saved_argv, saved_path, saved_env = list(sys.argv), list(sys.path), dict(os.environ)
+    with _hosted_store() as port:
+        os.environ.update(rank_env(0, 1, port))
+        group.route_env_rendezvous()
+        try:
+            _run_as_main(script)
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                code = exc.code if isinstance(exc.code, int) else 1
+                if not isinstance(exc.code, int):
+                    print(exc.code, file=sys.stderr)
+                _raise_exit(code, None, f"{script.kind} {script.name}")
+        finally:
+            td = world.live_group()
+            if td is not None:
+                td.destroy_process_group()  # the script's group: in its own process it would end with it
+            sys.argv[:], sys.path[:] = saved_argv, saved_path
+            os.environ.clear()
+            os.environ.update(saved_env)
+
+
+def _raise_exit(code: int | None, signum: int | None, what: str) -> None:
+    failure = RankFailure(rank=0, pid=os.getpid(), exitcode=code, signal=signum)
+    raise RankCrashed(f"distributed.run_script: {what} on rank 0 {failure.how()}.", failure)
+
+
+@contextlib.contextmanager
+def _hosted_store() -> Iterator[int]:
+    """A rendezvous store on a loopback port this process bound itself (port 0: no collisions); yields the port."""
+    import datetime
+
+    import torch.distributed as td
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        port = listener.getsockname()[1]
+        store = td.TCPStore(
+            "127.0.0.1", port, None, True, datetime.timedelta(seconds=60),
+            wait_for_workers=False, master_listen_fd=os.dup(listener.fileno()),
+        )
+        listener.close()
+        try:
+            yield port
+        finally:
+            del store
+    finally:
+        listener.close()
+
+
+def _silence_console() -> None:
+    """Send this rank's stdout and stderr to /dev/null (--local-ranks-filter left it out)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+
+
+class _Tee(io.TextIOBase):
+    """A text stream that writes to the console stream and to a log file."""
+
+    def __init__(self, console: TextIO, copy: TextIO) -> None:
+        self.console, self.copy = console, copy
+
+    def write(self, text: str) -> int:
+        self.copy.write(text)
+        return self.console.write(text)
+
+    def flush(self) -> None:
+        self.copy.flush()
+        self.console.flush()
+
+    def fileno(self) -> int:
+        return self.console.fileno()
+
+
+@contextlib.contextmanager
+def _copies_to(log_dir: str | None, local_rank: int) -> Iterator[None]:
+    """With a log folder, copy what Python writes to stdout/stderr into LOG_DIR/<local rank>/{stdout,stderr}.log."""
+    if log_dir is None:
+        yield
+        return
+    folder = Path(log_dir) / str(local_rank)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "stdout.log", "a", buffering=1) as out, open(folder / "stderr.log", "a", buffering=1) as err:
+        saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(saved[0], out), _Tee(saved[1], err)
+        try:
+            yield
+        except BaseException:
+            traceback.print_exc(file=err)
+            raise
+        finally:
+            sys.stdout, sys.stderr = saved
+
+
+def failure_of(exc: BaseException) -> RankFailure | None:
+    """The RankFailure behind `exc` (a RankFailed, or a rank's own exception raised from one), else None."""
+    for candidate in (exc, exc.__cause__):
+        if isinstance(candidate, RankFailed):
+            return candidate.failure
+    return None
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit status torchrun gives for this failure: 128+N for signal N, the code of sys.exit(N), 1 otherwise."""
+    failure = failure_of(exc)
+    if failure is None:
+        return 1
+    if failure.signal:
+        return 128 + failure.signal
+    if failure.exc_type or not failure.exitcode:
+        return 1
+    return failure.exitcode
+
+
+def user_traceback(text: str) -> str:
+    """A rank's traceback without the leading frames of levers9 and runpy that ran the script."""
+    lines = text.splitlines()
+    out: list[str] = []
+    skipping = False
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("Traceback (most recent call last):"):
+            skipping = True
+            out.append(line)
+        elif skipping and line.startswith('  File "'):
+            path = line.split('"')[1]
+            if path.startswith(_LIBRARY_FILES):
+                i += 1
+                while i < len(lines) and lines[i].startswith("    "):
+                    i += 1
+                continue
+            skipping = False
+            out.append(line)
+        else:
+            out.append(line)
+        i += 1
+    return "\n".join(out)

@@ -1,0 +1,188 @@
+"""`levers9 run`: torchrun --standalone on one machine, on distributed.run's ranks.
+
+    levers9 run [--nproc-per-node N|gpu|cpu|auto] [-m | --no-python] SCRIPT_OR_MODULE [args...]
+
+torchrun's single-node spellings are accepted (both `--nproc-per-node` and `--nproc_per_node`);
+options that only make sense across machines are refused with how to run across several today.
+The exit status is the failing rank's, as torchrun's: 1 for an exception, N for sys.exit(N), 128+N
+for signal N; 2 for a bad command line (nothing was started).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from levers9.errors import ConfigError, RankFailed
+
+log = logging.getLogger("levers9.run")
+
+MULTI_NODE_FIX = (
+    "levers9 run starts every rank on this machine. To run across several machines today, start the script "
+    "with torchrun on each node (`torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:PORT train.py`) "
+    "or with srun under SLURM; levers9's helpers join the group those launchers make."
+)
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "")
+
+
+def _both(name: str) -> list[str]:
+    """A torchrun option in both spellings: --nproc-per-node and --nproc_per_node."""
+    spellings = [f"--{name}"]
+    if "-" in name:
+        spellings.append(f"--{name.replace('-', '_')}")
+    return spellings
+
+
+def register(sub: Any) -> None:
+    """Add `levers9 run` to the command line."""
+    parser = sub.add_parser(
+        "run",
+        allow_abbrev=False,
+        usage="levers9 run [--nproc-per-node N|gpu|cpu|auto] [-m | --no-python] [options] SCRIPT_OR_MODULE [args ...]",
+        help="run a torchrun script on every card of this machine (a drop-in for torchrun --standalone)",
+        description=(
+            "Run SCRIPT (or -m MODULE) on N ranks of this machine, each as __main__ with torchrun's environment "
+            "(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/MASTER_PORT, TORCHELASTIC_*). The first failing rank's "
+            "traceback is printed, the other ranks are stopped, and the exit status is that rank's."
+        ),
+        epilog="Example: levers9 run --nproc-per-node 2 train.py --epochs 3",
+    )
+    same = parser.add_argument_group("torchrun's options (single machine)")
+    same.add_argument(*_both("nproc-per-node"), dest="nproc_per_node", metavar="N|gpu|cpu|auto",
+                      help="ranks to start (default: one per visible card, else 1)")
+    same.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, run as `python -m`")
+    same.add_argument(*_both("no-python"), dest="no_python", action="store_true",
+                      help="SCRIPT is a program, run without python")
+    same.add_argument("--standalone", action="store_true", help="accepted: levers9 run is always standalone")
+    same.add_argument("--nnodes", default="1", help="1 (or 1:1) only")
+    same.add_argument(*_both("node-rank"), dest="node_rank", default="0", help="0 only")
+    same.add_argument(*_both("master-addr"), dest="master_addr", default=None, help="this machine only (ignored)")
+    same.add_argument(*_both("master-port"), dest="master_port", default=None,
+                      help="ignored: the rendezvous store binds a free loopback port, so nothing collides")
+    for name in ("rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf"):
+        same.add_argument(*_both(name), dest=name.replace("-", "_"), default=None, help="this machine only")
+    same.add_argument(*_both("max-restarts"), dest="max_restarts", type=int, default=0, help="0 only")
+    same.add_argument(*_both("start-method"), dest="start_method", choices=("spawn", "fork", "forkserver"),
+                      default=None, help="default: fork where safe (fast), fresh interpreters otherwise")
+    same.add_argument(*_both("local-ranks-filter"), dest="local_ranks_filter", default="",
+                      help="show only these ranks' output on the console, e.g. 0 or 0,2")
+    same.add_argument(*_both("log-dir"), dest="log_dir", default=None,
+                      help="also write each rank's output to LOG_DIR/<rank>/stdout.log and stderr.log")
+    same.add_argument("-r", "--redirects", default="0", help="accepted: the console always keeps every stream")
+    same.add_argument("-t", "--tee", default="0", help="accepted: with --log-dir, output is always teed")
+    for name in ("monitor-interval", "role"):
+        same.add_argument(*_both(name), dest=name.replace("-", "_"), default=None, help="accepted, no effect")
+    own = parser.add_argument_group("levers9's own options")
+    own.add_argument("--timeout", type=float, metavar="SECONDS", help="stop every rank after this long (exit 1)")
+    own.add_argument(
+        "--stall-timeout", type=float, metavar="SECONDS",
+        help="stop every rank once no collective progressed for this long; report where each rank was",
+    )
+    own.add_argument("--no-prefix", action="store_true", help="no '[rank N] ' before other ranks' output")
+    parser.add_argument("script", metavar="SCRIPT_OR_MODULE", help="the training script (or module with -m)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    parser.set_defaults(handler=main)
+
+
+def _refuse_multi_node(args: argparse.Namespace) -> None:
+    """ConfigError for every option that asks for more than this machine."""
+    if args.nnodes not in ("1", "1:1"):
+        raise ConfigError(f"--nnodes {args.nnodes}; expected 1 (or 1:1). {MULTI_NODE_FIX}")
+    if str(args.node_rank) != "0":
+        raise ConfigError(f"--node-rank {args.node_rank}; expected 0 (one machine). {MULTI_NODE_FIX}")
+    if args.max_restarts != 0:
+        raise ConfigError(
+            f"--max-restarts {args.max_restarts}; levers9 run does not restart ranks (expected 0). Resume from a "
+            f"checkpoint by running the command again, or keep torchrun for elastic restarts."
+        )
+    endpoint = (args.rdzv_endpoint or "").rsplit(":", 1)[0].strip("[]")
+    for flag, host in (("--master-addr", args.master_addr), ("--rdzv-endpoint", endpoint)):
+        if host is not None and host not in LOCAL_HOSTS:
+            raise ConfigError(f"{flag} names {host!r}, another machine; expected this one (localhost). {MULTI_NODE_FIX}")
+    if args.rdzv_backend not in (None, "c10d", "static"):
+        raise ConfigError(f"--rdzv-backend {args.rdzv_backend}; expected c10d or static on one machine. {MULTI_NODE_FIX}")
+
+
+def _console_ranks(text: str) -> tuple[int, ...] | None:
+    if not text.strip():
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"--local-ranks-filter {text!r}; expected local ranks separated by commas, e.g. 0 or 0,2."
+        ) from None
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the script on every rank; the exit status follows torchrun's rules."""
+    from levers9.distributed import script as scripts
+
+    try:
+        _refuse_multi_node(args)
+        if args.master_port is not None:
+            log.info("--master-port %s ignored: the rendezvous store binds a free loopback port", args.master_port)
+        target = scripts.prepare(
+            args.script,
+            args.script_args,
+            module=args.module,
+            no_python=args.no_python,
+            log_dir=args.log_dir,
+            console_ranks=_console_ranks(args.local_ranks_filter),
+            what="levers9 run",
+        )
+        count, backend = scripts.resolve_nprocs(args.nproc_per_node, None, flag="--nproc-per-node")
+        target = scripts.with_omp_default(target, count)
+        from levers9.distributed.spawner import run
+
+        run(
+            scripts.run_target,
+            target,
+            nprocs=count,
+            backend=backend,
+            timeout=args.timeout,
+            stall_timeout=args.stall_timeout,
+            start_method="spawn" if args.start_method == "forkserver" else args.start_method,
+            prefix_output=not args.no_prefix,
+        )
+    except ConfigError as exc:
+        if scripts.failure_of(exc) is not None:  # raised on a rank (e.g. init_process_group's world_size)
+            return _report_failure(exc)
+        print(f"levers9 run: error: {str(exc).removeprefix('levers9 run: ')}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("levers9 run: interrupted; every rank was stopped.", file=sys.stderr)
+        return 130
+    except BaseException as exc:  # noqa: BLE001 - a rank's failure becomes the exit status
+        if isinstance(exc, SystemExit):
+            raise
+        return _report_failure(exc)
+    return 0
+
+
+def _report_failure(exc: BaseException) -> int:
+    """Print the failing rank's headline and its own traceback; return torchrun's exit status for it."""
+    from levers9.distributed import script as scripts
+
+    failure = scripts.failure_of(exc)
+    if failure is None:
+        if isinstance(exc, RankFailed):  # a timeout or a stall: the report says where every rank was
+            print(str(exc).replace("distributed.run", "levers9 run", 1), file=sys.stderr, flush=True)
+            return 1
+        import traceback  # one rank, run in place: the script's own exception
+
+        print(scripts.user_traceback("".join(traceback.format_exception(exc))), file=sys.stderr)
+        return 1
+    wrapper = exc if exc.__cause__ is None else exc.__cause__
+    headline = str(wrapper).split("\n", 1)[0].replace("distributed.run:", "levers9 run:", 1)
+    lines = [headline]
+    if failure.traceback:
+        lines += ["", f"Traceback from rank {failure.rank}:", scripts.user_traceback(failure.traceback).rstrip()]
+    elif "\n" in str(wrapper):
+        lines += ["", str(wrapper).split("\n", 1)[1].strip()]
+    code = scripts.exit_code_for(exc)
+    lines += ["", f"levers9 run: exit status {code} (rank {failure.rank}'s)."]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    return code

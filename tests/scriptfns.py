@@ -1,0 +1,73 @@
+"""Functions run on ranks or in jobs by test_run_script.py (importable, so a fresh interpreter finds them)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def torchrun_main() -> dict[str, Any]:
+    """A main() written for torchrun: it makes the group itself and destroys it at the end."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    launched = dist.is_torchelastic_launched()
+    dist.destroy_process_group()
+    return {"rank": rank, "world": world, "sum": total.item(), "elastic": launched}
+
+
+def torchrun_main_then_helpers() -> float:
+    """A user group made and destroyed, then a levers9 helper, which makes (and later destroys) its own."""
+    import torch.distributed as dist
+
+    from levers9 import distributed as l9
+
+    dist.init_process_group("gloo")
+    dist.barrier()
+    dist.destroy_process_group()
+    return float(l9.all_reduce_mean(float(l9.rank())).item())
+
+
+def tutorial_worker(rank: int, world_size: int, port: int, out: str) -> None:
+    """The PyTorch DDP tutorial's mp.spawn worker: it sets MASTER_ADDR/MASTER_PORT and passes rank and world_size."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    value = torch.tensor([float(rank)])
+    dist.all_reduce(value)
+    Path(out, f"rank{rank}").write_text(f"{value.item()}")
+    dist.destroy_process_group()
+
+
+def failing_worker(rank: int, bad_rank: int) -> None:
+    """An mp.spawn worker: rank `bad_rank` raises, the others wait in a collective for it."""
+    import torch.distributed as dist
+
+    if rank == bad_rank:
+        raise KeyError(f"rank {rank} lost its config")
+    dist.init_process_group("gloo")
+    dist.barrier()
+
+
+def job_runs_classic_main() -> Any:
+    """A job body: a torchrun-style main on every card of the job."""
+    from levers9 import distributed as dist
+
+    return dist.run(torchrun_main)
+
+
+def job_runs_script(out: str) -> None:
+    """A job body: an unchanged script on every card of the job."""
+    from levers9 import distributed as dist
+
+    dist.run_script(str(SCRIPTS / "worker_env.py"), ["--out", out])

@@ -1,0 +1,295 @@
+"""`levers9 run`, `distributed.run_script` and `distributed.spawn`: scripts written for torchrun or
+mp.spawn run unchanged, with torchrun's outcome, exit codes and environment, and bad input refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from levers9 import distributed as dist
+from levers9.cli import main as cli_main
+from levers9.distributed import stalls
+from levers9.errors import ConfigError, RankCrashed
+from levers9.launch import job
+from levers9.launch.settings import update_settings
+from tests import scriptfns
+from tests.proc_util import children_of, left_behind
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = scriptfns.SCRIPTS
+ACCELERATE_SCRIPTS = Path(__import__("accelerate").__file__).parent / "test_utils" / "scripts"
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes() -> Iterator[None]:
+    before = set(children_of(os.getpid()))
+    yield
+    assert left_behind(before) == [], "a run left child processes running"
+    assert not list(stalls.runs_root().glob(f"{stalls.RUN_DIR_PREFIX}{os.getpid()}-*")), "run folder left behind"
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def levers9_run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "levers9", "run", *args], env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def torchrun(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", *args],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _lines(out: str, marker: str) -> list[str]:
+    """Lines holding `marker`, with levers9's and torchrun's rank prefixes removed, sorted."""
+    found = []
+    for line in out.splitlines():
+        if marker in line:
+            found.append(line[line.index(marker) :])
+    return sorted(found)
+
+
+# -- scripts nobody here wrote, under both launchers ---------------------------------------------
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("script", "marker"), [("test_ops.py", "testing "), ("test_sync.py", "dtype")])
+def test_accelerate_test_scripts_pass_as_under_torchrun(script: str, marker: str) -> None:
+    path = str(ACCELERATE_SCRIPTS / script)
+    ours = levers9_run("--nproc-per-node", "2", path)
+    theirs = torchrun("--nproc-per-node", "2", path)
+    assert theirs.returncode == 0, theirs.stderr[-2000:]
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    assert _lines(ours.stdout, marker) == _lines(theirs.stdout, marker) != []
+
+
+@pytest.mark.timeout(180)
+def test_ddp_tutorial_script_gives_torchrun_outcome() -> None:
+    path = str(SCRIPTS / "elastic_ddp.py")
+    ours, theirs = levers9_run("--nproc-per-node", "2", path), torchrun("--nproc-per-node", "2", path)
+    assert ours.returncode == theirs.returncode == 0, ours.stderr[-2000:] + theirs.stderr[-2000:]
+    finished = _lines(ours.stdout, "Finished running")
+    assert finished == _lines(theirs.stdout, "Finished running")
+    assert len(finished) == 2 and len({line.split("checksum=")[1] for line in finished}) == 1  # DDP kept them equal
+
+
+@pytest.mark.timeout(180)
+def test_each_rank_gets_torchruns_worker_environment() -> None:
+    path = str(SCRIPTS / "worker_env.py")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    runs = []
+    for command in (["-m", "levers9", "run"], ["-m", "torch.distributed.run", "--standalone"]):
+        done = subprocess.run(
+            [sys.executable, *command, "--nproc-per-node", "2", path, "x", "--y"],
+            env={**env, "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        seen = {json.loads(line)["RANK"]: json.loads(line) for line in _lines(done.stdout, "ENV ") for line in [line[4:]]}
+        runs.append((seen, done.stderr))
+    (ours, our_err), (theirs, _) = runs
+    assert sorted(ours) == sorted(theirs) == ["0", "1"]
+    differ_by_design = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"}
+    for rank in ("0", "1"):
+        assert set(ours[rank]) == set(theirs[rank])
+        for name, value in theirs[rank].items():
+            if name not in differ_by_design:
+                assert ours[rank][name] == value, (rank, name)
+        assert ours[rank]["MASTER_ADDR"] == "127.0.0.1" and ours[rank]["TORCHELASTIC_RUN_ID"]
+    assert ours["0"]["is_torchelastic_launched"] is True and ours["0"]["argv"] == ["x", "--y"]
+    assert our_err.count("OMP_NUM_THREADS is unset") == 1  # said once, not once per rank
+
+
+@pytest.mark.timeout(120)
+def test_accelerator_script_under_levers9_run() -> None:
+    done = levers9_run("--nproc-per-node", "2", str(SCRIPTS / "accelerate_loop.py"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "num_processes=2 gathered=[0, 1]" in done.stdout
+
+
+@pytest.mark.timeout(120)
+def test_module_and_one_rank() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "levers9", "run", "--nproc_per_node", "1", "-m", "tests.scripts.worker_env", "z"],
+        env=_env(), cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(_lines(done.stdout, "ENV ")[0][4:])
+    assert seen["WORLD_SIZE"] == "1" and seen["main"] == "__main__" and seen["argv"] == ["z"]
+    assert "OMP_NUM_THREADS is unset" not in done.stderr
+
+
+# -- failures and exit codes ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("mode", "code", "said"), [
+    ("raise", 1, "ValueError: rank 1 could not read its shard"),
+    ("exit3", 3, "exit status 3"),
+    ("kill9", 128 + 9, "SIGKILL"),
+])
+def test_exit_status_is_the_failing_ranks(mode: str, code: int, said: str) -> None:
+    done = levers9_run("--nproc-per-node", "2", str(SCRIPTS / "fail.py"), mode, timeout=60)
+    assert done.returncode == code, done.stderr[-2000:]
+    assert said in done.stderr and "rank 1" in done.stderr
+    if mode == "raise":
+        assert "Traceback from rank 1" in done.stderr and 'fail.py", line' in done.stderr
+        assert "runpy" not in done.stderr and "_rank.py" not in done.stderr  # the script's frames only
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_exits_0_early_is_not_a_failure() -> None:
+    done = levers9_run("--nproc-per-node", "2", str(SCRIPTS / "fail.py"), "early0", timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "rank 0 finished after rank 1 left" in done.stdout
+
+
+@pytest.mark.timeout(60)
+def test_init_process_group_asking_for_another_world_size_is_refused_at_once() -> None:
+    done = levers9_run("--nproc-per-node", "2", str(SCRIPTS / "asks_world4.py"), timeout=60)
+    assert done.returncode == 1
+    assert "init_process_group(world_size=4)" in done.stderr and "WORLD_SIZE=2" in done.stderr
+    assert "--nproc-per-node 4" in done.stderr
+
+
+# -- bad command lines: seen -> expected -> fix, nothing started ---------------------------------
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = cli_main(["run", *argv])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["no_such_train.py"], ["'no_such_train.py' does not exist", "Expected a path"]),
+    (["-m", "no_such_module_xyz"], ["module 'no_such_module_xyz'", "cannot be found", "check its spelling"]),
+    (["--nproc-per-node", "0", "SCRIPT"], ["--nproc-per-node=0", "expected a whole number", "e.g."]),
+    (["--nproc-per-node", "abc", "SCRIPT"], ["--nproc-per-node='abc'", "gpu, cpu, auto", "e.g."]),
+    (["--nproc-per-node", "gpu", "SCRIPT"], ["sees no CUDA card", "Expected at least one card", "--nproc-per-node=cpu"]),
+    (["--nnodes", "2", "SCRIPT"], ["--nnodes 2", "torchrun", "srun"]),
+    (["--master-addr", "10.0.0.7", "SCRIPT"], ["10.0.0.7", "another machine", "torchrun"]),
+])
+def test_bad_command_lines(capsys: pytest.CaptureFixture[str], argv: list[str], needles: list[str]) -> None:
+    argv = [str(SCRIPTS / "elastic_ddp.py") if a == "SCRIPT" else a for a in argv]
+    code, err = _cli(capsys, *argv)
+    assert code == 2
+    for needle in needles:
+        assert needle in err
+
+
+@pytest.mark.parametrize("launcher_env", [
+    {"TORCHELASTIC_RUN_ID": "abc", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"},
+    {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"},
+    {"LEVERS9_LAUNCHER": "levers9", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+])
+def test_refused_inside_a_rank(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, launcher_env: dict[str, str]
+) -> None:
+    for key, value in launcher_env.items():
+        monkeypatch.setenv(key, value)
+    code, err = _cli(capsys, "--nproc-per-node", "2", str(SCRIPTS / "elastic_ddp.py"))
+    assert code == 2 and "was started inside rank" in err and "from a plain shell" in err
+    with pytest.raises(ConfigError, match="started inside rank"):
+        dist.run_script(str(SCRIPTS / "elastic_ddp.py"), nprocs=2)
+
+
+def test_run_script_bad_arguments() -> None:
+    with pytest.raises(ConfigError, match="list of strings"):
+        dist.run_script(str(SCRIPTS / "elastic_ddp.py"), "--epochs 3")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="add -m"):
+        dist.run_script("tests.scripts.worker_env")
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["--version"])
+    assert exit_info.value.code == 0
+    from levers9 import __version__
+
+    assert capsys.readouterr().out.strip() == f"levers9 {__version__}"
+
+
+# -- distributed.run / spawn / jobs around code written for torchrun or mp.spawn -----------------
+
+
+@pytest.mark.timeout(120)
+def test_classic_torchrun_main_inside_distributed_run() -> None:
+    out = dist.run(scriptfns.torchrun_main, nprocs=2)
+    assert out == {"rank": 0, "world": 2, "sum": 3.0, "elastic": True}
+
+
+@pytest.mark.timeout(120)
+def test_helpers_make_their_own_group_after_the_user_destroyed_theirs() -> None:
+    assert dist.run(scriptfns.torchrun_main_then_helpers, nprocs=2) == pytest.approx(0.5)
+
+
+@pytest.fixture
+def two_simulated_cards(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LEVERS9_SIMULATE_GPUS", "RTXPro6000:2")
+    update_settings(multi_gpu=True)
+
+
+@pytest.mark.timeout(180)
+def test_classic_torchrun_main_inside_a_two_card_job(two_simulated_cards: None) -> None:
+    out = job(gpu="RTXPro6000", gpu_count=2)(scriptfns.job_runs_classic_main).remote()
+    assert out == {"rank": 0, "world": 2, "sum": 3.0, "elastic": True}
+
+
+@pytest.mark.timeout(180)
+def test_run_script_inside_a_two_card_job(two_simulated_cards: None, tmp_path: Path) -> None:
+    job(gpu="RTXPro6000", gpu_count=2)(scriptfns.job_runs_script).remote(str(tmp_path))
+    seen = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(seen) == ["rank0.json", "rank1.json"]
+    assert seen["rank1.json"]["WORLD_SIZE"] == "2" and seen["rank1.json"]["argv"] == ["--out", str(tmp_path)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(120)
+def test_spawn_runs_the_ddp_tutorials_mp_spawn_worker(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    dist.spawn(scriptfns.tutorial_worker, args=(2, _free_port(), str(out)), nprocs=2)
+    assert sorted(p.read_text() for p in out.iterdir()) == ["1.0", "1.0"]
+
+
+@pytest.mark.timeout(120)
+def test_spawn_with_a_failing_rank_raises_its_exception_and_stops_the_others() -> None:
+    with pytest.raises(KeyError, match="rank 1 lost its config") as info:
+        dist.spawn(scriptfns.failing_worker, args=(1,), nprocs=2)
+    assert any("raised on rank 1" in note for note in getattr(info.value, "__notes__", []))
+
+
+def test_spawn_refuses_what_it_cannot_do() -> None:
+    with pytest.raises(ConfigError, match="join=False"):
+        dist.spawn(scriptfns.failing_worker, args=(1,), nprocs=2, join=False)
+    with pytest.raises(ConfigError, match="nprocs=0"):
+        dist.spawn(scriptfns.failing_worker, nprocs=0)
+
+
+@pytest.mark.timeout(60)
+def test_run_script_raises_the_exit_code_of_a_rank() -> None:
+    with pytest.raises(RankCrashed) as info:
+        dist.run_script(str(SCRIPTS / "fail.py"), ["exit3"], nprocs=2)
+    assert info.value.failure is not None and info.value.failure.exitcode == 3
