@@ -110,3 +110,12 @@ def always_killed_on_rank_1(folder: str) -> None:
     if dist.rank() == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
+
+
+def rank_1_vanishes_on_first_attempt(folder: str) -> int:
+    """On the first attempt rank 1 leaves without a word (exit code 0) while rank 0 waits for it in an all_reduce."""
+    record_attempt(folder)
+    if dist.restart_count() == 0 and dist.rank() == 1:
+        os._exit(0)
+    dist.all_reduce_mean(1.0)
+    return dist.restart_count()

@@ -82,6 +82,18 @@ def test_a_killed_rank_restarts_every_rank_and_the_run_resumes_from_its_checkpoi
 
 
 @pytest.mark.timeout(60)
+def test_a_lost_peer_is_a_comm_failure_and_restarts(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 1 vanishes; gloo's own error on rank 0 (the only rank that failed) is the root cause."""
+    caplog.set_level(logging.WARNING, logger="levers9.distributed")
+    assert dist.run(restartfns.rank_1_vanishes_on_first_attempt, str(tmp_path), nprocs=2, max_restarts=1,
+                    restart_delay=0) == 1  # fmt: skip
+    [line] = [r.getMessage() for r in caplog.records if "attempt" in r.getMessage()]
+    assert "rank 0 (pid" in line and "raised RuntimeError" in line and "Connection" in line
+    assert "[comm]; every rank was stopped; starting all 2 ranks again in 0 s (restart 1 of 1)" in line
+    assert sorted(attempts_seen(tmp_path)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+@pytest.mark.timeout(60)
 def test_a_user_key_error_is_raised_at_once_without_a_restart(tmp_path: Path) -> None:
     with pytest.raises(KeyError, match="learning_rate") as info:
         dist.run(restartfns.key_error_on_rank_1, str(tmp_path), nprocs=2, max_restarts=3, restart_delay=0)
