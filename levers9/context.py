@@ -3,7 +3,7 @@
 The job layer builds a JobContext for each attempt and hands it to the job process inside the job's
 target (as it is when forked, pickled for a fresh interpreter), never through environment variables.
 `distributed.run` inside the job reads it: the job's cards (simulated or real) decide how many ranks
-start and on which backend, and its stall_timeout is the run's default. Ranks started there carry it
+start and on which backend, and its stall_timeout and max_restarts are the run's defaults. Ranks started there carry it
 on. The job's own code can ask `levers9.current_job()` which run, cell and attempt it is.
 """
 
@@ -24,6 +24,7 @@ class JobContext:
     gpu_type: str = ""
     simulated: bool = False  # the cards are LEVERS9_SIMULATE_GPUS's: ranks compute on the CPU with gloo
     stall_timeout: float | None = None
+    max_restarts: int = 0
 
     @property
     def job_id(self) -> str:

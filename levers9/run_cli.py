@@ -63,7 +63,8 @@ def register(sub: Any) -> None:
                       help="ignored: the rendezvous store binds a free loopback port, so nothing collides")
     for name in ("rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf"):
         same.add_argument(*_both(name), dest=name.replace("-", "_"), default=None, help="this machine only")
-    same.add_argument(*_both("max-restarts"), dest="max_restarts", type=int, default=0, help="0 only")
+    same.add_argument(*_both("max-restarts"), dest="max_restarts", type=int, default=0,
+                      help="start every rank again after a crash, lost peer or stall, up to N times")
     same.add_argument(*_both("start-method"), dest="start_method", choices=("spawn", "fork", "forkserver"),
                       default=None, help="default: fork where safe (fast), fresh interpreters otherwise")
     same.add_argument(*_both("local-ranks-filter"), dest="local_ranks_filter", default="",
@@ -81,6 +82,10 @@ def register(sub: Any) -> None:
         help="stop every rank once no collective progressed for this long; report where each rank was",
     )
     own.add_argument("--no-prefix", action="store_true", help="no '[rank N] ' before other ranks' output")
+    own.add_argument("--restart-on", default=None, metavar="KINDS",
+                     help="what a restart may cure, e.g. crash,comm,stall (the default) or crash,comm,stall,exception")
+    own.add_argument("--restart-delay", type=float, default=None, metavar="SECONDS",
+                     help="wait this long between attempts (default 1)")
     parser.add_argument("script", metavar="SCRIPT_OR_MODULE", help="the training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     parser.set_defaults(handler=main)
@@ -92,11 +97,6 @@ def _refuse_multi_node(args: argparse.Namespace) -> None:
         raise ConfigError(f"--nnodes {args.nnodes}; expected 1 (or 1:1). {MULTI_NODE_FIX}")
     if str(args.node_rank) != "0":
         raise ConfigError(f"--node-rank {args.node_rank}; expected 0 (one machine). {MULTI_NODE_FIX}")
-    if args.max_restarts != 0:
-        raise ConfigError(
-            f"--max-restarts {args.max_restarts}; levers9 run does not restart ranks (expected 0). Resume from a "
-            f"checkpoint by running the command again, or keep torchrun for elastic restarts."
-        )
     endpoint = (args.rdzv_endpoint or "").rsplit(":", 1)[0].strip("[]")
     for flag, host in (("--master-addr", args.master_addr), ("--rdzv-endpoint", endpoint)):
         if host is not None and host not in LOCAL_HOSTS:
@@ -146,6 +146,9 @@ def main(args: argparse.Namespace) -> int:
             stall_timeout=args.stall_timeout,
             start_method="spawn" if args.start_method == "forkserver" else args.start_method,
             prefix_output=not args.no_prefix,
+            max_restarts=args.max_restarts,
+            restart_on=None if args.restart_on is None else tuple(k.strip() for k in args.restart_on.split(",") if k.strip()),
+            restart_delay=args.restart_delay,
         )
     except ConfigError as exc:
         if scripts.failure_of(exc) is not None:  # raised on a rank (e.g. init_process_group's world_size)

@@ -11,6 +11,7 @@
     dist.run(train_one_rank, cfg)        # one rank per card; rank 0's result comes back
     dist.run_script("train.py", ["--epochs", "3"])   # a torchrun script, unchanged (`levers9 run` in Python)
     dist.spawn(main, args=(world,), nprocs=2)        # torch.multiprocessing.spawn's signature
+    dist.run(train_one_rank, cfg, max_restarts=3)   # every rank started again after a crash or stall
 
 Under torchrun, `accelerate launch`, SLURM or MPI the same helpers read the launcher's RANK /
 WORLD_SIZE / LOCAL_RANK, and `run` spawns nothing. With nothing launched, every helper answers as a
@@ -28,6 +29,7 @@ from levers9.distributed.world import (
     local_world_size,
     node_rank,
     rank,
+    restart_count,
     world_size,
 )
 
@@ -49,4 +51,5 @@ __all__ = [
     "all_reduce_mean",
     "print0",
     "barrier",
+    "restart_count",
 ]

@@ -56,6 +56,9 @@ def run_script(
     prefix_output: bool = True,
     log_dir: str | None = None,
     console_ranks: Sequence[int] | None = None,
+    max_restarts: int | None = None,
+    restart_on: Sequence[str] | None = None,
+    restart_delay: float | None = None,
 ) -> None:
     """Run the script `target` (or module, with `module=True`; or program, with `no_python=True`) with
     arguments `argv` on every rank, each as `__main__` under torchrun's environment; return when all
@@ -64,7 +67,8 @@ def run_script(
     `nprocs`: a number of ranks, "gpu" (one per card), "cpu" (one per CPU core), "auto" (cards if
     any, else CPU cores) or None (one per visible card, else one). A rank that raises, exits non-zero or
     dies makes this raise as `distributed.run` does (the other ranks are stopped); a rank that exits 0
-    early is not a failure. Bad arguments raise ConfigError before anything starts.
+    early is not a failure. `max_restarts`, `restart_on`, `restart_delay`: as in `distributed.run`.
+    Bad arguments raise ConfigError before anything starts.
     """
     script = prepare(
         target, argv, module=module, no_python=no_python, log_dir=log_dir, console_ranks=console_ranks
@@ -82,6 +86,9 @@ def run_script(
         stall_timeout=stall_timeout,
         start_method=start_method,
         prefix_output=prefix_output,
+        max_restarts=max_restarts,
+        restart_on=restart_on,
+        restart_delay=restart_delay,
     )
 
 

@@ -18,11 +18,11 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from levers9.context import current_job
-from levers9.distributed import detect, group, stalls, world
+from levers9.distributed import detect, group, restarts, stalls, world
 from levers9.distributed.rank_child import RankSpec, RankTarget
 from levers9.distributed.self_timer import SelfTimer
 from levers9.errors import (
@@ -58,6 +58,9 @@ def run(
     prefix_output: bool | None = None,
     disable_quirks: tuple[str, ...] = (),
     stop_grace: float = STOP_GRACE_S,
+    max_restarts: int | None = None,
+    restart_on: Sequence[str] | None = None,
+    restart_delay: float | None = None,
 ) -> Any:
     """Run `fn(cfg)` on every rank and return what rank 0 returned (on every rank, under a launcher).
 
@@ -70,26 +73,42 @@ def run(
     overrides the automatic choice; `prefix_output` (default on) puts "[rank N] " before lines from
     ranks other than 0; `disable_quirks` switches quirk rows off by id; `stop_grace` is the time
     ranks get between SIGTERM and SIGKILL when a sibling failed, on timeout or on Ctrl-C.
+
+    `max_restarts` (default 0, or what @job(max_restarts=...) set) stops every rank after a failure
+    that `restart_on` names and starts them all again, up to that many times, `restart_delay` s
+    apart (default 1); `restart_on` is drawn from "crash", "comm", "stall", "timeout" and
+    "exception" (default the first three, see levers9.distributed.restarts). `timeout` applies to
+    each attempt. `restart_count()` tells fn which attempt it is in.
     """
     if not callable(fn):
         raise ConfigError(f"distributed.run needs a function to call on every rank; got {type(fn).__name__} {fn!r}.")
     for name, value in (("timeout", timeout), ("stall_timeout", stall_timeout), ("stop_grace", stop_grace)):
         _check_seconds(name, value, allow_zero=name == "stop_grace")
     _check_quirk_ids(disable_quirks)
+    policy = restarts.check_restart_args(max_restarts, restart_on, restart_delay)
     call_without_cfg = cfg is None and _takes_no_arguments(fn)
     info = world.launch_info()
     if info.launcher != "single" or world.live_group() is not None:
         _refuse_spawn_only(info.launcher, nprocs, info.world_size, stall_timeout, start_method, prefix_output)
+        restarts.refuse_without_spawning(f"under {info.launcher}", max_restarts, restart_on, restart_delay)
         return _run_as_rank(fn, cfg, call_without_cfg, backend, timeout, disable_quirks)
     layout = plan_layout(nprocs, backend)
-    if layout.nprocs == 1:
+    job = current_job()
+    if max_restarts is None and job is not None:
+        policy = dataclasses.replace(policy, max_restarts=job.max_restarts)  # @job(max_restarts=...)
+    if layout.nprocs == 1 and not policy.max_restarts:  # a restartable world of one runs as a started rank
         _refuse_spawn_only("in place", None, 1, stall_timeout, start_method, None)
         return _run_in_place(fn, cfg, call_without_cfg, layout.backend, timeout, disable_quirks)
-    job = current_job()
     if stall_timeout is None and job is not None:
         stall_timeout = job.stall_timeout  # @job(stall_timeout=...)
-    return _Spawn(fn, cfg, call_without_cfg, layout, timeout, stall_timeout, start.choose(start_method),
-                  True if prefix_output is None else prefix_output, disable_quirks, stop_grace).run()  # fmt: skip
+    method = start.choose(start_method)
+    return restarts.run_attempts(
+        policy,
+        lambda attempt_env: _Spawn(fn, cfg, call_without_cfg, layout, timeout, stall_timeout, method,
+                                   True if prefix_output is None else prefix_output, disable_quirks, stop_grace,
+                                   attempt_env).run(),  # fmt: skip
+        ranks=layout.nprocs, timeout=timeout, stall_timeout=stall_timeout,
+    )
 
 
 def _check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> None:
@@ -230,8 +249,10 @@ class _Spawn:
 
     def __init__(self, fn: Callable[..., Any], cfg: Any, call_without_cfg: bool, layout: Layout,
                  timeout: float | None, stall_timeout: float | None, method: start.StartMethod,
-                 prefix_output: bool, disable_quirks: tuple[str, ...], stop_grace: float) -> None:  # fmt: skip
+                 prefix_output: bool, disable_quirks: tuple[str, ...], stop_grace: float,
+                 attempt_env: dict[str, str] | None = None) -> None:  # fmt: skip
         self.fn, self.cfg, self.call_without_cfg, self.layout = fn, cfg, call_without_cfg, layout
+        self.attempt_env = attempt_env or {}  # TORCHELASTIC_RESTART_COUNT / _MAX_RESTARTS of this attempt
         self.timeout, self.stall_timeout, self.method = timeout, stall_timeout, method
         self.prefix_output, self.disable_quirks, self.stop_grace = prefix_output, disable_quirks, stop_grace
         self.watcher = Watcher(self._forward)
@@ -259,7 +280,7 @@ class _Spawn:
                 target = RankTarget(spec, shipped if shipped is not None else (self.fn, self.cfg))
                 rank_shipped = ship(target) if shipped is not None else None
                 child = start.start(target, method=self.method, shipped=rank_shipped,
-                                    env={**env, **rank_env(rank, self.layout.nprocs, port)}, name=f"rank {rank}")  # fmt: skip
+                                    env={**env, **rank_env(rank, self.layout.nprocs, port), **self.attempt_env}, name=f"rank {rank}")  # fmt: skip
                 self.ranks.append(self.watcher.add(child))
             folder.write_pids(os.getpid(), [p.pid for p in self.ranks])
             return self._watch(folder)

@@ -12,6 +12,7 @@ import sys
 from types import ModuleType
 
 from levers9.distributed.detect import LaunchInfo, detect
+from levers9.errors import LauncherEnvError
 
 # The variables whose values decide detection's answer; when none changes, the cached answer stands.
 _FINGERPRINT_VARS = (
@@ -112,3 +113,17 @@ def launcher() -> str:
     """Which launcher started this process: torchrun, accelerate, levers9, slurm, mpi, env or single."""
     return launch_info().launcher
 
+
+
+def restart_count() -> int:
+    """0 on a run's first attempt, then 1, 2, ... after each restart (distributed.run's max_restarts=, or
+    torchrun --max-restarts): both set TORCHELASTIC_RESTART_COUNT in every rank."""
+    text = os.environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()
+    if not text:
+        return 0
+    if not text.isdigit():
+        raise LauncherEnvError(
+            f"TORCHELASTIC_RESTART_COUNT={text!r}; expected a whole number >= 0 (the launcher's restart count). "
+            f"Unset it, or let torchrun or distributed.run set it."
+        )
+    return int(text)

@@ -371,6 +371,7 @@ def job(
     stop_grace: float = 10.0,
     stream_output: bool = True,
     stall_timeout: float | None = None,
+    max_restarts: int = 0,
     backend: str | None = None,
 ) -> Callable[[Callable[P, R]], JobFunction[P, R]]: ...
 
@@ -391,6 +392,7 @@ def job(
     stop_grace: float = 10.0,
     stream_output: bool = True,
     stall_timeout: float | None = None,
+    max_restarts: int = 0,
     backend: str | None = None,
 ) -> JobFunction[P, R] | Callable[[Callable[P, R]], JobFunction[P, R]]:
     """Make `func` runnable as jobs. Arguments are checked now; JobConfigError names the bad one.
@@ -414,6 +416,9 @@ def job(
         file under the run folder either way).
     stall_timeout: seconds; distributed.run inside the job stops and names the stalled ranks when no
         rank issued or completed a collective for that long while at least one waited for one.
+    max_restarts: how often distributed.run inside the job stops every rank and starts them all again
+        after a crash, a lost peer or a stall, on the same cards (fn resumes from its own checkpoint;
+        see dist.restart_count()). Distinct from retries=, which re-runs the whole job from scratch.
     backend: 'local' (this machine; the default) or 'ray'; $LEVERS9_BACKEND sets the default.
     """
 
@@ -432,6 +437,7 @@ def job(
             stop_grace=stop_grace,
             stream_output=stream_output,
             stall_timeout=stall_timeout,
+            max_restarts=max_restarts,
         )
         if backend is not None:
             backend_name(backend)

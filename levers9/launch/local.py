@@ -183,6 +183,7 @@ class _Supervisor:
             gpu_type=cards[0].type_name if cards else "",
             simulated=bool(cards and self.pool and self.pool.simulated),
             stall_timeout=spec.stall_timeout,
+            max_restarts=spec.max_restarts,
         )
         target = job_child.JobTarget(self.batch.func, cell.args, cell.kwargs, context)
         shipped = None if self.method.forks else job_child.ship_target(target)

@@ -480,6 +480,7 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
             gpu_type=gpu_type,
             simulated=simulated,
             stall_timeout=spec.stall_timeout,
+            max_restarts=spec.max_restarts,
         )
         target = job_child.JobTarget(func, args, kwargs, context)
         method = start.choose()

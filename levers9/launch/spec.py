@@ -84,6 +84,7 @@ class JobSpec:
     stop_grace: float = 10.0
     stream_output: bool = True
     stall_timeout: float | None = None
+    max_restarts: int = 0
 
     def describe_cards(self) -> str:
         """'2 RTXPro6000 cards', '1 card of any type', 'no card'."""
@@ -108,6 +109,7 @@ def build_spec(
     stop_grace: Any,
     stream_output: bool,
     stall_timeout: Any = None,
+    max_restarts: Any = 0,
 ) -> JobSpec:
     """Check @job's arguments and return the spec; JobConfigError (seen, expected, fix) on the first bad one."""
     types, count = _gpu(gpu, gpu_count)
@@ -124,6 +126,7 @@ def build_spec(
         stop_grace=_seconds("stop_grace", stop_grace) or 0.0,
         stream_output=bool(stream_output),
         stall_timeout=_seconds("stall_timeout", stall_timeout),
+        max_restarts=_max_restarts(max_restarts),
     )
 
 
@@ -197,6 +200,16 @@ def _seconds(name: str, value: Any) -> float | None:
             f"{name} must be a positive number of seconds, or None for no limit; got {value!r}."
         )
     return float(value)
+
+
+def _max_restarts(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise JobConfigError(
+            f"max_restarts must be a whole number >= 0 (how often distributed.run inside the job starts every "
+            f"rank again after a crash, a lost peer or a stall), got {value!r}. Use e.g. max_restarts=3; "
+            f"retries= is the other knob: it re-runs the whole job."
+        )
+    return value
 
 
 def _retries(value: Any) -> Retries:
