@@ -55,7 +55,7 @@ from levers9.launch.spec import JobSpec
 from levers9.private_dir import private_dir
 from levers9.procs import oom, start
 from levers9.procs.failure import ship, unship
-from levers9.procs.watch import Watcher
+from levers9.procs.watch import Watcher, pid_alive
 
 log = logging.getLogger("levers9.launch.ray")
 
@@ -545,23 +545,13 @@ def _scratch_dir(index: int, attempt: int) -> Path:
         with contextlib.suppress(OSError):
             for stale in root.iterdir():
                 owner = stale.name.partition("-")[0]
-                if owner.isdigit() and not _alive(int(owner)):
+                if owner.isdigit() and not pid_alive(int(owner)):
                     shutil.rmtree(stale, ignore_errors=True)
         try:
             return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-{index:04d}-{attempt}-", dir=root))
         except FileNotFoundError:
             continue  # another task removed the empty root meanwhile
     return Path(tempfile.mkdtemp(prefix=f"levers9-ray-{os.getpid()}-"))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _drain(lines: collections.deque[tuple[str, str]]) -> list[tuple[str, str]]:

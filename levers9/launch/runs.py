@@ -40,6 +40,7 @@ from levers9.errors import ConfigError, RunFormatError
 from levers9.launch.cells import Cell
 from levers9.launch.settings import runs_dir
 from levers9.private_dir import private_dir
+from levers9.procs.watch import pid_alive
 
 log = logging.getLogger("levers9.launch")
 
@@ -286,7 +287,7 @@ class Run:
     @property
     def alive(self) -> bool:
         """The caller is still running it (no end written and its pid exists)."""
-        return self.ended is None and _pid_alive(int(self.meta.get("pid") or 0))
+        return self.ended is None and pid_alive(int(self.meta.get("pid") or 0))
 
     @property
     def status(self) -> str:
@@ -461,15 +462,3 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except OSError:
         return 0.0
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -92,6 +92,19 @@ class Child:
         return list(self.tail)[-count:]
 
 
+def pid_alive(pid: int) -> bool:
+    """True if a process with this pid exists (one of another user's counts: it cannot be signalled, but it lives)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 LineSink = Callable[[Child, str, str], None]  # (child, "stdout" or "stderr", line without its newline)
 
 

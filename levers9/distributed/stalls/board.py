@@ -23,6 +23,7 @@ from pathlib import Path
 from levers9.distributed.stalls.flight_recorder import RecorderStatus
 from levers9.distributed.stalls.sampler import fresh_states, request_samples, sample_fifo
 from levers9.private_dir import private_dir
+from levers9.procs.watch import pid_alive
 
 _CALLS = struct.Struct("=QQdd24s")  # finished, in_collective, entered_at, last_finished_at, name
 _RECORDER = struct.Struct("=qqdd40s")  # issued (-1: unknown), completed, changed_at, sampled_at, pending
@@ -118,12 +119,8 @@ def remove_stale_runs() -> None:
         pid_text = folder.name[len(RUN_DIR_PREFIX) :].split("-", 1)[0]
         if not pid_text.isdigit():
             continue
-        try:
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
+        if not pid_alive(int(pid_text)):
             shutil.rmtree(folder, ignore_errors=True)
-        except PermissionError:  # another user's live process
-            continue
 
 
 def read_slot(board: mmap.mmap, rank: int) -> SlotState:
