@@ -15,6 +15,7 @@ switch), then asks the backend whether the job could ever fit, all before anythi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -23,7 +24,6 @@ import queue
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent import futures
 from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, Generic, Literal, ParamSpec, TypeVar, overload
@@ -315,7 +315,9 @@ class MapResults(Generic[T]):
         try:
             # A second Ctrl-C while the jobs are being stopped is the caller's: it propagates (the
             # jobs are already cancelled and die with their lifeline), only the waiting is cut short.
-            futures.wait(self._futures)
+            for future in self._futures:
+                with contextlib.suppress(Exception):  # its outcome is not ours to raise here
+                    future.exception()  # a cancelled future that never ran counts as done at once
             if self._record is not None:
                 # Futures wake their waiters before running done-callbacks: wait for the callback that
                 # closes the record (it runs after every result was stored), so a resume right after
