@@ -113,8 +113,10 @@ def always_killed_on_rank_1(folder: str) -> None:
 
 
 def rank_1_vanishes_on_first_attempt(folder: str) -> int:
-    """On the first attempt rank 1 leaves without a word (exit code 0) while rank 0 waits for it in an all_reduce."""
+    """On the first attempt rank 1 leaves without a word (exit code 0), mid-run, while rank 0 waits for it in an
+    all_reduce of the group both had formed."""
     record_attempt(folder)
+    dist.barrier()  # the group is formed (lazily, by this first collective) before anyone leaves
     if dist.restart_count() == 0 and dist.rank() == 1:
         os._exit(0)
     dist.all_reduce_mean(1.0)

@@ -15,7 +15,7 @@ import pytest
 
 from levers9 import distributed as dist
 from levers9.cli import main as cli_main
-from levers9.distributed import stalls
+from levers9.distributed.stalls import board
 from levers9.errors import ConfigError, RankCrashed
 from levers9.launch import job
 from levers9.launch.settings import update_settings
@@ -32,7 +32,7 @@ def no_leftover_processes() -> Iterator[None]:
     before = set(children_of(os.getpid()))
     yield
     assert left_behind(before) == [], "a run left child processes running"
-    assert not list(stalls.runs_root().glob(f"{stalls.RUN_DIR_PREFIX}{os.getpid()}-*")), "run folder left behind"
+    assert not list(board.runs_root().glob(f"{board.RUN_DIR_PREFIX}{os.getpid()}-*")), "run folder left behind"
 
 
 def _env() -> dict[str, str]:

@@ -18,7 +18,9 @@ if __name__ == "__main__":
     seen["is_torchelastic_launched"] = dist.is_torchelastic_launched()
     seen["argv"] = sys.argv[1:]
     seen["main"] = __name__
-    print("ENV " + json.dumps(seen), flush=True)
+    # One write() per line: under torchrun both ranks share one stdout, and with PYTHONUNBUFFERED a print
+    # writes the text and its newline separately, so two ranks' lines could interleave.
+    os.write(1, ("ENV " + json.dumps(seen) + "\n").encode())
     if "--out" in sys.argv:
         folder = sys.argv[sys.argv.index("--out") + 1]
         with open(os.path.join(folder, f"rank{os.environ['RANK']}.json"), "w") as f:
