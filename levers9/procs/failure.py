@@ -9,6 +9,7 @@ original exception where its type can be unpickled here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
@@ -127,9 +128,15 @@ def ship(value: Any) -> bytes:
 
 
 def ship_value(value: Any, what: str) -> bytes:
-    """A target's return value shipped for the caller, or NotShippableError naming the part that cannot be pickled."""
+    """A target's return value shipped for the caller, or NotShippableError naming the part that cannot be pickled.
+
+    Plain data (numbers, dicts, tensors) goes through the standard pickle, so neither side pays for
+    importing cloudpickle; whatever pickle cannot take by reference (a function or class defined in
+    the child) goes by value."""
     from levers9.errors import NotShippableError
 
+    with contextlib.suppress(Exception):
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
     try:
         return ship(value)
     except Exception as exc:
