@@ -62,11 +62,17 @@ def fail(kind: str, message: str = "boom") -> None:
     raise AssertionError(kind)
 
 
-def crash_once(marker: str) -> str:
-    """Crash (exit code 3) on the first attempt, succeed on the next; counts attempts in the marker file."""
+def count_attempt(marker: str) -> int:
+    """How many attempts came before this one, counted in the marker file (which this one adds to)."""
     path = Path(marker)
     attempts = int(path.read_text()) if path.exists() else 0
     path.write_text(str(attempts + 1))
+    return attempts
+
+
+def crash_once(marker: str) -> str:
+    """Crash (exit code 3) on the first attempt, succeed on the next; counts attempts in the marker file."""
+    attempts = count_attempt(marker)
     if attempts == 0:
         os._exit(3)
     return f"ok after {attempts + 1} attempts"
@@ -196,9 +202,7 @@ def nested_map(cells: int) -> dict[str, Any]:
 
 def slow_once(marker: str) -> str:
     """Outlive any short timeout on the first attempt, return at once on the next; counts attempts in the marker."""
-    path = Path(marker)
-    attempts = int(path.read_text()) if path.exists() else 0
-    path.write_text(str(attempts + 1))
+    attempts = count_attempt(marker)
     if attempts == 0:
         time.sleep(60)
     return f"ok after {attempts + 1} attempts"
@@ -206,9 +210,7 @@ def slow_once(marker: str) -> str:
 
 def raise_once(marker: str) -> str:
     """Raise ValueError on the first attempt, return on the next; counts attempts in the marker."""
-    path = Path(marker)
-    attempts = int(path.read_text()) if path.exists() else 0
-    path.write_text(str(attempts + 1))
+    attempts = count_attempt(marker)
     if attempts == 0:
         raise ValueError("first attempt fails")
     return f"ok after {attempts + 1} attempts"
