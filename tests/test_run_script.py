@@ -56,12 +56,12 @@ def torchrun(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[st
 
 
 def _lines(out: str, marker: str) -> list[str]:
-    """Lines holding `marker`, with levers9's and torchrun's rank prefixes removed, sorted."""
-    found = []
-    for line in out.splitlines():
-        if marker in line:
-            found.append(line[line.index(marker) :])
-    return sorted(found)
+    """Every piece of `out` that starts at `marker`, up to the next one or the end of its line, sorted.
+
+    Under torchrun both ranks share one stdout, and with PYTHONUNBUFFERED a print writes its text and
+    its newline separately, so two ranks' lines can run together on one line.
+    """
+    return sorted(marker + piece for line in out.splitlines() for piece in line.split(marker)[1:])
 
 
 # -- scripts nobody here wrote, under both launchers ---------------------------------------------
