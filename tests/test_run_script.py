@@ -260,6 +260,12 @@ def test_run_script_inside_a_two_card_job(two_simulated_cards: None, tmp_path: P
     assert seen["rank1.json"]["WORLD_SIZE"] == "2" and seen["rank1.json"]["argv"] == ["--out", str(tmp_path)]
 
 
+@pytest.mark.timeout(120)
+def test_run_script_gpu_word_counts_the_jobs_simulated_cards(two_simulated_cards: None, tmp_path: Path) -> None:
+    job(gpu="RTXPro6000", gpu_count=2)(scriptfns.job_runs_script_on_every_card).remote(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -203,9 +203,12 @@ def resolve_nprocs(value: int | str | None, backend: str | None = None, *, flag:
 
 
 def _has_cards() -> bool:
+    """Cards to run ranks on: this job's (simulated ones included), or the visible CUDA cards."""
+    from levers9.context import current_job
     from levers9.distributed.spawner import visible_card_count
 
-    return os.environ.get("LEVERS9_SIMULATED") == "1" or visible_card_count() > 0
+    job = current_job()
+    return (job is not None and job.gpu_count > 0) or visible_card_count() > 0
 
 
 def with_omp_default(script: ScriptTarget, nprocs: int) -> ScriptTarget:

@@ -8,8 +8,9 @@ output to the caller and to a log folder, enforces the timeout on the job's whol
 retries as the spec says and resolves the cell's Future. The job process holds its card locks
 itself, so its cards come free when it dies, whoever kills it. It leaves with the caller: a
 watchdog in its process group reads a lifeline pipe whose end of file means the caller died, and
-PR_SET_PDEATHSIG backs it up. How job processes are started and killed is in process.py; the retry
-loop, the run folders and what a finished attempt becomes are in outcomes.py, shared with Ray.
+PR_SET_PDEATHSIG backs it up. How job processes are started and stopped is in levers9.procs; the
+retry loop and what a finished attempt becomes are in outcomes.py, the run folders in runs.py, all
+shared with Ray.
 """
 
 from __future__ import annotations
