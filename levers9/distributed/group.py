@@ -244,12 +244,28 @@ def route_env_rendezvous() -> None:
             return original(url, **kwargs)
         if _names_parent_store():
             _check_asked_world(url, ("world_size", "rank"))
-            return original(url, **kwargs)
+            return _fresh_keys(original(url, **kwargs))
         _check_asked_world(url, ("world_size",))
         return _without_agent_store(original(url, **kwargs))
 
     env_handler.__levers9_wrapped__ = True  # type: ignore[attr-defined]
     handlers["env"] = env_handler
+
+
+_rendezvous_count = 0
+
+
+def _fresh_keys(inner: Any) -> Any:
+    """The parent store, under a prefix of its own for each group this rank forms on it: a group made after
+    the user destroyed theirs must not read the first group's addresses (every rank forms its groups in
+    the same order, so the prefixes match)."""
+    global _rendezvous_count
+    import torch.distributed as td
+
+    _rendezvous_count += 1
+    number = _rendezvous_count
+    for store, rank, world_size in inner:
+        yield (store if number == 1 else td.PrefixStore(f"levers9-group-{number}/", store)), rank, world_size
 
 
 def _names_parent_store() -> bool:
