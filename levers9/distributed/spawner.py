@@ -23,6 +23,7 @@ from typing import Any
 
 from levers9.context import current_job
 from levers9.distributed import detect, group, restarts, stalls, world
+from levers9.distributed.hardware import oom
 from levers9.distributed.rank_child import RankSpec, RankTarget
 from levers9.distributed.self_timer import SelfTimer
 from levers9.errors import (
@@ -35,7 +36,7 @@ from levers9.errors import (
     StallError,
     signal_name,
 )
-from levers9.procs import oom, start
+from levers9.procs import start
 from levers9.procs.failure import rebuild, ship, unpicklable_part, unship
 from levers9.procs.watch import Child, Watcher
 

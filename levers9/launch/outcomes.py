@@ -21,11 +21,11 @@ from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import Any
 
+from levers9.distributed.hardware import oom
 from levers9.errors import JobCrashed, JobTimeout, RankFailure, RemoteError, add_note
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.spec import JobSpec
-from levers9.procs import oom
 from levers9.procs.failure import Failure, rebuild, unship
 from levers9.procs.watch import Child, Watcher
 

@@ -7,5 +7,4 @@
 | failure.py | both | what crosses the boundary: framed messages, a failure record, shipping by value |
 | child.py | child | what runs in the child: stdio, signals, lifeline, the target, its outcome sent back |
 | fds.py | parent | every descriptor the layer opens, so a forked child closes those that are not its own |
-| oom.py | parent | the cgroup's out-of-memory-kill counter, so a SIGKILL can be named |
 """
