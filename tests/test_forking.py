@@ -78,3 +78,37 @@ def test_fork_is_refused_by_name_when_unsafe(tmp_path: Path, fake_libcuda: Path)
     )
     done = subprocess.run([sys.executable, str(script), str(fake_libcuda)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert "ERR start_method='fork' is not safe here: the CUDA driver (libcuda) is already loaded" in done.stdout
+
+
+REAPER = """
+import ctypes, os, sys
+# PR_SET_CHILD_SUBREAPER: orphaned descendants come to this process, as they come to PID 1 in a container,
+# where PID 1 is often the user's own script, which never reaps processes it did not start.
+assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0
+from levers9 import distributed as dist, job
+from tests import jobfns
+
+print(list(job(gpu="RTXPro6000", stream_output=False)(jobfns.add).map(range(6), progress=False)))
+print(dist.run(jobfns.add, 2, nprocs=2, backend="gloo"))
+zombies = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        state, ppid = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[:2]
+    except OSError:
+        continue
+    if int(ppid) == os.getpid() and state == "Z":
+        zombies.append(pid)
+print("zombies", zombies)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_cells_and_ranks_that_end_leave_no_zombie_with_a_reaper_that_never_reaps(tmp_path: Path, start_method: str) -> None:
+    env = {
+        **os.environ, "PYTHONPATH": str(REPO), "LEVERS9_START_METHOD": start_method,
+        "LEVERS9_SIMULATE_GPUS": "RTXPro6000:4",
+    }  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", REAPER], cwd=REPO, env=env, capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[0, 1, 2, 3, 4, 5]", "2", "zombies []"], done.stdout + done.stderr

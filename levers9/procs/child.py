@@ -81,7 +81,7 @@ def run_target(target: Callable[[], Any], ends: Ends, env: dict[str, str]) -> in
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     faulthandler.enable(file=sys.stderr, all_threads=True)
-    _start_watchdog(ends.lifeline_fd)
+    watchdog = _start_watchdog(ends.lifeline_fd)
     status = 0
     try:
         send(ends.msg_fd, ("result", target()))
@@ -101,6 +101,7 @@ def run_target(target: Callable[[], Any], ends: Ends, env: dict[str, str]) -> in
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
+        _stop_watchdog(watchdog)
     return status
 
 
@@ -114,13 +115,14 @@ def die_with_parent(expected_parent: int) -> None:
         os._exit(1)
 
 
-def _start_watchdog(lifeline_fd: int) -> None:
+def _start_watchdog(lifeline_fd: int) -> int:
     """Fork a tiny process into this child's group that kills the whole group once the lifeline reads end
-    of file (the parent died). A process, not a thread: it works while the target holds the GIL, and it
-    outlives the child, so what the child started dies too."""
-    if os.fork() != 0:
+    of file (the parent died); its pid. A process, not a thread: it works while the target holds the
+    GIL, and it outlives a child that is killed, so what the child started dies too."""
+    pid = os.fork()
+    if pid != 0:
         os.close(lifeline_fd)
-        return
+        return pid
     try:
         os.closerange(0, lifeline_fd)
         os.closerange(lifeline_fd + 1, 4096)
@@ -136,6 +138,14 @@ def _start_watchdog(lifeline_fd: int) -> None:
         os.killpg(os.getpgrp(), signal.SIGKILL)
     finally:
         os._exit(0)
+
+
+def _stop_watchdog(pid: int) -> None:
+    """Kill and reap the watchdog of a child that is ending by itself: an orphaned watchdog would end
+    as a zombie of PID 1, and a container's PID 1 is often a program that never reaps its orphans."""
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 def _null_stdin() -> None:
