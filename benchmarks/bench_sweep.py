@@ -131,10 +131,10 @@ def scale(sizes: list[int]) -> None:
         for n in sizes:
             cost = {}
             for backend in ("local", "ray"):
-                out = subprocess.run(
-                    [sys.executable, script, backend, str(n)], env=env, check=True, capture_output=True, text=True
-                ).stdout
-                cost[backend] = float(out.split()[-1]) / n * 1000
+                done = subprocess.run([sys.executable, script, backend, str(n)], env=env, capture_output=True, text=True)
+                if done.returncode != 0:
+                    sys.exit(f"{backend} sweep of {n} cells failed (exit {done.returncode}):\n{done.stderr}")
+                cost[backend] = float(done.stdout.split()[-1]) / n * 1000
             print(f"{n:>7}{cost['local']:>10.1f}{cost['ray']:>10.1f}", flush=True)
 
 

@@ -1,9 +1,9 @@
 """The local executor: each cell is a process of its own on cards leased from this machine.
 
-A dispatcher runs a batch's cells in input order on as many lanes (threads) as the batch could ever
-run at once, so threads and open descriptors grow with the machine's cards, never with the number of
-cells. A lane waits in the lease queue for its cell's cards, starts the job process (a fork of the
-caller when that is safe, which costs milliseconds; a fresh interpreter otherwise), streams its
+The cells run in input order on as many lanes (threads, see lanes.py) as the batch could ever run at
+once: eligible cards // cards per job, or the CPU count for CPU jobs. A lane waits in the lease
+queue for its cell's cards, starts the job process (a fork of the caller when that is safe, which
+costs milliseconds; a fresh interpreter otherwise), streams its
 output to the caller and to a log folder, enforces the timeout on the job's whole process group,
 retries as the spec says and resolves the cell's Future. The job process holds its card locks
 itself, so its cards come free when it dies, whoever kills it. It leaves with the caller: a
@@ -15,10 +15,8 @@ shared with Ray.
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
-import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -29,6 +27,7 @@ from levers9.errors import JobTimeout
 from levers9.launch import job_child, outcomes, runs
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
+from levers9.launch.lanes import dispatch
 from levers9.launch.leases import Lease, LeaseDir
 from levers9.launch.outcomes import Cancelled, OutputTail
 from levers9.launch.policy import check_feasible
@@ -64,49 +63,12 @@ class LocalBackend:
             _Supervisor(batch, cell, Future(), pool, leases, groups, method, run_dir)
             for cell in batch.cells
         ]
-        _Dispatcher(batch, supervisors, min(lanes, len(supervisors))).start()
+        dispatch(batch, supervisors, lanes)
         return [sup.future for sup in supervisors]
 
 
 def _eligible(groups: list[list[int]]) -> list[int]:
     return sorted({s for g in groups for s in g})
-
-
-class _Dispatcher:
-    """Runs a batch's cells in input order on a fixed number of lanes (threads).
-
-    A lane takes the next cell, waits for its cards (holding one lease ticket while it waits), runs
-    it to its end, then takes the next. With as many lanes as the batch could ever run at once
-    (eligible cards // cards per job, or the CPU count for CPU jobs), threads and open descriptors
-    depend on the machine, not on the number of cells; a cell queued behind the lanes holds nothing.
-    """
-
-    def __init__(self, batch: Batch, supervisors: list[_Supervisor], lanes: int) -> None:
-        self.batch = batch
-        self.queue: collections.deque[_Supervisor] = collections.deque(supervisors)
-        self.lanes = lanes
-        self._lock = threading.Lock()
-
-    def start(self) -> None:
-        """Start the lanes; on cancel, queued cells are cancelled at once instead of one by one."""
-        self.batch.cancel.on_cancel(self._cancel_queued)
-        name = self.batch.label or self.batch.spec.name
-        for lane in range(self.lanes):
-            threading.Thread(target=self._lane, name=f"levers9-{name}-lane{lane}", daemon=True).start()
-
-    def _next(self) -> _Supervisor | None:
-        with self._lock:
-            return self.queue.popleft() if self.queue else None
-
-    def _lane(self) -> None:
-        while (sup := self._next()) is not None:
-            sup.run()
-
-    def _cancel_queued(self) -> None:
-        with self._lock:
-            queued = list(self.queue)
-        for sup in queued:
-            sup.future.cancel()
 
 
 class _Supervisor:
@@ -196,8 +158,7 @@ class _Supervisor:
                 logs[stream].write(line.encode() + b"\n")
                 logs[stream].flush()
                 tail.add(line)
-                if spec.stream_output:
-                    self.batch.events.output(cell, stream, line)
+                self.batch.events.output(cell, stream, line)
 
             watcher = Watcher(on_line)
             try:

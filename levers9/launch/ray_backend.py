@@ -43,17 +43,19 @@ from typing import Any
 import ray
 
 from levers9.context import JobContext
+from levers9.distributed.hardware import oom
 from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, NotShippableError, RankFailure
 from levers9.launch import job_child, outcomes, runs
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
+from levers9.launch.lanes import dispatch
 from levers9.launch.local import LocalBackend
 from levers9.launch.outcomes import Cancelled, OutputTail
 from levers9.launch.pool import holds_cards
 from levers9.launch.ray_cli import RESOURCE_PREFIX, node_resources, resource_name
 from levers9.launch.spec import JobSpec
 from levers9.private_dir import private_dir
-from levers9.procs import oom, start
+from levers9.procs import start
 from levers9.procs.failure import ship, unship
 from levers9.procs.watch import Watcher, pid_alive
 
@@ -71,13 +73,16 @@ class RayBackend:
         self.admission = _Admission()
 
     def submit(self, batch: Batch) -> list[Future[Any]]:
-        """Connect, check that some alive node could hold the job, then follow one Ray task per cell.
+        """Connect, check that some alive node could hold the job, then run the cells on lanes (lanes.py):
+        twice as many as the alive nodes could run at once, so the next task is already queued in Ray
+        when one ends, and threads grow with the cluster, never with the number of cells.
         A GPU job started inside a job that holds cards runs on those cards instead (see pool.py): the
         caller keeps its Ray GPUs while it waits, so asking Ray for others could wait forever."""
         if batch.spec.gpu_count > 0 and holds_cards():
             return LocalBackend().submit(batch)
         connect()
-        plan = plan_job(batch.spec, alive_nodes())
+        nodes = alive_nodes()
+        plan = plan_job(batch.spec, nodes)
         try:
             func_blob = ship(batch.func)
         except Exception as exc:
@@ -105,12 +110,8 @@ class RayBackend:
                 "index": cell.index,
                 "gpu_type": plan.gpu_type,
             }
-            entry = self.admission.enter(plan.shape)
-            cells.append(_RayCell(self, batch, cell, plan, payload, entry, run_dir))
-        for ray_cell in cells:
-            threading.Thread(
-                target=ray_cell.run, name=f"levers9-ray-{batch.cell_label(ray_cell.cell)}", daemon=True
-            ).start()
+            cells.append(_RayCell(self, batch, cell, plan, payload, run_dir))
+        dispatch(batch, cells, 2 * plan.capacity(nodes))
         return [c.future for c in cells]
 
 
@@ -179,6 +180,16 @@ class Plan:
     @property
     def shape(self) -> tuple[Any, ...]:
         return (self.num_gpus, self.num_cpus, self.memory, tuple(sorted(self.resources.items())))
+
+    def capacity(self, nodes: list[Node]) -> int:
+        """How many tasks of this plan the alive `nodes` could run at once (at least 1)."""
+        need = {"GPU": float(self.num_gpus), "CPU": self.num_cpus, **self.resources}
+        if self.memory is not None:
+            need["memory"] = float(self.memory)
+        need = {k: v for k, v in need.items() if v}
+        if not need:
+            return max(1, sum(int(node.resources.get("CPU", 1)) for node in nodes))
+        return max(1, sum(int(min(node.resources.get(k, 0.0) // v for k, v in need.items())) for node in nodes))
 
     def options(self, name: str) -> dict[str, Any]:
         opts: dict[str, Any] = {
@@ -307,11 +318,11 @@ class _RayCell:
     """Runs one cell to completion on Ray: wait its turn, submit, follow, retry, resolve the Future."""
 
     def __init__(
-        self, backend: RayBackend, batch: Batch, cell: Cell, plan: Plan,
-        payload: dict[str, Any], entry: _Entry, run_dir: Path,
+        self, backend: RayBackend, batch: Batch, cell: Cell, plan: Plan, payload: dict[str, Any], run_dir: Path,
     ) -> None:  # fmt: skip
         self.backend, self.batch, self.cell, self.plan = backend, batch, cell, plan
-        self.payload, self.entry, self.run_dir = payload, entry, run_dir
+        self.payload, self.run_dir = payload, run_dir
+        self.entry = _Entry(plan.shape)  # in the admission queue only while a lane runs this cell
         self.label = batch.cell_label(cell)
         self.future: Future[Any] = Future()
         self.current: _Attempt | None = None
@@ -326,6 +337,7 @@ class _RayCell:
 
     def run(self) -> None:
         """Attempt the cell until it succeeds, fails for good or is cancelled; always resolves the Future."""
+        self.entry = self.backend.admission.enter(self.plan.shape)
         try:
             outcomes.attempt_cell(self.batch, self.cell, self.future, self._attempt, log)
         finally:
@@ -395,8 +407,7 @@ class _RayCell:
                         for stream, line in item["lines"]:
                             (out_log if stream == "stdout" else err_log).write(line)
                             tail.add(line)
-                            if spec.stream_output:
-                                self.batch.events.output(cell, stream, line.rstrip("\n"))
+                            self.batch.events.output(cell, stream, line.rstrip("\n"))
                         out_log.flush()
                         err_log.flush()
                     elif item["kind"] == "end":
@@ -540,17 +551,17 @@ def _scratch_dir(index: int, attempt: int) -> Path:
     """A folder for the job (its context's job_dir), removed when the task ends. Folders of
     tasks whose worker was killed (cancel, lost caller) are removed by the next task on the node."""
     root = Path(tempfile.gettempdir()) / f"levers9-ray-{os.getuid()}"
-    for _ in range(3):
-        private_dir(root)
-        with contextlib.suppress(OSError):
-            for stale in root.iterdir():
-                owner = stale.name.partition("-")[0]
-                if owner.isdigit() and not pid_alive(int(owner)):
-                    shutil.rmtree(stale, ignore_errors=True)
-        try:
+    for _ in range(10):
+        try:  # the task that empties the root removes it: it can vanish at any step below
+            private_dir(root)
+            with contextlib.suppress(OSError):
+                for stale in root.iterdir():
+                    owner = stale.name.partition("-")[0]
+                    if owner.isdigit() and not pid_alive(int(owner)):
+                        shutil.rmtree(stale, ignore_errors=True)
             return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-{index:04d}-{attempt}-", dir=root))
         except FileNotFoundError:
-            continue  # another task removed the empty root meanwhile
+            continue
     return Path(tempfile.mkdtemp(prefix=f"levers9-ray-{os.getpid()}-"))
 
 
