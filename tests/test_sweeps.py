@@ -52,18 +52,71 @@ def _runs_of(folder: Path) -> dict[int, int]:
 # ---- scale ----------------------------------------------------------------------------------------
 
 
+# A user's sweep script: the sweep runs in a process of its own (not in pytest's, whose size would make
+# every fork slow) and reports the peaks of its own /proc/self/fd and thread count while it ran.
+THOUSANDS_SCRIPT = """
+import json, os, sys, threading, time
+from levers9 import job
+from tests import jobfns
+
+fn = job(gpu="RTXPro6000", stream_output=False)(jobfns.add)
+list(fn.map(range(4), progress=False))  # the forker thread and the lifeline start with the first cells
+base = {"fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count()}
+peak = dict(base)
+stop = threading.Event()
+
+def sample():
+    while not stop.is_set():
+        peak["fds"] = max(peak["fds"], len(os.listdir("/proc/self/fd")))
+        peak["threads"] = max(peak["threads"], threading.active_count())
+        time.sleep(0.005)
+
+sampler = threading.Thread(target=sample)
+sampler.start()
+started = time.monotonic()
+results = list(fn.map(range(int(sys.argv[1])), progress=False))
+stop.set()
+sampler.join()
+print(json.dumps({"base": base, "peak": peak, "ok": results == list(range(int(sys.argv[1]))),
+                  "seconds": time.monotonic() - started}))
+"""
+
+
 @pytest.mark.timeout(300)
-def test_thousands_of_cells_run_with_bounded_descriptors_and_threads() -> None:
+def test_thousands_of_cells_run_with_bounded_descriptors_and_threads(tmp_path: Path) -> None:
     cells = 2500
-    fn = job(gpu="RTXPro6000", stream_output=False)(jobfns.add)
-    base_fds, base_threads = len(os.listdir("/proc/self/fd")), threading.active_count()
-    peak = {"fds": 0, "threads": 0}
+    done = subprocess.run(
+        [sys.executable, "-c", THOUSANDS_SCRIPT, str(cells)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+        timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["ok"], report
+    grew = {what: report["peak"][what] - report["base"][what] for what in ("fds", "threads")}
+    # 4 lanes, each with at most a lease ticket or a running job (3 pipes, their write ends while it
+    # starts, a pidfd, a selector, 2 log files, lock copies while starting), plus the run's events file:
+    # bounded by cards, not by the 2,500 cells.
+    assert grew["fds"] <= 4 * 12 + 6, report
+    assert grew["threads"] <= 4 + 2, report  # 4 lanes and the sampler
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(240)
+def test_a_big_sweep_on_ray_runs_on_lanes_not_a_thread_per_cell(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address(request.config))
+    cells = 400
+    fn = job(gpu="RTXPro6000", backend="ray", stream_output=False)(jobfns.add)
+    list(fn.map(range(4), progress=False))  # Ray's own client threads start with the first tasks
+    base_threads = threading.active_count()
+    peak = 0
     stop = threading.Event()
 
     def sample() -> None:
+        nonlocal peak
         while not stop.is_set():
-            peak["fds"] = max(peak["fds"], len(os.listdir("/proc/self/fd")))
-            peak["threads"] = max(peak["threads"], threading.active_count())
+            peak = max(peak, threading.active_count())
             time.sleep(0.005)
 
     sampler = threading.Thread(target=sample)
@@ -74,11 +127,8 @@ def test_thousands_of_cells_run_with_bounded_descriptors_and_threads() -> None:
         stop.set()
         sampler.join()
     assert results == list(range(cells))
-    # 4 lanes, each with at most a lease ticket or a running job (3 pipes, their write ends while it
-    # starts, a pidfd, a selector, 2 log files, lock copies while starting), plus the run's events file
-    # and the lifeline pipe: bounded by cards, not by the 2,500 cells.
-    assert peak["fds"] - base_fds <= 4 * 12 + 6, peak
-    assert peak["threads"] - base_threads <= 4 * 3 + 4, peak  # the sampler counts itself too
+    # 8 lanes (twice the cluster's 4 one-card tasks at once) and the sampler, not one thread per cell.
+    assert peak - base_threads <= 2 * ray_cluster.CARDS + 4, (peak, base_threads)
 
 
 # ---- completion order -----------------------------------------------------------------------------
@@ -101,6 +151,7 @@ def test_completed_order_yields_the_short_cell_first_with_its_index(tmp_path: Pa
     _completion_order(tmp_path, None)
 
 
+@pytest.mark.ray
 @pytest.mark.timeout(180)
 def test_completed_order_on_ray(
     tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
@@ -259,6 +310,8 @@ def test_status_table_redraws_in_place_on_a_terminal(monkeypatch: pytest.MonkeyP
         assert list(small.map(["alpha", "beta", "gamma"])) == ["alpha", "beta", "gamma"]
         big = job(gpu="RTXPro6000", stream_output=False)(jobfns.add)
         assert list(big.map(range(30))) == list(range(30))
+        quiet = job(gpu="RTXPro6000", stream_output=False)(jobfns.noisy)
+        assert list(quiet.map([1, 2])) == [1, 2]
     finally:
         terminal.close()
         reader.join(timeout=10)
@@ -272,6 +325,7 @@ def test_status_table_redraws_in_place_on_a_terminal(monkeypatch: pytest.MonkeyP
     assert "say: 3 done, 0 failed, 0 running, 0 waiting of 3" in text
     assert "#0..#29" in text and "30 cells" in text  # a big sweep groups its cells
     assert "add: 30 done, 0 failed, 0 running, 0 waiting of 30" in text
+    assert "a line to stderr" in text and "[noisy #" not in text  # last output shown, though not streamed
 
 
 PLAIN = """

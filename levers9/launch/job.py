@@ -152,7 +152,7 @@ class JobFunction(Generic[P, R]):
         backend: Backend = get_backend(name)
         run_id = new_run_id(self.spec.name)
         record = RunRecord(run_id, name=self.spec.name, backend=name, func=self.func, cells=cells)
-        reporter = Reporter(self.spec.name, cells, mode=mode)
+        reporter = Reporter(self.spec.name, cells, mode=mode, stream_output=self.spec.stream_output)
         try:
             reused = record.reuse(cells) if resume else {}
             todo = [cell for cell in cells if cell.index not in reused]
@@ -415,7 +415,7 @@ def job(
     stop_grace: seconds between SIGTERM and SIGKILL when a job is timed out or cancelled (default 10):
         time for its own SIGTERM handler to save a checkpoint. Its whole process tree is killed after.
     stream_output: copy each job's output to this process, prefixed with its cell (it is logged to a
-        file under the run folder either way).
+        file under the run folder, and its last line shown in the status table, either way).
     stall_timeout: seconds; distributed.run inside the job stops and names the stalled ranks when no
         rank issued or completed a collective for that long while at least one waited for one.
     max_restarts: how often distributed.run inside the job stops every rank and starts them all again

@@ -58,10 +58,11 @@ def choose_mode(progress: bool, cells: int, stream: TextIO) -> Mode:
 class Reporter:
     """The Events of one batch as the caller sees them: prefixed output, and the table or the lines."""
 
-    def __init__(self, batch_label: str, cells: Sequence[Cell], *, mode: Mode = "off") -> None:
+    def __init__(self, batch_label: str, cells: Sequence[Cell], *, mode: Mode = "off", stream_output: bool = True) -> None:
         self.batch: Batch | None = None
         self.label = batch_label
         self.mode = mode
+        self.stream_output = stream_output  # False: output lines only feed the table's last-output column
         self._cells = {cell.index: _CellView(cell, cell.describe()) for cell in cells}
         self.total = len(cells)
         self.done = 0
@@ -135,8 +136,8 @@ class Reporter:
             view = self._cells.get(cell.index)
             if view is not None and line.strip():
                 view.last = line.strip()
-        target = sys.stderr if stream == "stderr" else sys.stdout
-        _write(target, f"[{self._name(cell)}] {line}\n")
+        if self.stream_output:
+            _write(sys.stderr if stream == "stderr" else sys.stdout, f"[{self._name(cell)}] {line}\n")
 
     def close(self) -> None:
         """Draw the final state and stop redrawing (idempotent)."""
