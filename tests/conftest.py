@@ -41,6 +41,12 @@ LAUNCHER_NAMES = (
 )
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked `ray` run last: the session's Ray starts with the first of them, so its dozen idle
+    processes do not share this machine's two cores with the rest of the suite."""
+    items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
+
+
 def strip_launcher_env(env: dict[str, str] | os._Environ[str]) -> None:
     """Remove every launcher variable from `env` in place."""
     for key in list(env):

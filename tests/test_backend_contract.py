@@ -32,7 +32,7 @@ from levers9.launch.settings import update_settings
 from tests import jobfns, ray_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
-BACKENDS = ["local", "ray"]
+BACKENDS = ["local", pytest.param("ray", marks=pytest.mark.ray)]
 
 
 @pytest.fixture(params=BACKENDS)

@@ -80,6 +80,7 @@ def on_ray(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
     yield address
 
 
+@pytest.mark.ray
 @pytest.mark.timeout(120)
 def test_on_ray_a_task_holding_every_gpu_runs_its_inner_gpu_job_on_its_own_cards(on_ray: str) -> None:
     # two tasks of 2 logical GPUs each hold all 4 of the cluster's; each starts a 1-GPU Ray job inside

@@ -30,6 +30,7 @@ from tests.fakes import use_fake_pynvml
 from tests.fakes.machines import H100, RTX_PRO_6000_SERVER, machine
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.ray
 
 
 @pytest.fixture
