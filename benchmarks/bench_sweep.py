@@ -128,14 +128,15 @@ def scale(sizes: list[int]) -> None:
             "LEVERS9_CONFIG_DIR": os.path.join(tmp, "config"),
             "LEVERS9_STATE_DIR": os.path.join(tmp, "state"),
         }
-        for n in sizes:
-            cost = {}
-            for backend in ("local", "ray"):
+        cost: dict[tuple[str, int], float] = {}
+        for backend in ("local", "ray"):  # every local size first: a Ray that just shut down still loads the machine
+            for n in sizes:
                 done = subprocess.run([sys.executable, script, backend, str(n)], env=env, capture_output=True, text=True)
                 if done.returncode != 0:
                     sys.exit(f"{backend} sweep of {n} cells failed (exit {done.returncode}):\n{done.stderr}")
-                cost[backend] = float(done.stdout.split()[-1]) / n * 1000
-            print(f"{n:>7}{cost['local']:>10.1f}{cost['ray']:>10.1f}", flush=True)
+                cost[backend, n] = float(done.stdout.split()[-1]) / n * 1000
+        for n in sizes:
+            print(f"{n:>7}{cost['local', n]:>10.1f}{cost['ray', n]:>10.1f}")
 
 
 if __name__ == "__main__":
