@@ -55,7 +55,7 @@ def rank_main(spec: RankSpec, fn: Callable[..., Any], cfg: Any) -> bytes | None:
     stalls.enable_stack_dumps(spec.run_folder, spec.rank)
     slot = stalls.RankSlot(spec.run_folder, spec.rank)
     stalls.instrument_collectives(slot)
-    stalls.start_recorder_sampler(slot, spec.run_folder, spec.rank)
+    stalls.start_recorder_sampler(slot.record, spec.run_folder, spec.rank)
     try:
         # No group yet: fn may create it (init_process_group joins the parent's store), else it is
         # created on first need (a levers9 helper, or a torch.distributed collective with no group).

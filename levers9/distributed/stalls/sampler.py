@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from levers9.distributed.stalls import flight_recorder
 
-if TYPE_CHECKING:
-    from levers9.distributed.stalls.board import RankSlot, SlotState
+
+class _Sampled(Protocol):
+    @property
+    def recorder_sampled_at(self) -> float: ...
+
+
+State = TypeVar("State", bound=_Sampled)  # a slot's state as the progress board reads it
+Record = Callable[[flight_recorder.RecorderStatus | None, float, float, str], None]  # writes a sample into a slot
 
 
 def sample_fifo(folder: Path | str, rank: int) -> str:
@@ -39,8 +45,8 @@ def request_samples(folder: Path, ranks: Iterable[int]) -> None:
 
 
 def fresh_states(
-    folder: Path, ranks: list[int], read: Callable[[], list[SlotState]], rounds: int = 2, wait_s: float = 1.0
-) -> list[SlotState]:
+    folder: Path, ranks: list[int], read: Callable[[], Sequence[State]], rounds: int = 2, wait_s: float = 1.0
+) -> list[State]:
     """The board after `rounds` answered requests (two: a rank still waiting on the same counts gets named)."""
     for _ in range(rounds):
         asked = time.monotonic()
@@ -48,11 +54,12 @@ def fresh_states(
         end = asked + wait_s
         while time.monotonic() < end and not all(read()[rank].recorder_sampled_at >= asked for rank in ranks):
             time.sleep(0.01)
-    return read()
+    return list(read())
 
 
-def start_recorder_sampler(slot: RankSlot, folder: str, rank: int) -> None:
-    """Answer sample requests on this rank's FIFO from a daemon thread for as long as the rank lives."""
+def start_recorder_sampler(record: Record, folder: str, rank: int) -> None:
+    """Answer sample requests on this rank's FIFO from a daemon thread, writing each sample with `record`
+    (its slot's `RankSlot.record`), for as long as the rank lives."""
     try:
         requests = os.open(sample_fifo(folder, rank), os.O_RDWR | os.O_CLOEXEC)  # O_RDWR: opening never blocks
     except OSError:  # the caller could not make the FIFO: stall detection uses the Python-level counts
@@ -61,4 +68,4 @@ def start_recorder_sampler(slot: RankSlot, folder: str, rank: int) -> None:
     def wait_for_request() -> None:
         os.read(requests, 64)  # blocks without the GIL; queued requests are answered by one sample
 
-    flight_recorder.RecorderSampler(wait_for_request, slot.record).start()
+    flight_recorder.RecorderSampler(wait_for_request, record).start()
