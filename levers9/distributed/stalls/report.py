@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import levers9
 from levers9.distributed.stalls.board import SlotState
 
 STACK_SIGNAL = signal.SIGUSR1
@@ -53,7 +52,7 @@ _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func
 @functools.cache
 def _library_dirs() -> tuple[str, ...]:
     """Where levers9 and torch are installed, found without importing torch (`levers9 stacks` stays quick)."""
-    dirs = [os.path.dirname(os.path.abspath(levers9.__file__))]
+    dirs = [str(Path(__file__).resolve().parents[2])]  # levers9/, from levers9/distributed/stalls/report.py
     spec = importlib.util.find_spec("torch")
     if spec is not None and spec.submodule_search_locations:
         dirs.extend(spec.submodule_search_locations)
