@@ -58,7 +58,9 @@ def choose_mode(progress: bool, cells: int, stream: TextIO) -> Mode:
 class Reporter:
     """The Events of one batch as the caller sees them: prefixed output, and the table or the lines."""
 
-    def __init__(self, batch_label: str, cells: Sequence[Cell], *, mode: Mode = "off", stream_output: bool = True) -> None:
+    def __init__(
+        self, batch_label: str, cells: Sequence[Cell], *, mode: Mode = "off", stream_output: bool = True
+    ) -> None:
         self.batch: Batch | None = None
         self.label = batch_label
         self.mode = mode
