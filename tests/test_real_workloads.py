@@ -4,6 +4,8 @@ DataLoader workers, the user's own process pool, torch.compile, a flood of outpu
 from __future__ import annotations
 
 import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,9 +59,13 @@ def test_the_users_own_process_pool_inside_ranks() -> None:
 
 
 @pytest.mark.timeout(240)  # a cold inductor cache compiles C++ for each rank: ~80 s on 2 busy cores
-def test_torch_compile_of_a_small_model_inside_ranks() -> None:
+def test_torch_compile_of_a_small_model_inside_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler on this machine: torch.compile's CPU backend needs one")
+    # inductor's caches and precompiled headers go under the test's folder, not /tmp/torchinductor_<user>
+    # (the headers follow tempfile.gettempdir(), whose answer forked ranks inherit from this process)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert dist.run(workloadfns.compiled_model, None, nprocs=2, timeout=230) is True
 
 

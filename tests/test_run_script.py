@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,19 +41,18 @@ def _env() -> dict[str, str]:
 
 
 def levers9_run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "levers9", "run", *args], env=_env(), capture_output=True, text=True, timeout=timeout
-    )
+    return _launch([sys.executable, "-m", "levers9", "run", *args], timeout)
 
 
 def torchrun(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", *args],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return _launch([sys.executable, "-m", "torch.distributed.run", "--standalone", *args], timeout)
+
+
+def _launch(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run a launcher with a $TMPDIR of its own: torchrun's agent leaves torchelastic_* folders there, and
+    the scripts' torch leaves torchinductor_<user>."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return subprocess.run(command, env={**_env(), "TMPDIR": tmp}, capture_output=True, text=True, timeout=timeout)
 
 
 def _lines(out: str, marker: str) -> list[str]:
@@ -94,13 +94,14 @@ def test_each_rank_gets_torchruns_worker_environment() -> None:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     runs = []
     for command in (["-m", "levers9", "run"], ["-m", "torch.distributed.run", "--standalone"]):
-        done = subprocess.run(
-            [sys.executable, *command, "--nproc-per-node", "2", path, "x", "--y"],
-            env={**env, "PYTHONPATH": str(REPO)},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        with tempfile.TemporaryDirectory() as tmp:  # torchrun's agent leaves torchelastic_* folders in $TMPDIR
+            done = subprocess.run(
+                [sys.executable, *command, "--nproc-per-node", "2", path, "x", "--y"],
+                env={**env, "PYTHONPATH": str(REPO), "TMPDIR": tmp},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
         assert done.returncode == 0, done.stderr[-2000:]
         seen = {json.loads(line)["RANK"]: json.loads(line) for line in _lines(done.stdout, "ENV ") for line in [line[4:]]}
         runs.append((seen, done.stderr))
