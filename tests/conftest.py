@@ -64,6 +64,9 @@ def clean_launcher_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Itera
     config.mkdir()
     monkeypatch.setenv("LEVERS9_CONFIG_DIR", str(config))
     monkeypatch.setenv("LEVERS9_STATE_DIR", str(tmp_path / "levers9-state"))
+    # torch makes inductor's cache folder whenever DDP or torch.compile is first used: in the test's
+    # folder, not /tmp/torchinductor_<user> (ranks and launched scripts inherit this)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torchinductor"))
     yield
     forget_fake_hardware()
 

@@ -62,9 +62,8 @@ def test_the_users_own_process_pool_inside_ranks() -> None:
 def test_torch_compile_of_a_small_model_inside_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler on this machine: torch.compile's CPU backend needs one")
-    # inductor's caches and precompiled headers go under the test's folder, not /tmp/torchinductor_<user>
-    # (the headers follow tempfile.gettempdir(), whose answer forked ranks inherit from this process)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    # inductor's precompiled headers ignore TORCHINDUCTOR_CACHE_DIR (conftest) and go under
+    # tempfile.gettempdir(), whose answer forked ranks inherit from this process: the test's folder
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert dist.run(workloadfns.compiled_model, None, nprocs=2, timeout=230) is True
 
