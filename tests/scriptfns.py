@@ -73,7 +73,6 @@ def job_runs_script(out: str) -> None:
     dist.run_script(str(SCRIPTS / "worker_env.py"), ["--out", out])
 
 
-
 def job_runs_script_on_every_card(out: str) -> None:
     """The same script with one rank per card of the job: torchrun's `--nproc-per-node gpu` word."""
     from levers9 import distributed as dist
