@@ -3,8 +3,10 @@ log folders, queue timeouts and the progress line."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -252,16 +254,30 @@ except KeyboardInterrupt:
 """
 
 
-def test_ctrl_c_in_the_caller_stops_the_sweep_and_raises_keyboard_interrupt(tmp_path: Path) -> None:
+SYS_TGKILL = {"x86_64": 234, "aarch64": 131}  # tgkill(2): a signal to one thread of another process
+
+
+def _sigint_to_a_thread_that_is_not_main(pid: int) -> None:
+    """What the kernel may do with a Ctrl-C: hand the process's SIGINT to any thread not blocking it."""
+    others = [int(tid) for tid in os.listdir(f"/proc/{pid}/task") if int(tid) != pid]
+    assert others, "the caller has no thread besides its main one"
+    assert ctypes.CDLL(None, use_errno=True).syscall(SYS_TGKILL[platform.machine()], pid, others[-1], signal.SIGINT) == 0
+
+
+@pytest.mark.parametrize("delivered_to", ["the process", "a thread that is not main"])
+def test_ctrl_c_in_the_caller_stops_the_sweep_and_raises_keyboard_interrupt(tmp_path: Path, delivered_to: str) -> None:
     driver = subprocess.Popen(
         [sys.executable, "-c", CTRL_C, str(tmp_path)], env=_env(), stdout=subprocess.PIPE, text=True
     )
     try:
         deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("*.child"))) < 2 and time.monotonic() < deadline:
+        while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         pids = [int(p.read_text()) for p in (*tmp_path.glob("*.pid"), *tmp_path.glob("*.child"))]
-        driver.send_signal(signal.SIGINT)
+        if delivered_to == "the process":
+            driver.send_signal(signal.SIGINT)
+        else:
+            _sigint_to_a_thread_that_is_not_main(driver.pid)
         out, _ = driver.communicate(timeout=30)
     finally:
         if driver.poll() is None:

@@ -25,6 +25,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from types import TracebackType
 from typing import Any, Generic, Literal, ParamSpec, TypeVar, overload
 
@@ -70,7 +71,7 @@ class JobFunction(Generic[P, R]):
         check_cell(self.func, cell, label=f"{self.spec.name}{cell.describe()}")
         futures, cancel, _reporter, _record = self._submit([cell], label="")
         try:
-            return futures[0].result()
+            return _done(futures[0]).result()
         finally:
             cancel.cancel()
 
@@ -285,13 +286,13 @@ class MapResults(Generic[T]):
         if self._finished is None:
             position = self._next - 1
             return self._value(position)
-        position = self._finished.get()
+        position = _next_finished(self._finished)
         return Completed(position, self._value(position))  # type: ignore[return-value]
 
     def _value(self, position: int) -> Any:
         future = self._futures[position]
         try:
-            return future.result()
+            return _done(future).result()
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)) or future.cancelled() or not future.done():
                 self.close()
@@ -317,7 +318,7 @@ class MapResults(Generic[T]):
             # jobs are already cancelled and die with their lifeline), only the waiting is cut short.
             for future in self._futures:
                 with contextlib.suppress(Exception):  # its outcome is not ours to raise here
-                    future.exception()  # a cancelled future that never ran counts as done at once
+                    _done(future).exception()  # a cancelled future that never ran counts as done at once
             if self._record is not None:
                 # Futures wake their waiters before running done-callbacks: wait for the callback that
                 # closes the record (it runs after every result was stored), so a resume right after
@@ -350,6 +351,27 @@ class MapResults(Generic[T]):
 
 def _put(target: queue.SimpleQueue[int], index: int, _future: Future[Any]) -> None:
     target.put(index)
+
+
+# The caller's waits wake this often. A Ctrl-C that the kernel hands to one of levers9's threads is run
+# by the main thread only when it wakes; a wait without a timeout slept through it until a cell ended.
+WAKE_S = 0.1
+
+
+def _done(future: Future[R]) -> Future[R]:
+    """`future`, once it is done (or cancelled), waited for in WAKE_S steps."""
+    while not future.done():
+        wait_futures([future], timeout=WAKE_S)
+    return future
+
+
+def _next_finished(finished: queue.SimpleQueue[int]) -> int:
+    """The next index a done-callback put in `finished`, waited for in WAKE_S steps."""
+    while True:
+        try:
+            return finished.get(timeout=WAKE_S)
+        except queue.Empty:
+            continue
 
 
 @overload
