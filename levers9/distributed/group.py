@@ -24,13 +24,6 @@ _created_by_us = False
 _cpu_only = False
 
 
-def pg_timeout(seconds: float | None = None) -> datetime.timedelta:
-    """The collective/init timeout: the argument, else LEVERS9_PG_TIMEOUT, else 10 minutes (always finite)."""
-    if seconds is None:
-        seconds = float(os.environ.get("LEVERS9_PG_TIMEOUT", DEFAULT_TIMEOUT_S))
-    return datetime.timedelta(seconds=seconds)
-
-
 def compute_on_cpu() -> None:
     """Make this process compute on the CPU even where CUDA is present (ranks of a gloo run on simulated cards)."""
     global _cpu_only
@@ -75,38 +68,6 @@ def cuda_index_for_local_rank(local_rank: int) -> int:
     return local_rank
 
 
-def default_backend() -> str:
-    """nccl when this process computes on a card, else gloo."""
-    return "nccl" if wants_cuda() else "gloo"
-
-
-def init_group(
-    *,
-    backend: str,
-    rank: int,
-    world_size: int,
-    local_rank: int,
-    store: Any = None,
-    init_method: str | None = None,
-    timeout: float | None = None,
-) -> None:
-    """Create the default group (the card set as current device first for nccl) and remember that we own it."""
-    global _created_by_us
-    import torch.distributed as td
-
-    kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world_size, "timeout": pg_timeout(timeout)}
-    if store is not None:
-        kwargs["store"] = store
-    else:
-        kwargs["init_method"] = init_method or "env://"
-    if backend == "nccl":
-        import torch
-
-        kwargs["device_id"] = torch.device("cuda", cuda_index_for_local_rank(local_rank))
-    td.init_process_group(**kwargs)
-    _created_by_us = True
-
-
 def destroy_own_group() -> None:
     """Destroy the default group if levers9 created it; leave anyone else's alone."""
     global _created_by_us
@@ -130,13 +91,14 @@ def apply_quirks_here(local_world_size: int, backend: str, disabled: tuple[str, 
     )
 
 
-def join_launcher_group(
-    info: LaunchInfo, *, backend: str | None = None, timeout: float | None = None, disabled: tuple[str, ...] = ()
-) -> bool:
-    """Under a launcher with several ranks and no live group, create it; True if this call created it."""
+def join_launcher_group(info: LaunchInfo, *, backend: str | None = None, disabled: tuple[str, ...] = ()) -> bool:
+    """Under a launcher with several ranks and no live group, create it (the card set as current device
+    first for nccl, quirks applied first, a finite timeout) and remember that levers9 owns it; True if
+    this call created it."""
+    global _created_by_us
     if info.world_size <= 1 or world.live_group() is not None:
         return False
-    backend = backend or default_backend()
+    backend = backend or ("nccl" if wants_cuda() else "gloo")
     apply_quirks_here(info.local_world_size, backend, disabled)
     if info.launcher in ("slurm", "mpi"):
         if not info.master_addr:
@@ -155,14 +117,14 @@ def join_launcher_group(
                     f"or launch with `torchrun`."
                 )
         init_method = "env://"
-    init_group(
-        backend=backend,
-        rank=info.rank,
-        world_size=info.world_size,
-        local_rank=info.local_rank,
-        init_method=init_method,
-        timeout=timeout,
-    )
+    import torch
+    import torch.distributed as td
+
+    timeout = datetime.timedelta(seconds=float(os.environ.get("LEVERS9_PG_TIMEOUT", DEFAULT_TIMEOUT_S)))
+    card = torch.device("cuda", cuda_index_for_local_rank(info.local_rank)) if backend == "nccl" else None
+    td.init_process_group(backend, init_method=init_method, rank=info.rank, world_size=info.world_size,
+                          timeout=timeout, device_id=card)  # fmt: skip
+    _created_by_us = True
     return True
 
 
