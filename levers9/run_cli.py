@@ -15,7 +15,7 @@ import logging
 import sys
 from typing import Any
 
-from levers9.errors import ConfigError, RankFailed
+from levers9.errors import ConfigError, RankFailed, signal_name
 
 log = logging.getLogger("levers9.run")
 
@@ -158,9 +158,11 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("levers9 run: interrupted; every rank was stopped.", file=sys.stderr)
         return 130
+    except SystemExit as exc:  # SIGTERM or SIGHUP to this process (see procs.watch.exit_on_terminate)
+        if isinstance(exc.code, int) and exc.code > 128:
+            print(f"levers9 run: got {signal_name(exc.code - 128)}; every rank was stopped.", file=sys.stderr)
+        raise
     except BaseException as exc:  # noqa: BLE001 - a rank's failure becomes the exit status
-        if isinstance(exc, SystemExit):
-            raise
         return _report_failure(exc)
     return 0
 

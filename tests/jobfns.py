@@ -214,3 +214,16 @@ def raise_once(marker: str) -> str:
     if attempts == 0:
         raise ValueError("first attempt fails")
     return f"ok after {attempts + 1} attempts"
+
+
+def save_on_sigterm(folder: str, name: Any) -> None:
+    """Training that saves a checkpoint when told to stop, as a preemptible job does: on SIGTERM write
+    folder/saved-<name> and exit 0. Writes folder/ready-<name> (its pid) once the handler is in place."""
+
+    def save(signum: int, frame: Any) -> None:
+        write_atomically(Path(folder, f"saved-{name}"), str(signum))
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, save)
+    write_atomically(Path(folder, f"ready-{name}"), str(os.getpid()))
+    time.sleep(120)

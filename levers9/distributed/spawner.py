@@ -38,7 +38,7 @@ from levers9.errors import (
 )
 from levers9.procs import start
 from levers9.procs.failure import rebuild, ship, unpicklable_part, unship
-from levers9.procs.watch import Child, Watcher
+from levers9.procs.watch import Child, Watcher, exit_on_terminate
 
 log = logging.getLogger("levers9.distributed")
 
@@ -73,7 +73,8 @@ def run(
     for that long while one waited, naming where each one is; `start_method` ("fork" or "spawn")
     overrides the automatic choice; `prefix_output` (default on) puts "[rank N] " before lines from
     ranks other than 0; `disable_quirks` switches quirk rows off by id; `stop_grace` is the time
-    ranks get between SIGTERM and SIGKILL when a sibling failed, on timeout or on Ctrl-C.
+    ranks get between SIGTERM and SIGKILL when a sibling failed, on timeout, on Ctrl-C, or when this
+    process gets SIGTERM or SIGHUP (then SystemExit(128 + signal) is raised here once they are stopped).
 
     `max_restarts` (default 0, or what @job(max_restarts=...) set) stops every rank after a failure
     that `restart_on` names and starts them all again, up to that many times, `restart_delay` s
@@ -103,13 +104,14 @@ def run(
     if stall_timeout is None and job is not None:
         stall_timeout = job.stall_timeout  # @job(stall_timeout=...)
     method = start.choose(start_method)
-    return restarts.run_attempts(
-        policy,
-        lambda attempt_env: _Spawn(fn, cfg, call_without_cfg, layout, timeout, stall_timeout, method,
-                                   True if prefix_output is None else prefix_output, disable_quirks, stop_grace,
-                                   attempt_env).run(),  # fmt: skip
-        ranks=layout.nprocs, timeout=timeout, stall_timeout=stall_timeout,
-    )
+    with exit_on_terminate():  # SIGTERM to this process stops the ranks with stop_grace, as Ctrl-C does
+        return restarts.run_attempts(
+            policy,
+            lambda attempt_env: _Spawn(fn, cfg, call_without_cfg, layout, timeout, stall_timeout, method,
+                                       True if prefix_output is None else prefix_output, disable_quirks, stop_grace,
+                                       attempt_env).run(),  # fmt: skip
+            ranks=layout.nprocs, timeout=timeout, stall_timeout=stall_timeout,
+        )
 
 
 def _check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> None:

@@ -45,6 +45,7 @@ from levers9.launch.progress import Mode, Reporter, choose_mode
 from levers9.launch.runs import RunRecord
 from levers9.launch.settings import load_settings
 from levers9.launch.spec import JobSpec, Retries, build_spec
+from levers9.procs.watch import exit_on_terminate
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -74,6 +75,8 @@ class JobFunction(Generic[P, R]):
             return _done(futures[0]).result()
         finally:
             cancel.cancel()
+            with contextlib.suppress(Exception):  # interrupted: the job is stopped (stop_grace) before this returns
+                _done(futures[0]).exception()
 
     def spawn(self, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         """Start one job and return a concurrent.futures.Future for its result (cancel() works while it queues)."""
@@ -359,19 +362,22 @@ WAKE_S = 0.1
 
 
 def _done(future: Future[R]) -> Future[R]:
-    """`future`, once it is done (or cancelled), waited for in WAKE_S steps."""
-    while not future.done():
-        wait_futures([future], timeout=WAKE_S)
+    """`future`, once it is done (or cancelled), waited for in WAKE_S steps; SIGTERM or SIGHUP to this
+    process meanwhile raises SystemExit, which cancels the sweep as Ctrl-C does (see exit_on_terminate)."""
+    with exit_on_terminate():
+        while not future.done():
+            wait_futures([future], timeout=WAKE_S)
     return future
 
 
 def _next_finished(finished: queue.SimpleQueue[int]) -> int:
-    """The next index a done-callback put in `finished`, waited for in WAKE_S steps."""
-    while True:
-        try:
-            return finished.get(timeout=WAKE_S)
-        except queue.Empty:
-            continue
+    """The next index a done-callback put in `finished`, waited for in WAKE_S steps (SIGTERM as in _done)."""
+    with exit_on_terminate():
+        while True:
+            try:
+                return finished.get(timeout=WAKE_S)
+            except queue.Empty:
+                continue
 
 
 @overload

@@ -5,7 +5,8 @@ with one, a job supervisor one job. Each child's pidfd is on the selector too, s
 watcher at once. Output is forwarded line by line through a callback and its last lines are kept
 for failure reports. `stop` is the one way children end early: SIGTERM to each child's process
 group, `grace` seconds to finish (a user's SIGTERM handler can save a checkpoint), then SIGKILL to
-the whole group, grandchildren that ignore SIGTERM included.
+the whole group, grandchildren that ignore SIGTERM included. `exit_on_terminate` makes a SIGTERM or
+SIGHUP sent to this process go the same way, instead of killing it before it could stop them.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import os
 import selectors
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from types import FrameType
 from typing import Any
 
 from levers9.procs import fds
@@ -103,6 +106,32 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def exit_on_terminate() -> Iterator[None]:
+    """While this block waits for children in the main thread: SIGTERM or SIGHUP, which by default kill this
+    process at once (its children then die by SIGKILL with it), raise SystemExit(128 + signal) instead, so the
+    waiting code stops its children with their grace period first and a child's own SIGTERM handler can save
+    a checkpoint (torchrun's agent does the same). A handler the caller installed is left in place; outside
+    the main thread, where Python runs no signal handler, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    replaced = {signum: signal.signal(signum, _exit_for_signal) for signum in TERMINATING_SIGNALS
+                if signal.getsignal(signum) is signal.SIG_DFL}  # fmt: skip
+    try:
+        yield
+    finally:
+        for signum, handler in replaced.items():
+            signal.signal(signum, handler)
+
+
+def _exit_for_signal(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
 
 
 LineSink = Callable[[Child, str, str], None]  # (child, "stdout" or "stderr", line without its newline)

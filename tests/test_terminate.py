@@ -1,0 +1,129 @@
+"""SIGTERM or SIGHUP to the process that waits for ranks or jobs (a scheduler preempting it, `docker stop`,
+a closed terminal): every rank or job gets SIGTERM and its grace period, so its own handler can save a
+checkpoint, and the caller then exits with 128 + the signal, as under torchrun's agent. Before, the
+caller died at once and its children died by SIGKILL with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from levers9.procs.watch import exit_on_terminate
+from tests.proc_util import wait_gone
+
+REPO = Path(__file__).resolve().parents[1]
+
+RUN_CALLER = """
+import sys
+from levers9 import distributed as dist
+from tests import jobfns
+
+def train(folder):
+    jobfns.save_on_sigterm(folder, dist.rank())
+
+if __name__ == "__main__":
+    dist.run(train, sys.argv[1], nprocs=2)
+"""
+
+SCRIPT = """
+import os, sys
+from tests import jobfns
+
+jobfns.save_on_sigterm(sys.argv[1], os.environ["RANK"])
+"""
+
+SWEEP_CALLER = """
+import sys
+from levers9.launch import job
+from tests import jobfns
+
+fn = job(gpu="RTXPro6000", stop_grace=30)(jobfns.save_on_sigterm)
+if sys.argv[2] == "map":
+    list(fn.map([(sys.argv[1], i) for i in range(2)]))
+else:
+    fn.remote(sys.argv[1], 0)
+"""
+
+
+def _start(tmp_path: Path, how: str) -> tuple[subprocess.Popen[bytes], int]:
+    """The caller, started the way `how` names; and how many ranks or jobs it runs."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    folder = str(tmp_path)
+    if how == "distributed.run":
+        argv, count = [sys.executable, "-c", RUN_CALLER, folder], 2
+    elif how == "levers9 run":
+        (tmp_path / "train.py").write_text(SCRIPT)
+        argv, count = [sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2", str(tmp_path / "train.py"), folder], 2
+    else:
+        env["LEVERS9_SIMULATE_GPUS"] = "RTXPro6000:2"
+        argv, count = [sys.executable, "-c", SWEEP_CALLER, folder, how.split(".")[1]], (2 if how == "fn.map" else 1)
+    return subprocess.Popen(argv, cwd=REPO, env=env, start_new_session=True, stderr=subprocess.PIPE), count
+
+
+@pytest.mark.parametrize("how", ["distributed.run", "levers9 run", "fn.map", "fn.remote"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_terminated_caller_lets_every_child_save_its_checkpoint_then_exits_128_plus_the_signal(
+    tmp_path: Path, how: str, signum: int
+) -> None:
+    caller, count = _start(tmp_path, how)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("ready-*"))) < count and caller.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [int(p.read_text()) for p in tmp_path.glob("ready-*")]
+        assert len(pids) == count, f"the children did not start (caller exit status {caller.poll()})"
+        caller.send_signal(signum)
+        _, err = caller.communicate(timeout=60)
+        assert caller.returncode == 128 + signum, err.decode()
+    finally:
+        if caller.poll() is None:
+            os.killpg(caller.pid, signal.SIGKILL)
+            caller.wait()
+    saved = sorted(p.name for p in tmp_path.glob("saved-*"))
+    assert saved == [f"saved-{i}" for i in range(count)]  # each one's own SIGTERM handler ran
+    assert wait_gone(pids, 5) == []
+    if how == "levers9 run":
+        assert f"levers9 run: got {signal.Signals(signum).name}; every rank was stopped." in err.decode()
+
+
+def test_a_handler_the_caller_installed_is_kept_and_the_default_comes_back_afterwards() -> None:
+    def own(signum: int, frame: object) -> None:
+        pass
+
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with exit_on_terminate():
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        with exit_on_terminate():  # nested waits keep the outer one's handler
+            pass
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        with pytest.raises(SystemExit) as exited:
+            signal.raise_signal(signal.SIGTERM)
+        assert exited.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    previous = signal.signal(signal.SIGHUP, own)
+    try:
+        with exit_on_terminate():
+            assert signal.getsignal(signal.SIGHUP) is own
+        assert signal.getsignal(signal.SIGHUP) is own
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def test_outside_the_main_thread_nothing_is_installed() -> None:
+    seen: list[object] = []
+
+    def wait_in_a_thread() -> None:
+        with exit_on_terminate():
+            seen.append(signal.getsignal(signal.SIGTERM))
+
+    thread = threading.Thread(target=wait_in_a_thread)
+    thread.start()
+    thread.join(10)
+    assert seen == [signal.SIG_DFL]
