@@ -40,6 +40,12 @@ def report(tag: Any, seconds: float = 0.3) -> dict[str, Any]:
     }
 
 
+def report_once_started(folder: str, tag: Any, seconds: float) -> dict[str, Any]:
+    """`report`, after writing folder/started-<tag> (a test waits for it to know the job holds its cards)."""
+    write_atomically(Path(folder, f"started-{tag}"), "")
+    return report(tag, seconds)
+
+
 def add(a: int, b: int = 0) -> int:
     return a + b
 

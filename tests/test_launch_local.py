@@ -113,10 +113,17 @@ def test_each_job_keeps_its_output_and_facts_in_a_log_folder(monkeypatch: pytest
     assert meta["exit_code"] == 3 and meta["cards"] in {"0", "1", "2", "3"}
 
 
-def test_queue_timeout_says_how_many_cards_are_free() -> None:
-    hog = job(gpu="RTXPro6000", gpu_count=1)(jobfns.report)
-    held = [hog.spawn(i, 1.0) for i in range(4)]
-    time.sleep(0.3)
+def _wait_for_files(folder: Path, pattern: str, count: int) -> None:
+    deadline = time.monotonic() + 60
+    while len(list(folder.glob(pattern))) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(list(folder.glob(pattern))) == count
+
+
+def test_queue_timeout_says_how_many_cards_are_free(tmp_path: Path) -> None:
+    hog = job(gpu="RTXPro6000", gpu_count=1)(jobfns.report_once_started)
+    held = [hog.spawn(str(tmp_path), i, 1.0) for i in range(4)]
+    _wait_for_files(tmp_path, "started-*", 4)  # every card is held
     waiter = job(gpu="RTXPro6000", queue_timeout=0.3)(jobfns.report)
     with pytest.raises(
         JobTimeout, match=r"waited 0.3 s \(queue_timeout\) for 1 RTXPro6000 card at once; 0 of"
@@ -125,15 +132,15 @@ def test_queue_timeout_says_how_many_cards_are_free() -> None:
     assert all(f.result(timeout=30)["cards"] for f in held)
 
 
-def test_a_spawned_job_can_be_cancelled_while_it_queues() -> None:
-    hog = job(gpu="RTXPro6000", gpu_count=1)(jobfns.report)
-    held = [hog.spawn(i, 0.6) for i in range(4)]
-    time.sleep(0.2)
-    queued = hog.spawn("queued", 0)
+def test_a_spawned_job_can_be_cancelled_while_it_queues(tmp_path: Path) -> None:
+    hog = job(gpu="RTXPro6000", gpu_count=1)(jobfns.report_once_started)
+    held = [hog.spawn(str(tmp_path), i, 0.6) for i in range(4)]
+    _wait_for_files(tmp_path, "started-*", 4)  # every card is held
+    queued = hog.spawn(str(tmp_path), "queued", 0)
     assert queued.cancel()
     for f in held:
         f.result(timeout=30)
-    assert queued.cancelled()
+    assert queued.cancelled() and not (tmp_path / "started-queued").exists()
 
 
 def test_leases_fifo_and_dead_waiters_are_skipped(tmp_path: Path) -> None:

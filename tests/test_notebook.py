@@ -112,6 +112,7 @@ INTERRUPTED = """\
 def sleeps(cfg):
     import time
     print(f"rank {dist.rank()} sleeping", flush=True)
+    open(f"sleeping-{dist.rank()}", "w").close()  # the test interrupts once every rank got here
     time.sleep(120)
 
 
@@ -215,13 +216,11 @@ def kernel_env(workdir: Path, extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _interrupt_once_ranks_run(km: KernelManager, ranks: int) -> None:
-    """Interrupt the kernel (as the notebook's stop button does) once it has `ranks` children running."""
-    kernel_pid = km.provisioner.pid  # type: ignore[union-attr]
+def _interrupt_once_ranks_run(km: KernelManager, workdir: Path, ranks: int) -> None:
+    """Interrupt the kernel (as the notebook's stop button does) once each of `ranks` ranks is inside fn."""
     end = time.monotonic() + 60
-    while len(children_of(kernel_pid)) < ranks and time.monotonic() < end:
+    while len(list(workdir.glob("sleeping-*"))) < ranks and time.monotonic() < end:
         time.sleep(0.05)
-    time.sleep(0.5)  # into fn
     km.interrupt_kernel()
 
 
@@ -246,7 +245,7 @@ def execute(nb: NotebookNode, workdir: Path, env: dict[str, str]) -> Executed:
 
     def on_cell_execute(cell: NotebookNode, cell_index: int) -> None:
         if cell.get("id") == "interrupted":
-            interrupters.append(threading.Thread(target=_interrupt_once_ranks_run, args=(km, 2), daemon=True))
+            interrupters.append(threading.Thread(target=_interrupt_once_ranks_run, args=(km, workdir, 2), daemon=True))
             interrupters[-1].start()
 
     client = NotebookClient(

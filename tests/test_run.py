@@ -206,12 +206,11 @@ def _start_driver(tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=REPO, start_new_session=True)
+    files = [tmp_path / f"rank-{r}" for r in range(2)]
     end = time.monotonic() + 30
-    while time.monotonic() < end and not all((tmp_path / f"rank-{r}").exists() for r in range(2)):
+    while time.monotonic() < end and not all(f.exists() and f.read_text() for f in files):
         time.sleep(0.05)
-    time.sleep(0.1)
-    pids = [int((tmp_path / f"rank-{r}").read_text()) for r in range(2)]
-    return proc, pids
+    return proc, [int(f.read_text()) for f in files]
 
 
 def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path: Path) -> None:
