@@ -5,7 +5,8 @@
 torchrun's single-node spellings are accepted (both `--nproc-per-node` and `--nproc_per_node`);
 options that only make sense across machines are refused with how to run across several today.
 The exit status is the failing rank's, as torchrun's: 1 for an exception, N for sys.exit(N), 128+N
-for signal N; 2 for a bad command line (nothing was started).
+for signal N; 2 for a bad command line (nothing was started); 143 (or 129) when levers9 run itself got
+SIGTERM (or SIGHUP) and stopped every rank, giving each its SIGTERM and grace period first.
 """
 
 from __future__ import annotations
