@@ -234,21 +234,16 @@ def detect(env: Mapping[str, str]) -> LaunchInfo:
 
 def _validate(info: LaunchInfo) -> None:
     """Raise LauncherEnvError if the numbers contradict each other."""
-    who = info.launcher
-    if info.world_size < 1:
-        raise LauncherEnvError(f"WORLD_SIZE={info.world_size} (from {who}); expected 1 or more.")
-    if not 0 <= info.rank < info.world_size:
-        raise LauncherEnvError(
-            f"RANK={info.rank} with WORLD_SIZE={info.world_size} (from {who}); expected 0 <= RANK < WORLD_SIZE. "
-            f"Fix the launcher's rank or world size settings."
-        )
-    if info.local_world_size < 1 or info.local_world_size > info.world_size:
-        raise LauncherEnvError(
-            f"LOCAL_WORLD_SIZE={info.local_world_size} with WORLD_SIZE={info.world_size} (from {who}); "
-            f"expected 1 <= LOCAL_WORLD_SIZE <= WORLD_SIZE."
-        )
-    if not 0 <= info.local_rank < info.local_world_size:
-        raise LauncherEnvError(
-            f"LOCAL_RANK={info.local_rank} with LOCAL_WORLD_SIZE={info.local_world_size} (from {who}); "
-            f"expected 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE."
-        )
+    world, local_world = f"WORLD_SIZE={info.world_size}", f"LOCAL_WORLD_SIZE={info.local_world_size}"
+    for holds, seen, expected in (
+        (info.world_size >= 1, world, "WORLD_SIZE >= 1"),
+        (0 <= info.rank < info.world_size, f"RANK={info.rank} with {world}", "0 <= RANK < WORLD_SIZE"),
+        (1 <= info.local_world_size <= info.world_size, f"{local_world} with {world}", "1 <= LOCAL_WORLD_SIZE <= WORLD_SIZE"),
+        (0 <= info.local_rank < info.local_world_size, f"LOCAL_RANK={info.local_rank} with {local_world}",
+         "0 <= LOCAL_RANK < LOCAL_WORLD_SIZE"),
+    ):  # fmt: skip
+        if not holds:
+            raise LauncherEnvError(
+                f"{seen} (from {info.launcher}); expected {expected}. Fix the launcher's rank and world size "
+                f"settings, or unset these variables to run as a world of one."
+            )

@@ -108,16 +108,9 @@ def all_reduce_mean(x: Any) -> torch.Tensor:
     ranks = td.get_world_size()
     if ranks == 1:
         return out
-    if td.get_backend() == "nccl" and not out.is_cuda:
-        work = out.to(device())
-        td.all_reduce(work)
-        return work.div_(ranks).to(out.device)
-    if out.is_cuda and td.get_backend() == "gloo":
-        work = out.cpu()
-        td.all_reduce(work)
-        return work.div_(ranks).to(out.device)
-    td.all_reduce(out)
-    return out.div_(ranks)
+    work = out.to(device() if td.get_backend() == "nccl" else "cpu")  # `out` itself where it already is
+    td.all_reduce(work)
+    return work.div_(ranks).to(out.device)
 
 
 def print0(*args: Any, **kwargs: Any) -> None:

@@ -86,7 +86,9 @@ def run(
         raise ConfigError(f"distributed.run needs a function to call on every rank; got {type(fn).__name__} {fn!r}.")
     for name, value in (("timeout", timeout), ("stall_timeout", stall_timeout), ("stop_grace", stop_grace)):
         _check_seconds(name, value, allow_zero=name == "stop_grace")
-    _check_quirk_ids(disable_quirks)
+    from levers9.distributed.hardware import quirks  # imported on use: `import levers9` stays light
+
+    quirks.check_quirk_ids(disable_quirks)
     policy = restarts.check_restart_args(max_restarts, restart_on, restart_delay)
     call_without_cfg = cfg is None and _takes_no_arguments(fn)
     info = world.launch_info()
@@ -120,14 +122,6 @@ def _check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not allow_zero):
         expected = "a number of seconds >= 0" if allow_zero else "a positive number of seconds, or None for no limit"
         raise ConfigError(f"{name}={value!r}; expected {expected}.")
-
-
-def _check_quirk_ids(ids: tuple[str, ...]) -> None:
-    from levers9.distributed.hardware import quirks
-
-    if isinstance(ids, str):
-        raise ConfigError(f"disable_quirks={ids!r} is one string; expected a tuple of quirk ids, e.g. ({ids!r},).")
-    quirks.check_quirk_ids(ids)
 
 
 def _refuse_spawn_only(where: str, nprocs: int | None, world_size: int, stall_timeout: float | None,

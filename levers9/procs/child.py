@@ -69,9 +69,7 @@ def fresh_main() -> NoReturn:
         send(ends.msg_fd, ("error", capture(exc)))
     else:
         status = run_target(target, ends, env)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    flush_std_streams()
     os._exit(status)
 
 
@@ -98,11 +96,16 @@ def run_target(target: Callable[[], Any], ends: Ends, env: dict[str, str]) -> in
         status = 1
         send(ends.msg_fd, ("error", capture(exc)))
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        flush_std_streams()
         _stop_watchdog(watchdog)
     return status
+
+
+def flush_std_streams() -> None:
+    """Flush sys.stdout and sys.stderr, whatever they have been replaced by."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 def die_with_parent(expected_parent: int) -> None:

@@ -172,7 +172,7 @@ def start(
     ends = child.Ends(parent, msg_w, out_w, err_w, lifeline)
     try:
         if method.forks:
-            _flush_std_streams()
+            child.flush_std_streams()
             keep_fds = (msg_w, out_w, err_w, lifeline, *keep)
             pid = _forker.call(lambda: _fork(keep_fds, lambda: child.forked_main(target, ends, env)))
             handle = Child(pid, None, msg_r, out_r, err_r, name)
@@ -222,9 +222,3 @@ def _exec(ends: child.Ends, env: dict[str, str], keep: tuple[int, ...]) -> subpr
         env={**os.environ, **env},
         start_new_session=True,
     )
-
-
-def _flush_std_streams() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()

@@ -432,6 +432,8 @@ class QuirkPlan:
 
 def check_quirk_ids(ids: Iterable[str], *, source: str = "disable_quirks=") -> None:
     """Raise ConfigError naming every id in `ids` that is neither a row in force nor "all", with the known ids."""
+    if isinstance(ids, str):
+        raise ConfigError(f"{source}{ids!r} is one string; expected a tuple of quirk ids, e.g. ({ids!r},).")
     known = [q.id for q in all_quirks()]
     unknown = sorted(set(ids) - set(known) - {"all"})
     if unknown:
