@@ -364,9 +364,10 @@ WAKE_S = 0.1
 def _done(future: Future[R]) -> Future[R]:
     """`future`, once it is done (or cancelled), waited for in WAKE_S steps; SIGTERM or SIGHUP to this
     process meanwhile raises SystemExit, which cancels the sweep as Ctrl-C does (see exit_on_terminate)."""
-    with exit_on_terminate():
-        while not future.done():
-            wait_futures([future], timeout=WAKE_S)
+    if not future.done():  # a finished cell's result costs no signal-handler changes
+        with exit_on_terminate():
+            while not future.done():
+                wait_futures([future], timeout=WAKE_S)
     return future
 
 
