@@ -408,7 +408,7 @@ class _Spawn:
         where = stalls.describe_ranks(states, stalls.collect_stacks(live, folder.path), time.monotonic())
         self.watcher.stop(self.stop_grace)
         self.watcher.drain(0.3)
-        tails = "".join(f"\n\nLast output of {p.name}:\n" + "\n".join(p.last_lines(10)) for p in self.ranks if p.tail)
+        tails = "".join(f"\n\nLast output of {p.name}:\n" + "\n".join(list(p.tail)[-10:]) for p in self.ranks if p.tail)
         raise error(f"{headline}\n{where}{tails}")
 
     def _timeout_text(self) -> str:

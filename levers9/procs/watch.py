@@ -30,12 +30,11 @@ TAIL_LINES = 400  # kept per child for failure reports
 
 
 class Child:
-    """A started child: its pid, pipes, the last lines it printed, what it reported and how it ended."""
+    """A started child: its pid, pipes, the last lines it printed, what it sent back and how it ended."""
 
     def __init__(self, pid: int, popen: subprocess.Popen[bytes] | None, msg_fd: int, out_fd: int, err_fd: int, name: str) -> None:
         self.pid, self.popen, self.name = pid, popen, name
         self.msg_fd, self.out_fd, self.err_fd = msg_fd, out_fd, err_fd
-        self.started = time.monotonic()
         self.reader = FrameReader()
         self.partial: dict[int, bytes] = {}
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
@@ -90,9 +89,6 @@ class Child:
                 return
             except (ProcessLookupError, PermissionError):
                 continue
-
-    def last_lines(self, count: int) -> list[str]:
-        return list(self.tail)[-count:]
 
 
 def pid_alive(pid: int) -> bool:
