@@ -233,3 +233,16 @@ def save_on_sigterm(folder: str, name: Any) -> None:
     signal.signal(signal.SIGTERM, save)
     write_atomically(Path(folder, f"ready-{name}"), str(os.getpid()))
     time.sleep(120)
+
+
+def ranks_that_save_on_sigterm(folder: str) -> None:
+    """`distributed.run` on the job's cards, each rank as in `save_on_sigterm`."""
+    from levers9 import distributed as dist
+
+    dist.run(_rank_that_saves_on_sigterm, folder)
+
+
+def _rank_that_saves_on_sigterm(folder: str) -> None:
+    from levers9 import distributed as dist
+
+    save_on_sigterm(folder, dist.rank())
