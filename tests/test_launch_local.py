@@ -132,6 +132,20 @@ def test_queue_timeout_says_how_many_cards_are_free(tmp_path: Path) -> None:
     assert all(f.result(timeout=30)["cards"] for f in held)
 
 
+def test_a_cancelled_running_job_gets_its_stop_grace(tmp_path: Path) -> None:
+    """Leaving a sweep stops its running jobs as a timeout does: SIGTERM first, so they can save, and
+    close() returns once they have. (On Ray a cancelled job is killed at once: see the README.)"""
+    fn = job(gpu="RTXPro6000", stop_grace=30)(jobfns.save_on_sigterm)
+    results = fn.map([(str(tmp_path), 0)])
+    _wait_for_files(tmp_path, "ready-*", 1)
+    pid = int((tmp_path / "ready-0").read_text())
+    started = time.monotonic()
+    results.close()
+    assert (tmp_path / "saved-0").exists()  # its own SIGTERM handler ran before close() returned
+    assert time.monotonic() - started < 20  # and close() did not wait out the 30 s grace
+    assert not _alive(pid)
+
+
 def test_a_spawned_job_can_be_cancelled_while_it_queues(tmp_path: Path) -> None:
     hog = job(gpu="RTXPro6000", gpu_count=1)(jobfns.report_once_started)
     held = [hog.spawn(str(tmp_path), i, 0.6) for i in range(4)]

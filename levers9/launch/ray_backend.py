@@ -14,10 +14,8 @@ Inside the task runs the local executor's job machinery: the task is only a supe
 the job as its own process (levers9.procs, by fork when safe), pins exactly the task's cards,
 enforces the timeout on the job's process group, and streams output lines and the outcome back
 as the items of a Ray generator. The caller turns them into the same results, exceptions, logs and
-retries as locally. Cancelling a running task interrupts it (ray.cancel without force), and the task
-stops its job process with stop_grace, as locally; a task that does not end then, or is cancelled
-before it runs, is killed with ray.cancel(force=True), and the job process notices through its
-lifeline pipe and its whole group dies with the task.
+retries as locally. Cancelling kills the task with ray.cancel(force=True); the job process notices
+through its lifeline pipe and its whole group dies with the task.
 
 First come, first served: Ray dispatches queued tasks of different shapes in no fixed order, so a
 4-card job could wait forever behind a stream of 1-card ones. This process therefore holds a task
@@ -65,7 +63,6 @@ log = logging.getLogger("levers9.launch.ray")
 
 OUTPUT_EVERY = 0.1  # seconds between batches of output lines sent back from a task
 CANCEL_EVERY = 0.5  # seconds between repeats of ray.cancel until a cancelled task is over
-GRACE_MARGIN_S = 5.0  # past stop_grace, for a gently cancelled task to report that it is over
 _connect_lock = threading.Lock()
 
 
@@ -301,25 +298,16 @@ class _Attempt:
         self.over = threading.Event()  # set once the caller has read the task's last item
         self._lock = threading.Lock()
 
-    def kill(self, reason: str, grace: float | None = None) -> None:
-        """Stop the task. A running task cancelled with a `grace` first gets one ray.cancel(force=False): the
-        KeyboardInterrupt it raises on the node stops the job process as a local job is stopped (SIGTERM,
-        `grace` s, SIGKILL). Otherwise, or if it is not over grace + GRACE_MARGIN_S later: ray.cancel(force=True),
-        repeated until the task is over (a cancel that reaches a task while Ray is still handing it to a
-        worker can be lost)."""
+    def kill(self, reason: str) -> None:
+        """ray.cancel(force=True), repeated until the task is over: a cancel that reaches a task while
+        Ray is still handing it to a worker can be lost."""
         with self._lock:
             if self.killed_for is not None or (reason == "queue" and self.started):
                 return
             self.killed_for = reason
-            gentle = grace if self.started else None
-        threading.Thread(target=self._cancel_until_over, args=(gentle,), name="levers9-ray-cancel", daemon=True).start()
+        threading.Thread(target=self._cancel_until_over, name="levers9-ray-cancel", daemon=True).start()
 
-    def _cancel_until_over(self, grace: float | None) -> None:
-        if grace is not None:
-            with contextlib.suppress(Exception):
-                ray.cancel(self.gen, force=False)  # once: a second interrupt would cut the job's grace short
-            if self.over.wait(grace + GRACE_MARGIN_S):
-                return
+    def _cancel_until_over(self) -> None:
         while not self.over.is_set():
             with contextlib.suppress(Exception):
                 ray.cancel(self.gen, force=True)
@@ -369,7 +357,7 @@ class _RayCell:
             raise self._queue_timeout()
         gen = _node_task.options(**self.plan.options(self.label)).remote({**self.payload, "attempt": attempt})
         current = self.current = _Attempt(gen)
-        unregister = self.batch.cancel.on_cancel(lambda: current.kill("cancel", spec.stop_grace))
+        unregister = self.batch.cancel.on_cancel(lambda: current.kill("cancel"))
         if self.future.cancelled():
             current.kill("cancel")
         timer = None
