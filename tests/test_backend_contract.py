@@ -185,6 +185,17 @@ def test_timeout_kills_the_job_and_frees_its_cards(backend: str, tmp_path: Path,
     assert fn.remote("after", 0)["gpu_count"] == "4"  # all four cards are free again
 
 
+def test_a_timeout_reaches_the_ranks_of_the_jobs_distributed_run_with_their_grace(
+    backend: str, tmp_path: Path, multi_gpu: None
+) -> None:
+    """The job is stopped with SIGTERM on timeout; the distributed.run inside it passes it on, so each rank saves."""
+    fn = job(gpu="RTXPro6000", gpu_count=2, timeout=6, backend=backend)(jobfns.ranks_that_save_on_sigterm)
+    with pytest.raises(JobTimeout):
+        fn.remote(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.glob("saved-*")) == ["saved-0", "saved-1"]
+    assert _wait_dead([int(p.read_text()) for p in tmp_path.glob("ready-*")], 5) == []
+
+
 @pytest.mark.parametrize(
     ("kind", "expected"), [("exit", "code 3"), ("kill", "SIGKILL"), ("sys.exit", "code 4")]
 )

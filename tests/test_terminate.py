@@ -15,11 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from levers9.errors import JobTimeout
-from levers9.launch import job
-from levers9.launch.settings import update_settings
 from levers9.procs.watch import exit_on_terminate
-from tests import jobfns
 from tests.proc_util import wait_gone
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,19 +91,6 @@ def test_a_terminated_caller_lets_every_child_save_its_checkpoint_then_exits_128
     assert wait_gone(pids, 5) == []
     if how == "levers9 run":
         assert f"levers9 run: got {signal.Signals(signum).name}; every rank was stopped." in err.decode()
-
-
-def test_a_jobs_timeout_reaches_the_ranks_of_its_distributed_run_with_their_grace(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The job layer stops a timed-out job with SIGTERM: the job's distributed.run passes it on to its ranks."""
-    monkeypatch.setenv("LEVERS9_SIMULATE_GPUS", "RTXPro6000:2")
-    update_settings(multi_gpu=True)
-    fn = job(gpu="RTXPro6000", gpu_count=2, timeout=6)(jobfns.ranks_that_save_on_sigterm)
-    with pytest.raises(JobTimeout):
-        fn.remote(str(tmp_path))
-    assert sorted(p.name for p in tmp_path.glob("saved-*")) == ["saved-0", "saved-1"]
-    assert wait_gone([int(p.read_text()) for p in tmp_path.glob("ready-*")], 5) == []
 
 
 def test_a_handler_the_caller_installed_is_kept_and_the_default_comes_back_afterwards() -> None:
