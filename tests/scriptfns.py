@@ -78,3 +78,13 @@ def job_runs_script_on_every_card(out: str) -> None:
     from levers9 import distributed as dist
 
     dist.run_script(str(SCRIPTS / "worker_env.py"), ["--out", out], nprocs="gpu")
+
+
+def raw_collective() -> float:
+    """torch.distributed called before any group exists, as code written for an eager group does."""
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    return total.item()

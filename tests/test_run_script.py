@@ -236,6 +236,24 @@ def test_classic_torchrun_main_inside_distributed_run() -> None:
     assert out == {"rank": 0, "world": 2, "sum": 3.0, "elastic": True}
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_torchrun_code_inside_distributed_run_under_a_launcher(launcher: str) -> None:
+    """Under a launcher too, run makes no group before fn: fn's own init_process_group works, and rank 0's
+    value reaches every rank through a group of its own once fn destroyed its (on fresh store keys)."""
+    script = str(SCRIPTS / "runs_torchrun_code.py")
+    if launcher == "torchrun":
+        done = torchrun("--nproc-per-node", "2", script)
+    else:
+        done = _launch([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", script], 240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    classic = json.dumps({"rank": 0, "world": 2, "sum": 3.0, "elastic": True})
+    assert _lines(done.stdout, "RESULT ") == sorted(
+        2 * [f"RESULT torchrun_main {classic}", "RESULT torchrun_main_then_helpers 0.5", "RESULT raw_collective 3.0"]
+    )
+
+
 @pytest.mark.timeout(120)
 def test_helpers_make_their_own_group_after_the_user_destroyed_theirs() -> None:
     assert dist.run(scriptfns.torchrun_main_then_helpers, nprocs=2) == pytest.approx(0.5)

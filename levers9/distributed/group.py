@@ -1,31 +1,40 @@
-"""Creating, joining and destroying the default process group, with quirks applied first.
+"""The default process group's life: made when first needed (quirks applied first), destroyed only by its maker.
 
-levers9 destroys only a group it created itself; a group the user, accelerate or a launcher made is
-left alone.
+Inside `distributed.run` no group exists before fn runs, on every path: fn may make it itself
+(`init_process_group`, as torchrun code does), and otherwise the first levers9 helper or
+torch.distributed collective that needs one makes it. levers9 destroys only a group it made; one the
+user, accelerate or a launcher made is left alone.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import gc
-import logging
+import importlib
 import os
+from collections.abc import Iterator
 from typing import Any
+from urllib.parse import parse_qs, urlparse
 
 from levers9.distributed import world
 from levers9.distributed.detect import LaunchInfo
-from levers9.errors import DeviceError, LauncherEnvError
-
-log = logging.getLogger("levers9.distributed")
+from levers9.errors import ConfigError, DeviceError, LauncherEnvError
 
 DEFAULT_TIMEOUT_S = 600.0
+# Set by distributed.run for its ranks: the loopback port of the rendezvous store the parent hosts.
+STORE_PORT_VAR = "LEVERS9_STORE_PORT"
+
 _created_by_us = False
 _cpu_only = False
+_lazy_backend: str | None = None  # inside lazy_group: the backend of a group made on first need
+_stall_slot: Any = None  # in a rank of distributed.run: forming the group counts as waiting in a collective
+_groups_formed = 0  # on a launcher's store, every group after the first gets keys of its own
 
 
 def compute_on_cpu() -> None:
-    """Make this process compute on the CPU even where CUDA is present (ranks of a gloo run on simulated cards)."""
+    """Make this process compute on the CPU even where CUDA is present (ranks of a gloo run)."""
     global _cpu_only
     _cpu_only = True
 
@@ -37,9 +46,7 @@ def cpu_only() -> bool:
 
 def wants_cuda() -> bool:
     """True if this process should compute on a card (CUDA present and not forced onto the CPU)."""
-    if _cpu_only:
-        return False
-    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+    if _cpu_only or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
         return False
     import torch
 
@@ -86,20 +93,18 @@ def apply_quirks_here(local_world_size: int, backend: str, disabled: tuple[str, 
     """Apply the GPU-quirk registry in this process before its first collective (once per process)."""
     from levers9.distributed.hardware import quirks
 
-    quirks.apply_quirks(
-        local_world_size=local_world_size, backend=backend, is_main=world.rank() == 0, disabled=disabled
-    )
+    quirks.apply_quirks(local_world_size=local_world_size, backend=backend, is_main=world.rank() == 0, disabled=disabled)
 
 
-def join_launcher_group(info: LaunchInfo, *, backend: str | None = None, disabled: tuple[str, ...] = ()) -> bool:
+def join_launcher_group(info: LaunchInfo, backend: str | None = None) -> bool:
     """Under a launcher with several ranks and no live group, create it (the card set as current device
-    first for nccl, quirks applied first, a finite timeout) and remember that levers9 owns it; True if
-    this call created it."""
+    first for nccl, quirks applied first, a finite timeout); True if this call created it."""
     global _created_by_us
     if info.world_size <= 1 or world.live_group() is not None:
         return False
     backend = backend or ("nccl" if wants_cuda() else "gloo")
-    apply_quirks_here(info.local_world_size, backend, disabled)
+    apply_quirks_here(info.local_world_size, backend)
+    init_method = "env://"
     if info.launcher in ("slurm", "mpi"):
         if not info.master_addr:
             raise LauncherEnvError(
@@ -108,15 +113,14 @@ def join_launcher_group(info: LaunchInfo, *, backend: str | None = None, disable
                 f"(and MASTER_PORT) before launching."
             )
         init_method = f"tcp://{info.master_addr}:{info.master_port or 29500}"
-    else:
+    elif "TORCHELASTIC_USE_AGENT_STORE" not in os.environ:
         for name in ("MASTER_ADDR", "MASTER_PORT"):
-            if name not in os.environ and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ:
+            if name not in os.environ:
                 raise LauncherEnvError(
                     f"{info.launcher} set RANK={info.rank} and WORLD_SIZE={info.world_size} but not {name}. "
                     f"Expected MASTER_ADDR and MASTER_PORT naming rank 0's rendezvous; export {name}=... "
                     f"or launch with `torchrun`."
                 )
-        init_method = "env://"
     import torch
     import torch.distributed as td
 
@@ -128,13 +132,8 @@ def join_launcher_group(info: LaunchInfo, *, backend: str | None = None, disable
     return True
 
 
-# In a rank of distributed.run: its stall slot, so that waiting for the other ranks to form the group
-# counts as waiting in a collective (a rank that never arrives is then reported as a stall).
-_stall_slot: Any = None
-
-
 def ensure_group() -> None:
-    """Make sure a group exists when the launcher says there are several ranks (helpers call this lazily)."""
+    """Make the group now if the launcher says there are several ranks and none exists (helpers call this)."""
     if world.live_group() is not None:
         return
     info = world.launch_info()
@@ -144,7 +143,7 @@ def ensure_group() -> None:
     if slot is not None:
         slot.enter("init_process_group")
     try:
-        created = join_launcher_group(info)
+        created = join_launcher_group(info, _lazy_backend)
     finally:
         if slot is not None:
             slot.leave("init_process_group")
@@ -152,31 +151,37 @@ def ensure_group() -> None:
         atexit.register(destroy_own_group)
 
 
-# Set by distributed.run for its ranks: the loopback port of the rendezvous store the parent hosts.
-STORE_PORT_VAR = "LEVERS9_STORE_PORT"
-
-
-def prepare_lazy_group(stall_slot: Any = None) -> None:
-    """In a rank of distributed.run, before fn: no group yet, but one is made whenever it is first needed.
-
-    fn may make it (`init_process_group`, see route_env_rendezvous); levers9's helpers make it through
-    ensure_group; and a torch.distributed collective called with no group (code written for levers9's
-    former eager group) makes it too, instead of failing with "Default process group has not been
-    initialized". Only a group made here is destroyed by levers9.
-    """
-    global _stall_slot
-    _stall_slot = stall_slot
+@contextlib.contextmanager
+def lazy_group(backend: str, stall_slot: Any = None) -> Iterator[None]:
+    """While the block runs fn: no group is made up front, but one with `backend` is made on first need (a
+    levers9 helper, or a torch.distributed collective called with no group, as code written for an eager
+    group does); fn's own `init_process_group` works as under torchrun. A group made in the block is
+    destroyed at its end."""
+    global _lazy_backend, _stall_slot
     route_env_rendezvous()
-    import importlib
+    _make_group_on_first_collective()
+    had_group = world.live_group() is not None
+    saved = _lazy_backend, _stall_slot
+    _lazy_backend, _stall_slot = backend, stall_slot
+    try:
+        yield
+    finally:
+        _lazy_backend, _stall_slot = saved
+        if not had_group:
+            destroy_own_group()
 
+
+def _make_group_on_first_collective() -> None:
+    """Inside lazy_group, a collective called with no group makes it instead of failing with "Default
+    process group has not been initialized". Installed once per process."""
     c10d = importlib.import_module("torch.distributed.distributed_c10d")
     original = c10d._get_default_group  # what every collective called with group=None asks first
     if getattr(original, "__levers9_wrapped__", False):
         return
 
     def default_group() -> Any:
-        if not c10d.is_initialized() and STORE_PORT_VAR in os.environ:
-            join_launcher_group(world.launch_info())  # the collective asking is already counted as one
+        if _lazy_backend is not None and not c10d.is_initialized():
+            join_launcher_group(world.launch_info(), _lazy_backend)  # the collective asking is already counted as one
         return original()
 
     default_group.__levers9_wrapped__ = True  # type: ignore[attr-defined]
@@ -184,48 +189,45 @@ def prepare_lazy_group(stall_slot: Any = None) -> None:
 
 
 def route_env_rendezvous() -> None:
-    """Make `init_process_group(..., init_method="env://")` (the default) right inside a levers9 rank.
+    """Make `init_process_group(..., init_method="env://")` (the default) right in levers9's and torchrun's ranks.
 
-    MASTER_PORT naming the parent's store: every rank, rank 0 included, joins it as a client (torch's
-    TORCHELASTIC_USE_AGENT_STORE rule), and a rank/world_size argument that contradicts the ranks
-    started is refused at once instead of waiting for ranks that never come. Any other MASTER_PORT (a
-    script that sets its own, as the PyTorch DDP tutorial does): torch's own env:// rendezvous, in
-    which rank 0 hosts the store. Installed once per process, in place of torch's "env" handler.
+    On a launcher's store (TORCHELASTIC_USE_AGENT_STORE=True: distributed.run's parent or torchrun's
+    agent) every group after this process's first gets keys of its own, so a group made after fn
+    destroyed its own never reads the old group's addresses. In a levers9 rank, a rank= or world_size=
+    that contradicts the ranks started is refused at once instead of waiting for ranks that never come,
+    and a MASTER_PORT the script set itself (as the PyTorch DDP tutorial does) gets torch's own env://
+    rendezvous, in which rank 0 hosts the store. Installed once per process, in place of torch's handler.
     """
-    import importlib
-
     rendezvous = importlib.import_module("torch.distributed.rendezvous")
-
     handlers = rendezvous._rendezvous_handlers  # torch offers no public way to replace a registered scheme
     original = handlers.get("env")
     if original is None or getattr(original, "__levers9_wrapped__", False):
         return
 
     def env_handler(url: str, **kwargs: Any) -> Any:
-        if STORE_PORT_VAR not in os.environ:  # not (or no longer) inside a levers9 run
-            return original(url, **kwargs)
-        if _names_parent_store():
+        in_levers9_rank = STORE_PORT_VAR in os.environ
+        if in_levers9_rank and not _names_parent_store():
+            _check_asked_world(url, ("world_size",))
+            return _without_agent_store(original(url, **kwargs))
+        if in_levers9_rank:
             _check_asked_world(url, ("world_size", "rank"))
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             return _fresh_keys(original(url, **kwargs))
-        _check_asked_world(url, ("world_size",))
-        return _without_agent_store(original(url, **kwargs))
+        return original(url, **kwargs)
 
     env_handler.__levers9_wrapped__ = True  # type: ignore[attr-defined]
     handlers["env"] = env_handler
 
 
-_rendezvous_count = 0
-
 
 def _fresh_keys(inner: Any) -> Any:
-    """The parent store, under a prefix of its own for each group this rank forms on it: a group made after
-    the user destroyed theirs must not read the first group's addresses (every rank forms its groups in
-    the same order, so the prefixes match)."""
-    global _rendezvous_count
+    """The launcher's store, under a prefix of its own for each group after the first: every rank forms its
+    groups in the same order, so the prefixes match (torch reuses the first group's keys otherwise)."""
+    global _groups_formed
     import torch.distributed as td
 
-    _rendezvous_count += 1
-    number = _rendezvous_count
+    _groups_formed += 1
+    number = _groups_formed
     for store, rank, world_size in inner:
         yield (store if number == 1 else td.PrefixStore(f"levers9-group-{number}/", store)), rank, world_size
 
@@ -233,11 +235,7 @@ def _fresh_keys(inner: Any) -> Any:
 def _names_parent_store() -> bool:
     """True while MASTER_ADDR/MASTER_PORT still name the store distributed.run's parent hosts."""
     port = os.environ.get(STORE_PORT_VAR)
-    return (
-        port is not None
-        and os.environ.get("MASTER_PORT") == port
-        and os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost")
-    )
+    return os.environ.get("MASTER_PORT") == port and os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost")
 
 
 def _without_agent_store(inner: Any) -> Any:
@@ -254,15 +252,10 @@ def _without_agent_store(inner: Any) -> Any:
 
 def _check_asked_world(url: str, names: tuple[str, ...]) -> None:
     """ConfigError when init_process_group's rank= or world_size= contradicts the ranks distributed.run started."""
-    from urllib.parse import parse_qs, urlparse
-
-    from levers9.errors import ConfigError
-
     query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
     started = {"world_size": os.environ.get("WORLD_SIZE"), "rank": os.environ.get("RANK")}
     for name in names:
-        value = started[name]
-        asked = query.get(name)
+        value, asked = started[name], query.get(name)
         if asked is not None and value is not None and asked != value:
             raise ConfigError(
                 f"init_process_group({name}={asked}) on a rank that levers9 started as RANK={started['rank']} of "

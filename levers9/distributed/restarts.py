@@ -99,17 +99,6 @@ def _check_kinds(restart_on: Any) -> tuple[str, ...]:
     return kinds
 
 
-def refuse_without_spawning(where: str, max_restarts: Any, restart_on: Any, restart_delay: Any) -> None:
-    """Restart arguments mean something only for ranks run starts itself: refused, not ignored, `where` it starts none."""
-    for name, value in (("max_restarts", max_restarts), ("restart_on", restart_on), ("restart_delay", restart_delay)):
-        if value is not None:
-            raise ConfigError(
-                f"{name}={value!r} applies only to ranks distributed.run starts itself, and here it starts none "
-                f"({where}): the launcher owns these processes. Expected it unset here; let the launcher restart "
-                f"them (torchrun --max-restarts N), or run without a launcher."
-            )
-
-
 def attempt_env(restart_count: int, max_restarts: int) -> dict[str, str]:
     """The variables each rank of an attempt gets, as torchrun names them."""
     return {"TORCHELASTIC_RESTART_COUNT": str(restart_count), "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}

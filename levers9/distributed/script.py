@@ -15,7 +15,6 @@ import io
 import os
 import runpy
 import shutil
-import socket
 import subprocess
 import sys
 import traceback
@@ -260,16 +259,16 @@ def _run_as_main(script: ScriptTarget) -> None:
 def _run_in_place(script: ScriptTarget) -> None:
     """One rank: run the target in this process under torchrun's variables for a world of one, then put back
     sys.argv, sys.path and the environment; a sys.exit(N) with N != 0 becomes RankCrashed, as with more ranks."""
-    from levers9.distributed.spawner import rank_env
+    from levers9.distributed.spawner import hosted_store, rank_env
 
     if script.kind == "program":
-        with _hosted_store() as port:
+        with hosted_store() as port:
             code = subprocess.call([script.name, *script.argv], env={**os.environ, **rank_env(0, 1, port)})
         if code != 0:
             _raise_exit(code if code > 0 else None, -code if code < 0 else None, f"program {script.name}")
         return
     saved_argv, saved_path, saved_env = list(sys.argv), list(sys.path), dict(os.environ)
-    with _hosted_store() as port:
+    with hosted_store() as port:
         os.environ.update(rank_env(0, 1, port))
         group.route_env_rendezvous()
         try:
@@ -292,31 +291,6 @@ def _run_in_place(script: ScriptTarget) -> None:
 def _raise_exit(code: int | None, signum: int | None, what: str) -> None:
     failure = RankFailure(rank=0, pid=os.getpid(), exitcode=code, signal=signum)
     raise RankCrashed(f"distributed.run_script: {what} on rank 0 {failure.how()}.", failure)
-
-
-@contextlib.contextmanager
-def _hosted_store() -> Iterator[int]:
-    """A rendezvous store on a loopback port this process bound itself (port 0: no collisions); yields the port."""
-    import datetime
-
-    import torch.distributed as td
-
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(16)
-        port = listener.getsockname()[1]
-        store = td.TCPStore(
-            "127.0.0.1", port, None, True, datetime.timedelta(seconds=60),
-            wait_for_workers=False, master_listen_fd=os.dup(listener.fileno()),
-        )
-        listener.close()
-        try:
-            yield port
-        finally:
-            del store
-    finally:
-        listener.close()
 
 
 def _silence_console() -> None:

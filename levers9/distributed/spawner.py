@@ -1,30 +1,31 @@
 """`distributed.run`: call fn(cfg) on every rank and return what rank 0 returned.
 
-Not under a launcher, it starts one process per card (or `nprocs`) through levers9.procs: forked
-where that is safe (no second interpreter, no second `import torch`), fresh interpreters with fn
-and cfg shipped by value where it is not. The parent hosts the rendezvous store on a loopback socket
-it bound itself (port 0: no races, nothing reachable from other hosts), forwards the ranks' output,
-and watches every rank: the first failure stops the rest and is raised here, with the rank, its exit
-code or signal, and its own traceback. Under a launcher, or with one process, fn runs here.
+Under a launcher, or with one process, fn runs in this process. Otherwise one process per card (or
+`nprocs`) starts through levers9.procs: forked where that is safe (no second `import torch`), fresh
+interpreters with fn and cfg shipped by value where it is not. The ranks meet on a rendezvous store
+this process hosts on a loopback port it bound itself (nothing reachable from other hosts); the
+first failure stops the rest and is raised here with the rank, its exit code or signal, and its own
+traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import functools
 import inspect
-import logging
 import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn
 
 from levers9.context import current_job
 from levers9.distributed import detect, group, restarts, stalls, world
 from levers9.distributed.hardware import oom
-from levers9.distributed.rank_child import RankSpec, RankTarget
+from levers9.distributed.rank_child import RankSpec, RankTarget, to_cpu
 from levers9.distributed.self_timer import SelfTimer
 from levers9.errors import (
     ConfigError,
@@ -34,17 +35,23 @@ from levers9.errors import (
     RankFailure,
     RunTimeout,
     StallError,
+    add_note,
     signal_name,
 )
 from levers9.procs import start
 from levers9.procs.failure import rebuild, ship, unpicklable_part, unship
 from levers9.procs.watch import Child, Watcher, exit_on_terminate
 
-log = logging.getLogger("levers9.distributed")
-
 STOP_GRACE_S = 5.0  # default stop_grace: SIGTERM, then SIGKILL after this long
 ROOT_CAUSE_WINDOW_S = 0.15  # after the first failure, wait this long for an earlier one still in flight
 REPORT_LINES = 40  # of a rank's output, shown in a failure report
+# What to do instead of each argument that only ranks started here use, under a launcher.
+_INSTEAD_UNDER_LAUNCHER = {
+    "stall_timeout": "pass timeout= instead (every rank watches itself)",
+    "prefix_output": "use the launcher's own output options (torchrun --tee/--redirects)",
+    **dict.fromkeys(("max_restarts", "restart_on", "restart_delay"),
+                    "let the launcher restart the ranks (torchrun --max-restarts N), or run without a launcher"),
+}  # fmt: skip
 
 
 def run(
@@ -90,30 +97,32 @@ def run(
 
     quirks.check_quirk_ids(disable_quirks)
     policy = restarts.check_restart_args(max_restarts, restart_on, restart_delay)
-    call_without_cfg = cfg is None and _takes_no_arguments(fn)
+    call = fn if cfg is None and _takes_no_arguments(fn) else functools.partial(fn, cfg)
     info = world.launch_info()
     if info.launcher != "single" or world.live_group() is not None:
-        _refuse_spawn_only(info.launcher, nprocs, info.world_size, stall_timeout, start_method, prefix_output)
-        restarts.refuse_without_spawning(f"under {info.launcher}", max_restarts, restart_on, restart_delay)
-        return _run_as_rank(fn, cfg, call_without_cfg, backend, timeout, disable_quirks)
+        if nprocs is not None and nprocs != info.world_size:
+            raise ConfigError(
+                f"nprocs={nprocs} but this process is already one of {info.world_size} rank(s) under {info.launcher}; the "
+                f"launcher decides how many ranks run. Drop nprocs=, or launch {nprocs} ranks (e.g. --nproc-per-node {nprocs})."
+            )
+        _refuse_spawn_only(f"under {info.launcher}", stall_timeout=stall_timeout, start_method=start_method,
+                           prefix_output=prefix_output, max_restarts=max_restarts, restart_on=restart_on,
+                           restart_delay=restart_delay)  # fmt: skip
+        return _run_as_rank(call, backend, timeout, disable_quirks)
     layout = plan_layout(nprocs, backend)
     job = current_job()
     if max_restarts is None and job is not None:
         policy = dataclasses.replace(policy, max_restarts=job.max_restarts)  # @job(max_restarts=...)
     if layout.nprocs == 1 and not policy.max_restarts:  # a restartable world of one runs as a started rank
-        _refuse_spawn_only("in place", None, 1, stall_timeout, start_method, None)
-        return _run_in_place(fn, cfg, call_without_cfg, layout.backend, timeout, disable_quirks)
+        _refuse_spawn_only("in place", stall_timeout=stall_timeout, start_method=start_method)
+        return _run_in_place(call, layout.backend, timeout, disable_quirks)
     if stall_timeout is None and job is not None:
         stall_timeout = job.stall_timeout  # @job(stall_timeout=...)
-    method = start.choose(start_method)
+    options = _Options(timeout, stall_timeout, start.choose(start_method), prefix_output is None or bool(prefix_output),
+                       disable_quirks, stop_grace)  # fmt: skip
     with exit_on_terminate():  # SIGTERM to this process stops the ranks with stop_grace, as Ctrl-C does
-        return restarts.run_attempts(
-            policy,
-            lambda attempt_env: _Spawn(fn, cfg, call_without_cfg, layout, timeout, stall_timeout, method,
-                                       True if prefix_output is None else prefix_output, disable_quirks, stop_grace,
-                                       attempt_env).run(),  # fmt: skip
-            ranks=layout.nprocs, timeout=timeout, stall_timeout=stall_timeout,
-        )
+        return restarts.run_attempts(policy, lambda attempt_env: _Spawn(call, (fn, cfg), layout, options, attempt_env).run(),
+                                     ranks=layout.nprocs, timeout=timeout, stall_timeout=stall_timeout)  # fmt: skip
 
 
 def _check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> None:
@@ -124,37 +133,26 @@ def _check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> None:
         raise ConfigError(f"{name}={value!r}; expected {expected}.")
 
 
-def _refuse_spawn_only(where: str, nprocs: int | None, world_size: int, stall_timeout: float | None,
-                       start_method: str | None, prefix_output: bool | None) -> None:  # fmt: skip
-    """Arguments that only mean something for ranks this call starts: refused, not ignored, elsewhere."""
+def _refuse_spawn_only(where: str, **given: Any) -> None:
+    """Arguments that only mean something for ranks this call starts: refused, not ignored, `where` it starts none."""
     in_place = where == "in place"
-    under = "fn runs in place, as a world of one" if in_place else f"this process is already a rank, under {where}"
-    if nprocs is not None and nprocs != world_size:
+    for name, value in given.items():
+        if value is None:
+            continue
+        under = "fn runs in place, as a world of one" if in_place else f"this process is already a rank, {where}"
+        instead = "pass nprocs=2 or more to start ranks, or drop it" if in_place else _INSTEAD_UNDER_LAUNCHER.get(name, "drop it")
         raise ConfigError(
-            f"nprocs={nprocs} but this process is already one of {world_size} rank(s) under {where}; the launcher "
-            f"decides how many ranks run. Drop nprocs=, or launch {nprocs} ranks (e.g. --nproc-per-node {nprocs})."
+            f"{name}={value!r} applies only to ranks distributed.run starts itself, and here it starts none: "
+            f"{under}. Expected it unset here; {instead}."
         )
-    fix = "pass nprocs=2 or more to start ranks, or drop it" if in_place else "drop it"
-    for name, value, instead in (
-        ("stall_timeout", stall_timeout, fix if in_place else "pass timeout= instead (every rank watches itself)"),
-        ("start_method", start_method, fix),
-        ("prefix_output", prefix_output, "use the launcher's own output options (torchrun --tee/--redirects)"),
-    ):
-        if value is not None:
-            raise ConfigError(
-                f"{name}={value!r} applies only to ranks distributed.run starts itself, and here it starts none: "
-                f"{under}. Expected it unset here; {instead}."
-            )
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How many ranks to start, on which backend, and whether they compute on cards."""
+    """How many ranks to start, and on which backend (gloo ranks compute on the CPU)."""
 
     nprocs: int
     backend: str
-    use_cuda: bool
-    simulated: bool = False
 
 
 def visible_card_count() -> int:
@@ -167,17 +165,17 @@ def visible_card_count() -> int:
 
 
 def plan_layout(nprocs: int | None, backend: str | None) -> Layout:
-    """Ranks, backend and device for a run started here; a clear error for impossible combinations."""
+    """Ranks and backend for a run started here; a clear error for impossible combinations."""
     if nprocs is not None and (isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1):
         raise ConfigError(f"nprocs={nprocs!r}; expected a whole number >= 1, or None for one rank per visible card.")
     if backend is not None and backend not in ("nccl", "gloo"):
         raise ConfigError(f"backend={backend!r}; expected 'nccl', 'gloo' or None (nccl on cards, gloo on the CPU).")
     job = current_job()
     if job is not None and job.simulated:  # a job on simulated cards: one CPU rank per card
-        return Layout(nprocs or job.gpu_count, "gloo", use_cuda=False, simulated=True)
+        return Layout(nprocs or job.gpu_count, "gloo")
     cards = visible_card_count()
     if backend == "gloo" or (cards == 0 and backend is None):
-        return Layout(nprocs or 1, "gloo", use_cuda=False)
+        return Layout(nprocs or 1, "gloo")
     if cards == 0:
         raise ConfigError(
             "backend='nccl' but this process sees no CUDA card. Expected at least one card; "
@@ -189,7 +187,7 @@ def plan_layout(nprocs: int | None, backend: str | None) -> Layout:
             f"have no card. Expected one card per rank; pass nprocs<={cards}, or backend='gloo' to run "
             f"{nprocs} ranks on the CPU."
         )
-    return Layout(nprocs or cards, "nccl", use_cuda=True)
+    return Layout(nprocs or cards, "nccl")
 
 
 def _takes_no_arguments(fn: Callable[..., Any]) -> bool:
@@ -197,110 +195,95 @@ def _takes_no_arguments(fn: Callable[..., Any]) -> bool:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return False
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return not any(p.kind in positional or p.kind == inspect.Parameter.VAR_POSITIONAL for p in params)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    return not any(p.kind in positional for p in params)
 
 
-def _call(fn: Callable[..., Any], cfg: Any, call_without_cfg: bool) -> Any:
-    return fn() if call_without_cfg else fn(cfg)
+def _run_as_rank(call: Callable[[], Any], backend: str | None, timeout: float | None, disabled: tuple[str, ...]) -> Any:
+    """Under a launcher (or in a group the user made): fn with the group made lazily, rank 0's value on every rank."""
+    info = world.launch_info()
+    backend = backend or ("nccl" if group.wants_cuda() else "gloo")
+    group.apply_quirks_here(info.local_world_size, backend, disabled)
+    with group.lazy_group(backend), SelfTimer(timeout, f"rank {world.rank()} of distributed.run", under_launcher=True):
+        result = call()
+        if world.world_size() == 1:
+            return result
+        group.ensure_group()  # fn may have destroyed its own group: the value still travels through one
+        import torch.distributed as td
+
+        from levers9.distributed.helpers import device
+
+        box = [to_cpu(result) if td.get_rank() == 0 else None]
+        td.broadcast_object_list(box, src=0, device=device() if td.get_backend() == "nccl" else None)
+        return box[0]
 
 
-def _run_as_rank(fn: Callable[..., Any], cfg: Any, call_without_cfg: bool, backend: str | None,
-                 timeout: float | None, disabled: tuple[str, ...]) -> Any:  # fmt: skip
-    """Under a launcher (or in a group the user made): join or reuse the group, call fn, share rank 0's value."""
-    created = group.join_launcher_group(world.launch_info(), backend=backend, disabled=disabled)
-    try:
-        with SelfTimer(timeout, f"rank {world.rank()} of distributed.run", under_launcher=True):
-            result = _call(fn, cfg, call_without_cfg)
-            td = world.live_group()
-            if td is None or td.get_world_size() == 1:
-                return result
-            from levers9.distributed.rank_child import to_cpu
-
-            box = [to_cpu(result) if td.get_rank() == 0 else None]
-            device = None
-            if td.get_backend() == "nccl":
-                from levers9.distributed.helpers import device as this_device
-
-                device = this_device()
-            td.broadcast_object_list(box, src=0, device=device)
-            return box[0]
-    finally:
-        if created:
-            group.destroy_own_group()
-
-
-def _run_in_place(fn: Callable[..., Any], cfg: Any, call_without_cfg: bool, backend: str,
-                  timeout: float | None, disabled: tuple[str, ...]) -> Any:  # fmt: skip
+def _run_in_place(call: Callable[[], Any], backend: str, timeout: float | None, disabled: tuple[str, ...]) -> Any:
     """A world of one: a plain call with quirks applied; no group unless fn makes one (then it is fn's)."""
     group.apply_quirks_here(1, backend, disabled)
     try:
         with SelfTimer(timeout, "distributed.run (in place, a world of one)", under_launcher=False):
-            return _call(fn, cfg, call_without_cfg)
+            return call()
     finally:
         group.destroy_own_group()
 
 
-class _Spawn:
-    """One spawned run: start the ranks, watch them, return rank 0's value or raise the root failure."""
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """run()'s keywords that every attempt of a spawned run uses."""
 
-    def __init__(self, fn: Callable[..., Any], cfg: Any, call_without_cfg: bool, layout: Layout,
-                 timeout: float | None, stall_timeout: float | None, method: start.StartMethod,
-                 prefix_output: bool, disable_quirks: tuple[str, ...], stop_grace: float,
-                 attempt_env: dict[str, str] | None = None) -> None:  # fmt: skip
-        self.fn, self.cfg, self.call_without_cfg, self.layout = fn, cfg, call_without_cfg, layout
-        self.attempt_env = attempt_env or {}  # TORCHELASTIC_RESTART_COUNT / _MAX_RESTARTS of this attempt
-        self.timeout, self.stall_timeout, self.method = timeout, stall_timeout, method
-        self.prefix_output, self.disable_quirks, self.stop_grace = prefix_output, disable_quirks, stop_grace
+    timeout: float | None
+    stall_timeout: float | None
+    method: start.StartMethod
+    prefix_output: bool
+    disable_quirks: tuple[str, ...]
+    stop_grace: float
+
+
+class _Spawn:
+    """One attempt of a spawned run: start the ranks, watch them, return rank 0's value or raise the root failure."""
+
+    def __init__(self, call: Callable[[], Any], fn_and_cfg: tuple[Any, Any], layout: Layout, options: _Options,
+                 attempt_env: dict[str, str]) -> None:  # fmt: skip
+        self.call, self.fn_and_cfg, self.layout, self.options = call, fn_and_cfg, layout, options
+        self.attempt_env = attempt_env  # TORCHELASTIC_RESTART_COUNT / _MAX_RESTARTS of this attempt
         self.watcher = Watcher(self._forward)
         self.ranks: list[Child] = []
         self.started = time.monotonic()
         self.oom_before = oom.oom_kills()
 
     def run(self) -> Any:
-        shipped = self._shipped() if not self.method.forks else None
+        shipped = None if self.options.method.forks else self._shipped()
         env = self._child_env()
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        folder = stalls.RunFolder(self.layout.nprocs)
-        try:
-            listener.bind(("127.0.0.1", 0))
-            listener.listen(128)
-            port = listener.getsockname()[1]
-            import torch.distributed as td
-
-            store = td.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=60),
-                                wait_for_workers=False, master_listen_fd=os.dup(listener.fileno()))  # fmt: skip
-            listener.close()
+        with contextlib.ExitStack() as cleanup:  # unwound last to first: ranks stopped, store, pipes, folder
+            folder = stalls.RunFolder(self.layout.nprocs)
+            cleanup.callback(folder.remove)
+            cleanup.callback(self.watcher.close)
+            port = cleanup.enter_context(hosted_store())
+            cleanup.callback(self.watcher.stop, self.options.stop_grace)
             for rank in range(self.layout.nprocs):
-                spec = RankSpec(rank, self.layout.nprocs, self.layout.backend, self.call_without_cfg,
-                                str(folder.path), self.layout.use_cuda, current_job())  # fmt: skip
-                target = RankTarget(spec, shipped if shipped is not None else (self.fn, self.cfg))
-                rank_shipped = ship(target) if shipped is not None else None
-                child = start.start(target, method=self.method, shipped=rank_shipped,
-                                    env={**env, **rank_env(rank, self.layout.nprocs, port), **self.attempt_env}, name=f"rank {rank}")  # fmt: skip
+                spec = RankSpec(rank, self.layout.nprocs, self.layout.backend, str(folder.path), current_job())
+                target = RankTarget(spec, self.call if shipped is None else shipped)
+                child = start.start(target, method=self.options.method, shipped=None if shipped is None else ship(target),
+                                    env={**env, **rank_env(rank, self.layout.nprocs, port), **self.attempt_env},
+                                    name=f"rank {rank}")  # fmt: skip
                 self.ranks.append(self.watcher.add(child))
             folder.write_pids(os.getpid(), [p.pid for p in self.ranks])
             return self._watch(folder)
-        finally:
-            self.watcher.stop(self.stop_grace)
-            self.watcher.close()
-            listener.close()
-            folder.remove()
-            del store
 
     def _shipped(self) -> bytes:
-        """fn and cfg pickled by value where needed (cloudpickle), or a clear error naming what cannot be."""
-        for what, value in (("fn", self.fn), ("cfg", self.cfg)):
+        """fn bound to cfg, pickled by value where needed (cloudpickle), or a clear error naming what cannot be."""
+        for what, value in zip(("fn", "cfg"), self.fn_and_cfg, strict=True):
             try:
                 ship(value)
             except Exception as exc:
                 raise NotShippableError(
-                    f"{what} must be pickled to reach ranks started as fresh interpreters ({self.method.reason}, "
+                    f"{what} must be pickled to reach ranks started as fresh interpreters ({self.options.method.reason}, "
                     f"so they are not forked), but {unpicklable_part(value, what)} cannot be: {type(exc).__name__}: "
                     f"{exc}. Expected plain data and importable or notebook-defined functions; pass paths or "
                     f"settings instead of open files, locks or live objects, and open them inside fn."
                 ) from exc
-        return ship((self.fn, self.cfg))
+        return ship(self.call)
 
     def _child_env(self) -> dict[str, str]:
         """Variables every rank gets on top of the caller's environment (quirk defaults included)."""
@@ -308,7 +291,8 @@ class _Spawn:
 
         env: dict[str, str] = {}
         if quirks.applied_plan() is None:  # planned once: a job process applied its cards' plan already
-            plan = quirks.plan_quirks(local_world_size=self.layout.nprocs, backend=self.layout.backend, disabled=self.disable_quirks)
+            plan = quirks.plan_quirks(local_world_size=self.layout.nprocs, backend=self.layout.backend,
+                                      disabled=self.options.disable_quirks)  # fmt: skip
             plan.raise_errors()  # before any rank starts
             plan.log()
             env.update(plan.set_env)
@@ -318,18 +302,18 @@ class _Spawn:
         return env
 
     def _forward(self, child: Child, stream: str, line: str) -> None:
-        prefix = f"[{child.name}] " if self.prefix_output and child is not self.ranks[0] else ""
+        prefix = f"[{child.name}] " if self.options.prefix_output and child is not self.ranks[0] else ""
         out = sys.stdout if stream == "stdout" else sys.stderr
         out.write(f"{prefix}{line}\n")
         out.flush()
 
     def _watch(self, folder: stalls.RunFolder) -> Any:
         """Pump messages and output until every rank is done or one fails; then return or raise."""
-        deadline = None if self.timeout is None else self.started + self.timeout
+        timeout, stall_timeout = self.options.timeout, self.options.stall_timeout
+        deadline = None if timeout is None else self.started + timeout
         failure_seen_at: float | None = None
         while True:
-            wait = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
-            self.watcher.pump(wait)
+            self.watcher.pump(0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic())))
             now = time.monotonic()
             if failure_seen_at is None and any(p.failed for p in self.ranks):
                 failure_seen_at = now
@@ -341,87 +325,73 @@ class _Spawn:
                 return None if rank0 is None else unship(rank0)
             if deadline is not None and now >= deadline:
                 self._raise_stopped(folder, RunTimeout, self._timeout_text())
-            if self.stall_timeout is not None:
-                states = folder.states()
-                folder.sample_when_quiet(states, now)
-                if stalls.stalled(states, self.stall_timeout, now):
-                    self._raise_stopped(folder, StallError, self._stall_text())
+            if stall_timeout is not None and stalls.stalled_now(folder, stall_timeout, now):
+                self._raise_stopped(folder, StallError, self._stall_text())
 
     def _root_cause(self) -> Child:
         """The rank whose failure came first; errors caused only by losing a peer rank last."""
-        failed = [p for p in self.ranks if p.failed]
 
         def order(proc: Child) -> tuple[int, float]:
             if proc.failure is not None:
                 return (1 if proc.failure.peer_loss else 0, proc.failure.when)
             return (0, time.monotonic())  # a crash: seen now, but never a mere consequence
 
-        return min(failed, key=order)
+        return min((p for p in self.ranks if p.failed), key=order)
 
-    def _raise_root_failure(self) -> None:
+    def _raise_root_failure(self) -> NoReturn:
         root = self._root_cause()
-        self.watcher.stop(self.stop_grace)
+        self.watcher.stop(self.options.stop_grace)
         self.watcher.drain(0.3)
-        failure = self._failure_of(root)
+        report = root.failure
+        failure = RankFailure(
+            rank=self.ranks.index(root),
+            pid=root.pid,
+            exitcode=root.exitcode if report is None else report.exitcode,
+            signal=root.signal if report is None else None,
+            exc_type=None if report is None or report.is_exit else report.exc_type,
+            message="" if report is None else report.message,
+            traceback="" if report is None else report.traceback,
+            output_tail=output_excerpt(list(root.tail)),
+        )
         others = [str(i) for i, p in enumerate(self.ranks) if p is not root]
         stopped = f"; the other rank(s) {', '.join(others)} were stopped" if others else ""
-        report = root.failure
+        full = failure.describe()
+        if report is not None and report.is_exit:
+            headline = f"rank {failure.rank} (pid {root.pid}) called sys.exit({report.message or report.exitcode}){stopped}."
+            raise RankCrashed(f"distributed.run: {headline}\n\n{full}", failure)
         if report is None:
-            hint = ""
-            if root.signal is not None:
-                phrase = oom.killed_by(root.signal, self.oom_before, oom.oom_kills())
-                hint = "" if phrase == f"killed by {signal_name(root.signal)}" else f"\nrank {failure.rank} was {phrase}."
-            raise RankCrashed(f"distributed.run: {failure.describe().splitlines()[0]}{stopped}.{hint}\n\n{failure.describe()}", failure)
-        if report.is_exit:
-            raise RankCrashed(
-                f"distributed.run: rank {failure.rank} (pid {root.pid}) called sys.exit({report.message or report.exitcode})"
-                f"{stopped}.\n\n{failure.describe()}",
-                failure,
-            )
-        wrapper = RankFailed(f"distributed.run: {failure.describe().splitlines()[0]}{stopped}.\n\n{failure.describe()}", failure)
+            phrase = oom.killed_by(root.signal, self.oom_before, oom.oom_kills()) if root.signal is not None else ""
+            hint = f"\nrank {failure.rank} was {phrase}." if phrase not in ("", f"killed by {signal_name(root.signal or 0)}") else ""
+            raise RankCrashed(f"distributed.run: {full.splitlines()[0]}{stopped}.{hint}\n\n{full}", failure)
+        wrapper = RankFailed(f"distributed.run: {full.splitlines()[0]}{stopped}.\n\n{full}", failure)
         original = rebuild(report)
         if original is None:
             raise wrapper
-        original.add_note(
-            f"levers9: raised on rank {failure.rank} (pid {root.pid}) of {len(self.ranks)}{stopped}. "
-            f"Its traceback:\n{report.traceback.rstrip()}"
-        )
+        add_note(original, f"levers9: raised on rank {failure.rank} (pid {root.pid}) of {len(self.ranks)}{stopped}. "
+                           f"Its traceback:\n{report.traceback.rstrip()}")  # fmt: skip
         raise original from wrapper
 
-    def _failure_of(self, proc: Child) -> RankFailure:
-        report = proc.failure
-        return RankFailure(
-            rank=self.ranks.index(proc),
-            pid=proc.pid,
-            exitcode=report.exitcode if report is not None else proc.exitcode,
-            signal=proc.signal if report is None else None,
-            exc_type=report.exc_type if report is not None and not report.is_exit else None,
-            message=report.message if report is not None else "",
-            traceback=report.traceback if report is not None else "",
-            output_tail=output_excerpt(list(proc.tail)),
-        )
-
-    def _raise_stopped(self, folder: stalls.RunFolder, error: type[RankFailed], headline: str) -> None:
+    def _raise_stopped(self, folder: stalls.RunFolder, error: type[RankFailed], headline: str) -> NoReturn:
         """Ask every rank where it is, stop them all, and raise `error` with that report and their last output."""
-        live = {i: p.pid for i, p in enumerate(self.ranks) if not p.poll()}
-        states = folder.fresh_states(list(live))
-        where = stalls.describe_ranks(states, stalls.collect_stacks(live, folder.path), time.monotonic())
-        self.watcher.stop(self.stop_grace)
+        where = stalls.where_ranks_are(folder, {i: p.pid for i, p in enumerate(self.ranks) if not p.poll()})
+        self.watcher.stop(self.options.stop_grace)
         self.watcher.drain(0.3)
         tails = "".join(f"\n\nLast output of {p.name}:\n" + "\n".join(list(p.tail)[-10:]) for p in self.ranks if p.tail)
         raise error(f"{headline}\n{where}{tails}")
 
     def _timeout_text(self) -> str:
-        running = [str(i) for i, p in enumerate(self.ranks) if not p.poll()]
+        running = ", ".join(str(i) for i, p in enumerate(self.ranks) if not p.poll())
+        timeout = self.options.timeout
         return (
-            f"distributed.run timed out: still running after {self.timeout:g} s (timeout={self.timeout:g}); "
-            f"rank(s) {', '.join(running)} had not finished and every rank was stopped. Expected the run to "
-            f"finish within the timeout; pass a larger timeout=, or None for no limit. Where each rank was:"
+            f"distributed.run timed out: still running after {timeout:g} s (timeout={timeout:g}); rank(s) {running} "
+            f"had not finished and every rank was stopped. Expected the run to finish within the timeout; pass a "
+            f"larger timeout=, or None for no limit. Where each rank was:"
         )
 
     def _stall_text(self) -> str:
+        stall_timeout = self.options.stall_timeout
         return (
-            f"distributed.run stalled: for {self.stall_timeout:g} s (stall_timeout={self.stall_timeout:g}) no "
+            f"distributed.run stalled: for {stall_timeout:g} s (stall_timeout={stall_timeout:g}) no "
             f"rank issued or completed a collective while at least one waited for one; every rank was stopped. "
             f"The rank that is not waiting, or issued fewer collectives, is usually the cause: a skipped "
             f"collective, uneven data, or a loader that hangs. Pass a larger stall_timeout= if a step "
@@ -437,6 +407,24 @@ def output_excerpt(lines: list[str]) -> str:
     return "\n".join(lines[-REPORT_LINES:])
 
 
+@contextlib.contextmanager
+def hosted_store() -> Iterator[int]:
+    """A rendezvous store on a loopback port this process bound itself (port 0: nothing collides, nothing
+    reachable from other hosts), for as long as the block runs; yields its port."""
+    import torch.distributed as td
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        store = td.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=60),
+                            wait_for_workers=False, master_listen_fd=os.dup(listener.fileno()))  # fmt: skip
+    try:
+        yield port
+    finally:
+        del store
+
+
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     """The variables a rank of a one-node run gets: those torchrun's agent gives a worker, plus levers9's own.
 
@@ -444,24 +432,13 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     makes torch's env:// rendezvous join it as a client on every rank (rank 0 included), as under
     torchrun; TORCHELASTIC_RUN_ID makes torch.distributed.is_torchelastic_launched() answer True.
     """
+    r, w = str(rank), str(world)
     return {
-        "LEVERS9_LAUNCHER": "levers9",
-        group.STORE_PORT_VAR: str(port),
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world),
-        "GROUP_RANK": "0",
-        "GROUP_WORLD_SIZE": "1",
-        "NODE_RANK": "0",
-        "ROLE_RANK": str(rank),
-        "ROLE_WORLD_SIZE": str(world),
-        "ROLE_NAME": "default",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "RANK": r, "LOCAL_RANK": r, "ROLE_RANK": r, "WORLD_SIZE": w, "LOCAL_WORLD_SIZE": w, "ROLE_WORLD_SIZE": w,
+        "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "NODE_RANK": "0", "ROLE_NAME": "default",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
         "TORCHELASTIC_RUN_ID": f"{detect.LEVERS9_RUN_ID_PREFIX}{os.getpid()}-{port}",
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-    }
+        "LEVERS9_LAUNCHER": "levers9", group.STORE_PORT_VAR: str(port),
+    }  # fmt: skip

@@ -7,7 +7,12 @@ Each run started by `distributed.run` gets a private run folder holding
 - `stack-<rank>.txt`: where a rank writes every thread's Python stack on SIGUSR1 (report.py);
 - `ranks.json`: the caller's pid and the ranks' pids, for `levers9 stacks` (runs.py).
 Each rank's blocking `torch.distributed` calls are wrapped to update its slot (instrument.py).
+The three functions below are what `distributed.run`'s parent and ranks call.
 """
+
+from __future__ import annotations
+
+import time
 
 from levers9.distributed.stalls.board import RankSlot, RunFolder, remove_stale_runs
 from levers9.distributed.stalls.instrument import instrument_collectives
@@ -18,6 +23,9 @@ from levers9.distributed.stalls.sampler import start_recorder_sampler
 __all__ = [
     "RunFolder",
     "RankSlot",
+    "watch_this_rank",
+    "stalled_now",
+    "where_ranks_are",
     "enable_stack_dumps",
     "instrument_collectives",
     "start_recorder_sampler",
@@ -29,3 +37,26 @@ __all__ = [
     "report_for_run",
     "remove_stale_runs",
 ]
+
+
+def watch_this_rank(folder: str, rank: int) -> RankSlot:
+    """In a rank, before fn: its stacks dumped on SIGUSR1, its collectives tracked in its slot, its flight
+    recorder sampled on request; the slot."""
+    enable_stack_dumps(folder, rank)
+    slot = RankSlot(folder, rank)
+    instrument_collectives(slot)
+    start_recorder_sampler(slot.record, folder, rank)
+    return slot
+
+
+def stalled_now(folder: RunFolder, stall_timeout: float, now: float) -> bool:
+    """In the parent: True once the ranks' slots show a stall of `stall_timeout` s (asking for recorder
+    samples while the ranks are quiet)."""
+    states = folder.states()
+    folder.sample_when_quiet(states, now)
+    return stalled(states, stall_timeout, now)
+
+
+def where_ranks_are(folder: RunFolder, live: dict[int, int]) -> str:
+    """In the parent: where each live rank (rank -> pid) is, from fresh slots and its stack dump."""
+    return describe_ranks(folder.fresh_states(list(live)), collect_stacks(live, folder.path), time.monotonic())
