@@ -18,9 +18,6 @@ from levers9.errors import LauncherEnvError
 # levers9's ranks carry torchrun's TORCHELASTIC_RUN_ID too (scripts test it); this prefix tells them apart.
 LEVERS9_RUN_ID_PREFIX = "levers9-"
 
-LAUNCHERS = ("torchrun", "accelerate", "levers9", "slurm", "mpi", "env", "single")
-
-
 @dataclasses.dataclass(frozen=True)
 class LaunchInfo:
     """The rank layout a launcher gave this process."""
@@ -38,8 +35,11 @@ class LaunchInfo:
 SINGLE = LaunchInfo("single")
 
 
-def _int(env: Mapping[str, str], name: str, launcher: str) -> int:
-    """env[name] as an int, or a LauncherEnvError naming the variable and its value."""
+def _int(env: Mapping[str, str], name: str, launcher: str, default: int | None = None) -> int:
+    """env[name] as an int (`default` when it is unset and one is given), or a LauncherEnvError naming the
+    variable and its value."""
+    if default is not None and name not in env:
+        return default
     value = env[name]
     try:
         return int(value)
@@ -70,16 +70,9 @@ def _torchrun_layout(env: Mapping[str, str], launcher: str, marker: str) -> Laun
     """The RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK layout torchrun sets."""
     _require(env, ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"), launcher, marker)
     node = "GROUP_RANK" if "GROUP_RANK" in env else "NODE_RANK"
-    return LaunchInfo(
-        launcher,
-        rank=_int(env, "RANK", launcher),
-        world_size=_int(env, "WORLD_SIZE", launcher),
-        local_rank=_int(env, "LOCAL_RANK", launcher),
-        local_world_size=_int(env, "LOCAL_WORLD_SIZE", launcher),
-        node_rank=_int(env, node, launcher) if node in env else 0,
-        master_addr=env.get("MASTER_ADDR"),
-        master_port=_port(env, launcher),
-    )
+    rank, world, local_rank, local_world = (_int(env, n, launcher) for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+    return LaunchInfo(launcher, rank, world, local_rank, local_world, _int(env, node, launcher, 0), env.get("MASTER_ADDR"),
+                      _port(env, launcher))  # fmt: skip
 
 
 def detect_accelerate(env: Mapping[str, str]) -> LaunchInfo | None:
@@ -136,7 +129,7 @@ def detect_slurm(env: Mapping[str, str]) -> LaunchInfo | None:
         return None
     size_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
     _require(env, (size_var, "SLURM_LOCALID"), "slurm", "SLURM_PROCID")
-    node = _int(env, "SLURM_NODEID", "slurm") if "SLURM_NODEID" in env else 0
+    node = _int(env, "SLURM_NODEID", "slurm", 0)
     per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1"
     variable = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
     nodelist = env.get(variable, "")
@@ -144,16 +137,9 @@ def detect_slurm(env: Mapping[str, str]) -> LaunchInfo | None:
     job_id = env.get("SLURM_JOB_ID", "0")
     default_port = 10000 + int(job_id) % 20000 if job_id.isdigit() else 29500
     port = _port(env, "slurm")
-    return LaunchInfo(
-        "slurm",
-        rank=_int(env, "SLURM_PROCID", "slurm"),
-        world_size=_int(env, size_var, "slurm"),
-        local_rank=_int(env, "SLURM_LOCALID", "slurm"),
-        local_world_size=_tasks_on_node(per_node, node),
-        node_rank=node,
-        master_addr=env.get("MASTER_ADDR") or (hosts[0] if hosts else None),
-        master_port=port if port is not None else default_port,
-    )
+    return LaunchInfo("slurm", _int(env, "SLURM_PROCID", "slurm"), _int(env, size_var, "slurm"), _int(env, "SLURM_LOCALID", "slurm"),
+                      _tasks_on_node(per_node, node), node, env.get("MASTER_ADDR") or (hosts[0] if hosts else None),
+                      default_port if port is None else port)  # fmt: skip
 
 
 def detect_mpi(env: Mapping[str, str]) -> LaunchInfo | None:
@@ -170,7 +156,7 @@ def detect_mpi(env: Mapping[str, str]) -> LaunchInfo | None:
         return None
     _require(env, names, "mpi", names[0])
     rank, world, local_rank, local_world = (_int(env, n, "mpi") for n in names)
-    node = _int(env, node_var, "mpi") if node_var in env else rank // max(local_world, 1)
+    node = _int(env, node_var, "mpi", rank // max(local_world, 1))
     return LaunchInfo("mpi", rank, world, local_rank, local_world, node, env.get("MASTER_ADDR"), _port(env, "mpi"))
 
 
@@ -179,30 +165,20 @@ def detect_env(env: Mapping[str, str]) -> LaunchInfo | None:
     present = [n for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") if n in env]
     if not present:
         return None
-    if "RANK" not in env or "WORLD_SIZE" not in env:
-        missing = [n for n in ("RANK", "WORLD_SIZE") if n not in env]
+    missing = [n for n in ("RANK", "WORLD_SIZE") if n not in env]
+    if missing:
         raise LauncherEnvError(
             f"{', '.join(f'{n}={env[n]}' for n in present)} {'is' if len(present) == 1 else 'are'} set but "
             f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not. Expected RANK and WORLD_SIZE "
             f"together (as torchrun sets them); launch with `torchrun --nproc-per-node N script.py`, or unset "
             f"{', '.join(present)} to run as a world of one."
         )
-    rank = _int(env, "RANK", "env")
-    world = _int(env, "WORLD_SIZE", "env")
+    rank, world = _int(env, "RANK", "env"), _int(env, "WORLD_SIZE", "env")
     # Without LOCAL_WORLD_SIZE: one process per node (Kubeflow), or one node when LOCAL_RANK is given.
-    default_local_world = world if "LOCAL_RANK" in env else 1
-    local_world = _int(env, "LOCAL_WORLD_SIZE", "env") if "LOCAL_WORLD_SIZE" in env else default_local_world
-    node_var = next((n for n in ("GROUP_RANK", "NODE_RANK") if n in env), None)
-    return LaunchInfo(
-        "env",
-        rank=rank,
-        world_size=world,
-        local_rank=_int(env, "LOCAL_RANK", "env") if "LOCAL_RANK" in env else 0,
-        local_world_size=local_world,
-        node_rank=_int(env, node_var, "env") if node_var else rank // max(local_world, 1),
-        master_addr=env.get("MASTER_ADDR"),
-        master_port=_port(env, "env"),
-    )
+    local_world = _int(env, "LOCAL_WORLD_SIZE", "env", world if "LOCAL_RANK" in env else 1)
+    node = _int(env, next((n for n in ("GROUP_RANK", "NODE_RANK") if n in env), ""), "env", rank // max(local_world, 1))
+    return LaunchInfo("env", rank, world, _int(env, "LOCAL_RANK", "env", 0), local_world, node, env.get("MASTER_ADDR"),
+                      _port(env, "env"))  # fmt: skip
 
 
 # Tried in this order; the first detector that returns a LaunchInfo wins.

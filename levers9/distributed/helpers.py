@@ -25,8 +25,7 @@ def device() -> torch.device:
     cached = _device_cache.get(key)
     if cached is not None:
         return cached
-    use_cuda = group.wants_cuda()
-    dev = torch.device("cuda", group.cuda_index_for_local_rank(local)) if use_cuda else torch.device("cpu")
+    dev = torch.device("cuda", group.cuda_index_for_local_rank(local)) if group.wants_cuda() else torch.device("cpu")
     _device_cache[key] = dev
     return dev
 
@@ -99,18 +98,13 @@ def all_reduce_mean(x: Any) -> torch.Tensor:
         out = torch.tensor(x, dtype=torch.float64)
     if not out.is_floating_point() and not out.is_complex():
         out = out.to(torch.get_default_dtype())
+    group.ensure_group()  # under a launcher with several ranks and no group yet, make it now
     td = world.live_group()
-    if td is None:
-        group.ensure_group()  # under a launcher with several ranks, join its group now
-        td = world.live_group()
-        if td is None:
-            return out
-    ranks = td.get_world_size()
-    if ranks == 1:
+    if td is None or td.get_world_size() == 1:
         return out
     work = out.to(device() if td.get_backend() == "nccl" else "cpu")  # `out` itself where it already is
     td.all_reduce(work)
-    return work.div_(ranks).to(out.device)
+    return work.div_(td.get_world_size()).to(out.device)
 
 
 def print0(*args: Any, **kwargs: Any) -> None:

@@ -24,6 +24,7 @@ from typing import Any, TextIO
 
 from levers9.distributed import group, world
 from levers9.errors import ConfigError, RankCrashed, RankFailed, RankFailure
+from levers9.procs.failure import exit_status
 
 NPROC_WORDS = ("gpu", "cpu", "auto")
 _LIBRARY_FILES = (str(Path(__file__).resolve().parent.parent), runpy.__file__, "<frozen runpy>")
@@ -274,10 +275,8 @@ def _run_in_place(script: ScriptTarget) -> None:
         try:
             _run_as_main(script)
         except SystemExit as exc:
-            if exc.code not in (None, 0):
-                code = exc.code if isinstance(exc.code, int) else 1
-                if not isinstance(exc.code, int):
-                    print(exc.code, file=sys.stderr)
+            code = exit_status(exc)
+            if code != 0:
                 _raise_exit(code, None, f"{script.kind} {script.name}")
         finally:
             td = world.live_group()

@@ -16,23 +16,10 @@ from levers9.errors import LauncherEnvError
 
 # The variables whose values decide detection's answer; when none changes, the cached answer stands.
 _FINGERPRINT_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "NODE_RANK",
-    "TORCHELASTIC_RUN_ID",
-    "ACCELERATE_MIXED_PRECISION",
-    "ACCELERATE_DYNAMO_BACKEND",
-    "LEVERS9_LAUNCHER",
-    "SLURM_PROCID",
-    "SLURM_STEP_ID",
-    "OMPI_COMM_WORLD_RANK",
-    "PMI_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND", "LEVERS9_LAUNCHER",
+    "SLURM_PROCID", "SLURM_STEP_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+)  # fmt: skip
 _cache: tuple[tuple[object, ...], LaunchInfo] | None = None
 
 # os.environ keeps its raw mapping in `_data` (bytes keys on POSIX); reading that with pre-encoded keys
@@ -51,12 +38,11 @@ def _fingerprint() -> tuple[object, ...]:
 def launch_info() -> LaunchInfo:
     """What the launcher's environment says (validated), re-read only when a launcher variable changes."""
     global _cache
-    environ = os.environ
     key = _fingerprint()
     cached = _cache
     if cached is not None and cached[0] == key:
         return cached[1]
-    info = detect(environ)
+    info = detect(os.environ)
     _cache = (key, info)
     return info
 
@@ -84,19 +70,13 @@ def world_size() -> int:
 def local_rank() -> int:
     """This process's rank on its node; with a hand-made group and no launcher, its global rank (one node)."""
     info = launch_info()
-    if info.launcher == "single":
-        td = live_group()
-        return int(td.get_rank()) if td is not None else 0
-    return info.local_rank
+    return rank() if info.launcher == "single" else info.local_rank
 
 
 def local_world_size() -> int:
     """How many ranks run on this node; with a hand-made group and no launcher, the whole world (one node)."""
     info = launch_info()
-    if info.launcher == "single":
-        td = live_group()
-        return int(td.get_world_size()) if td is not None else 1
-    return info.local_world_size
+    return world_size() if info.launcher == "single" else info.local_world_size
 
 
 def node_rank() -> int:
@@ -112,7 +92,6 @@ def is_main() -> bool:
 def launcher() -> str:
     """Which launcher started this process: torchrun, accelerate, levers9, slurm, mpi, env or single."""
     return launch_info().launcher
-
 
 
 def restart_count() -> int:

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from levers9.procs.failure import capture, send, unship
+from levers9.procs.failure import capture, exit_status, send, unship
 
 _PR_SET_PDEATHSIG = 1
 
@@ -84,14 +84,8 @@ def run_target(target: Callable[[], Any], ends: Ends, env: dict[str, str]) -> in
     try:
         send(ends.msg_fd, ("result", target()))
     except SystemExit as exc:
-        code = exc.code
-        if code is None or code == 0:
-            send(ends.msg_fd, ("result", None))
-        else:
-            status = code if isinstance(code, int) else 1
-            if not isinstance(code, int):
-                print(code, file=sys.stderr)
-            send(ends.msg_fd, ("error", capture(exc, exitcode=status)))
+        status = exit_status(exc)
+        send(ends.msg_fd, ("result", None) if status == 0 else ("error", capture(exc, exitcode=status)))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         status = 1
         send(ends.msg_fd, ("error", capture(exc)))

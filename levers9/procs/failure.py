@@ -15,6 +15,7 @@ import io
 import os
 import pickle
 import struct
+import sys
 import time
 import traceback
 from typing import Any
@@ -69,6 +70,15 @@ def capture(exc: BaseException, exitcode: int = 1) -> Failure:
         peer_loss=any(marker in message for marker in PEER_LOSS_MARKERS),
         exitcode=exitcode,
     )
+
+
+def exit_status(exc: SystemExit) -> int:
+    """The status a process leaves with after `exc`, as Python's own exit rules give it (a code that is not
+    a number is printed to stderr, and the status is 1)."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr)
+    return 1
 
 
 def rebuild(failure: Failure) -> BaseException | None:

@@ -51,19 +51,16 @@ class Child:
         """Reap the child if it has exited; True once it has."""
         if self.status is not None:
             return True
+        try:
+            pid, raw = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            self.status = (None, None)
+            return True
+        if pid == 0:
+            return False
+        code = os.waitstatus_to_exitcode(raw)
         if self.popen is not None:
-            code = self.popen.poll()
-            if code is None:
-                return False
-        else:
-            try:
-                pid, raw = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                self.status = (None, None)
-                return True
-            if pid == 0:
-                return False
-            code = os.waitstatus_to_exitcode(raw)
+            self.popen.returncode = code  # reaped here: the Popen must not wait for it again
         self.status = (code, None) if code >= 0 else (None, -code)
         return True
 
