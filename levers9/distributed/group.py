@@ -139,14 +139,8 @@ def ensure_group() -> None:
     info = world.launch_info()
     if info.world_size <= 1:
         return
-    slot = _stall_slot
-    if slot is not None:
-        slot.enter("init_process_group")
-    try:
+    with contextlib.nullcontext() if _stall_slot is None else _stall_slot.inside("init_process_group"):
         created = join_launcher_group(info, _lazy_backend)
-    finally:
-        if slot is not None:
-            slot.leave("init_process_group")
     if created:
         atexit.register(destroy_own_group)
 

@@ -89,59 +89,49 @@ def choose(requested: str | None = None) -> StartMethod:
     return StartMethod("fork") if safe else StartMethod("spawn", reason)
 
 
-class _Forker:
-    """One long-lived daemon thread that does every fork and exec of this process."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def call(self, fn: Callable[[], T]) -> T:
-        """fn() run on the forker thread; its value or its exception."""
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="levers9-forker", daemon=True)
-                self._thread.start()
-        if threading.current_thread() is self._thread:
-            return fn()
-        future: Future[T] = Future()
-        self._requests.put((fn, future))
-        return future.result()
-
-    def _serve(self) -> None:
-        while True:
-            fn, future = self._requests.get()
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-                future.set_exception(exc)
-
-    def forget(self) -> None:
-        """In a forked child: the forker thread is not there; the next call starts a new one."""
-        self._lock = threading.Lock()
-        self._requests = queue.SimpleQueue()
-        self._thread = None
+_lock = threading.Lock()  # guards the two per-process singletons below
+_forker: tuple[threading.Thread, queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]]] | None = None
+_lifeline: tuple[int, int] | None = None  # read end for children; the write end stays open until this process dies
 
 
-_forker = _Forker()
-_lifeline_lock = threading.Lock()
-_lifeline: tuple[int, int] | None = None
+def _on_forker(fn: Callable[[], T]) -> T:
+    """fn() run on the forker thread, one long-lived daemon thread that does every fork and exec of this
+    process (started on first use); its value, or its exception raised here."""
+    global _forker
+    with _lock:
+        if _forker is None:
+            requests: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+            _forker = (threading.Thread(target=_serve, args=(requests,), name="levers9-forker", daemon=True), requests)
+            _forker[0].start()
+        thread, requests = _forker
+    if threading.current_thread() is thread:
+        return fn()
+    future: Future[T] = Future()
+    requests.put((fn, future))
+    return future.result()
+
+
+def _serve(requests: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]]) -> None:
+    while True:
+        fn, future = requests.get()
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            future.set_exception(exc)
 
 
 def _lifeline_read_end() -> int:
-    """The read end of this process's lifeline pipe; the write end stays open until this process dies."""
     global _lifeline
-    with _lifeline_lock:
+    with _lock:
         if _lifeline is None:
             _lifeline = fds.pipe()
         return _lifeline[0]
 
 
 def _after_fork_in_child() -> None:
-    global _lifeline, _lifeline_lock
-    _lifeline, _lifeline_lock = None, threading.Lock()
-    _forker.forget()
+    """The forker thread and the lifeline are the parent's: a child makes its own on first use."""
+    global _lock, _forker, _lifeline
+    _lock, _forker, _lifeline = threading.Lock(), None, None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -174,12 +164,12 @@ def start(
         if method.forks:
             child.flush_std_streams()
             keep_fds = (msg_w, out_w, err_w, lifeline, *keep)
-            pid = _forker.call(lambda: _fork(keep_fds, lambda: child.forked_main(target, ends, env)))
+            pid = _on_forker(lambda: _fork(keep_fds, lambda: child.forked_main(target, ends, env)))
             handle = Child(pid, None, msg_r, out_r, err_r, name)
         else:
             if shipped is None:
                 raise ValueError("start(method=spawn) needs shipped=failure.ship(target)")
-            popen = _forker.call(lambda: _exec(ends, env, keep))
+            popen = _on_forker(lambda: _exec(ends, env, keep))
             handle = Child(popen.pid, popen, msg_r, out_r, err_r, name)
             assert popen.stdin is not None
             with contextlib.suppress(BrokenPipeError):

@@ -10,6 +10,7 @@ completed, whoever issued them). `ranks.json` holds the caller's pid and the ran
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import mmap
@@ -18,6 +19,7 @@ import shutil
 import struct
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from levers9.distributed.stalls.flight_recorder import RecorderStatus
@@ -146,6 +148,15 @@ class RankSlot:
         self._finished = 0
         self._entered = 0.0
         self._last_finished = read_slot(self._map, rank).last_finished_at
+
+    @contextlib.contextmanager
+    def inside(self, name: str) -> Iterator[None]:
+        """The block counts as a collective called `name` (entered, then left, however it ends)."""
+        self.enter(name)
+        try:
+            yield
+        finally:
+            self.leave(name)
 
     def enter(self, name: str) -> None:
         self._entered = time.monotonic()
