@@ -108,14 +108,14 @@ def run(
         _refuse_spawn_only(f"under {info.launcher}", stall_timeout=stall_timeout, start_method=start_method,
                            prefix_output=prefix_output, max_restarts=max_restarts, restart_on=restart_on,
                            restart_delay=restart_delay)  # fmt: skip
-        return _run_as_rank(call, backend, timeout, disable_quirks)
+        return _run_here(call, backend or ("nccl" if group.wants_cuda() else "gloo"), timeout, disable_quirks, in_place=False)
     layout = plan_layout(nprocs, backend)
     job = current_job()
     if max_restarts is None and job is not None:
         policy = dataclasses.replace(policy, max_restarts=job.max_restarts)  # @job(max_restarts=...)
     if layout.nprocs == 1 and not policy.max_restarts:  # a restartable world of one runs as a started rank
         _refuse_spawn_only("in place", stall_timeout=stall_timeout, start_method=start_method)
-        return _run_in_place(call, layout.backend, timeout, disable_quirks)
+        return _run_here(call, layout.backend, timeout, disable_quirks, in_place=True)
     if stall_timeout is None and job is not None:
         stall_timeout = job.stall_timeout  # @job(stall_timeout=...)
     options = _Options(timeout, stall_timeout, start.choose(start_method), prefix_output is None or bool(prefix_output),
@@ -159,9 +159,7 @@ def visible_card_count() -> int:
     """How many cards this process may use, without initialising CUDA (NVML-based count)."""
     import torch
 
-    if not (torch.version.cuda or getattr(torch.version, "hip", None)):
-        return 0
-    return int(torch.cuda.device_count())
+    return int(torch.cuda.device_count())  # 0 at once on a CPU build
 
 
 def plan_layout(nprocs: int | None, backend: str | None) -> Layout:
@@ -199,12 +197,13 @@ def _takes_no_arguments(fn: Callable[..., Any]) -> bool:
     return not any(p.kind in positional for p in params)
 
 
-def _run_as_rank(call: Callable[[], Any], backend: str | None, timeout: float | None, disabled: tuple[str, ...]) -> Any:
-    """Under a launcher (or in a group the user made): fn with the group made lazily, rank 0's value on every rank."""
-    info = world.launch_info()
-    backend = backend or ("nccl" if group.wants_cuda() else "gloo")
-    group.apply_quirks_here(info.local_world_size, backend, disabled)
-    with group.lazy_group(backend), SelfTimer(timeout, f"rank {world.rank()} of distributed.run", under_launcher=True):
+def _run_here(call: Callable[[], Any], backend: str, timeout: float | None, disabled: tuple[str, ...], *,
+              in_place: bool) -> Any:  # fmt: skip
+    """fn in this process (a rank under a launcher or in a group the user made, or in place as a world of one)
+    with quirks applied and the group made lazily; rank 0's value, on every rank."""
+    group.apply_quirks_here(world.launch_info().local_world_size, backend, disabled)
+    what = "distributed.run (in place, a world of one)" if in_place else f"rank {world.rank()} of distributed.run"
+    with group.lazy_group(backend), SelfTimer(timeout, what, under_launcher=not in_place):
         result = call()
         if world.world_size() == 1:
             return result
@@ -216,16 +215,6 @@ def _run_as_rank(call: Callable[[], Any], backend: str | None, timeout: float | 
         box = [to_cpu(result) if td.get_rank() == 0 else None]
         td.broadcast_object_list(box, src=0, device=device() if td.get_backend() == "nccl" else None)
         return box[0]
-
-
-def _run_in_place(call: Callable[[], Any], backend: str, timeout: float | None, disabled: tuple[str, ...]) -> Any:
-    """A world of one: a plain call with quirks applied; no group unless fn makes one (then it is fn's)."""
-    group.apply_quirks_here(1, backend, disabled)
-    try:
-        with SelfTimer(timeout, "distributed.run (in place, a world of one)", under_launcher=False):
-            return call()
-    finally:
-        group.destroy_own_group()
 
 
 @dataclasses.dataclass(frozen=True)
