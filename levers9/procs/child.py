@@ -62,19 +62,12 @@ def fresh_main() -> NoReturn:
     _null_stdin()
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    status = 1
-    try:
-        target = unship(blob)
-    except BaseException as exc:  # noqa: BLE001 - the parent must hear why
-        send(ends.msg_fd, ("error", capture(exc)))
-    else:
-        status = run_target(target, ends, env)
-    flush_std_streams()
-    os._exit(status)
+    os._exit(run_target(blob, ends, env))
 
 
-def run_target(target: Callable[[], Any], ends: Ends, env: dict[str, str]) -> int:
-    """Run the target and send its outcome; returns the exit status to leave with."""
+def run_target(target: Callable[[], Any] | bytes, ends: Ends, env: dict[str, str]) -> int:
+    """Run the target (unpickled first if it came shipped, so its modules import under `env`, as a forked
+    child's already are) and send its outcome; returns the exit status to leave with."""
     os.environ.update(env)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -82,7 +75,7 @@ def run_target(target: Callable[[], Any], ends: Ends, env: dict[str, str]) -> in
     watchdog = _start_watchdog(ends.lifeline_fd)
     status = 0
     try:
-        send(ends.msg_fd, ("result", target()))
+        send(ends.msg_fd, ("result", (unship(target) if isinstance(target, bytes) else target)()))
     except SystemExit as exc:
         status = exit_status(exc)
         send(ends.msg_fd, ("result", None) if status == 0 else ("error", capture(exc, exitcode=status)))
