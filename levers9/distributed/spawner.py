@@ -118,11 +118,12 @@ def run(
         return _run_here(call, layout.backend, timeout, disable_quirks, in_place=True)
     if stall_timeout is None and job is not None:
         stall_timeout = job.stall_timeout  # @job(stall_timeout=...)
-    options = _Options(timeout, stall_timeout, start.choose(start_method), prefix_output is None or bool(prefix_output),
-                       disable_quirks, stop_grace)  # fmt: skip
+    method = start.choose(start_method)
+    plan = _Plan(call, None if method.forks else _shipped(fn, cfg, call, method), layout, _ranks_env(layout, disable_quirks),
+                 method, timeout, stall_timeout, prefix_output is None or bool(prefix_output), stop_grace)  # fmt: skip
     with exit_on_terminate():  # SIGTERM to this process stops the ranks with stop_grace, as Ctrl-C does
-        return restarts.run_attempts(policy, lambda attempt_env: _Spawn(call, (fn, cfg), layout, options, attempt_env).run(),
-                                     ranks=layout.nprocs, timeout=timeout, stall_timeout=stall_timeout)  # fmt: skip
+        return restarts.run_attempts(policy, lambda attempt_env: _Spawn(plan, attempt_env).run(), ranks=layout.nprocs,
+                                     timeout=timeout, stall_timeout=stall_timeout)  # fmt: skip
 
 
 def _check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> None:
@@ -217,24 +218,57 @@ def _run_here(call: Callable[[], Any], backend: str, timeout: float | None, disa
         return box[0]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Options:
-    """run()'s keywords that every attempt of a spawned run uses."""
+def _shipped(fn: Callable[..., Any], cfg: Any, call: Callable[[], Any], method: start.StartMethod) -> bytes:
+    """fn bound to cfg, pickled by value where needed (cloudpickle), or a clear error naming what cannot be."""
+    for what, value in (("fn", fn), ("cfg", cfg)):
+        try:
+            ship(value)
+        except Exception as exc:
+            raise NotShippableError(
+                f"{what} must be pickled to reach ranks started as fresh interpreters ({method.reason}, so they are "
+                f"not forked), but {unpicklable_part(value, what)} cannot be: {type(exc).__name__}: {exc}. Expected "
+                f"plain data and importable or notebook-defined functions; pass paths or settings instead of open "
+                f"files, locks or live objects, and open them inside fn."
+            ) from exc
+    return ship(call)
 
+
+def _ranks_env(layout: Layout, disabled: tuple[str, ...]) -> dict[str, str]:
+    """Variables every rank gets on top of the caller's environment (quirk defaults included)."""
+    from levers9.distributed.hardware import quirks
+
+    env: dict[str, str] = {}
+    if quirks.applied_plan() is None:  # planned once: a job process applied its cards' plan already
+        plan = quirks.plan_quirks(local_world_size=layout.nprocs, backend=layout.backend, disabled=disabled)
+        plan.raise_errors()  # before any rank starts
+        plan.log()
+        env.update(plan.set_env)
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if name not in os.environ:
+            env[name] = "lo"  # one machine: rank-to-rank sockets stay on loopback
+    return env
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What every attempt of a spawned run starts and how it is watched, decided once per run."""
+
+    call: Callable[[], Any]  # fn bound to cfg
+    shipped: bytes | None  # `call` pickled, for ranks that are fresh interpreters
+    layout: Layout
+    env: dict[str, str]  # on top of the caller's, in every rank
+    method: start.StartMethod
     timeout: float | None
     stall_timeout: float | None
-    method: start.StartMethod
     prefix_output: bool
-    disable_quirks: tuple[str, ...]
     stop_grace: float
 
 
 class _Spawn:
     """One attempt of a spawned run: start the ranks, watch them, return rank 0's value or raise the root failure."""
 
-    def __init__(self, call: Callable[[], Any], fn_and_cfg: tuple[Any, Any], layout: Layout, options: _Options,
-                 attempt_env: dict[str, str]) -> None:  # fmt: skip
-        self.call, self.fn_and_cfg, self.layout, self.options = call, fn_and_cfg, layout, options
+    def __init__(self, plan: _Plan, attempt_env: dict[str, str]) -> None:
+        self.plan = plan
         self.attempt_env = attempt_env  # TORCHELASTIC_RESTART_COUNT / _MAX_RESTARTS of this attempt
         self.watcher = Watcher(self._forward)
         self.ranks: list[Child] = []
@@ -242,63 +276,31 @@ class _Spawn:
         self.oom_before = oom.oom_kills()
 
     def run(self) -> Any:
-        shipped = None if self.options.method.forks else self._shipped()
-        env = self._child_env()
+        plan, nprocs = self.plan, self.plan.layout.nprocs
         with contextlib.ExitStack() as cleanup:  # unwound last to first: ranks stopped, store, pipes, folder
-            folder = stalls.RunFolder(self.layout.nprocs)
+            folder = stalls.RunFolder(nprocs)
             cleanup.callback(folder.remove)
             cleanup.callback(self.watcher.close)
             port = cleanup.enter_context(hosted_store())
-            cleanup.callback(self.watcher.stop, self.options.stop_grace)
-            for rank in range(self.layout.nprocs):
-                spec = RankSpec(rank, self.layout.nprocs, self.layout.backend, str(folder.path), current_job())
-                target = RankTarget(spec, self.call if shipped is None else shipped)
-                child = start.start(target, method=self.options.method, shipped=None if shipped is None else ship(target),
-                                    env={**env, **rank_env(rank, self.layout.nprocs, port), **self.attempt_env},
-                                    name=f"rank {rank}")  # fmt: skip
+            cleanup.callback(self.watcher.stop, plan.stop_grace)
+            for rank in range(nprocs):
+                spec = RankSpec(rank, nprocs, plan.layout.backend, str(folder.path), current_job())
+                target = RankTarget(spec, plan.call if plan.shipped is None else plan.shipped)
+                child = start.start(target, method=plan.method, shipped=None if plan.shipped is None else ship(target),
+                                    env={**plan.env, **rank_env(rank, nprocs, port), **self.attempt_env}, name=f"rank {rank}")  # fmt: skip
                 self.ranks.append(self.watcher.add(child))
             folder.write_pids(os.getpid(), [p.pid for p in self.ranks])
             return self._watch(folder)
 
-    def _shipped(self) -> bytes:
-        """fn bound to cfg, pickled by value where needed (cloudpickle), or a clear error naming what cannot be."""
-        for what, value in zip(("fn", "cfg"), self.fn_and_cfg, strict=True):
-            try:
-                ship(value)
-            except Exception as exc:
-                raise NotShippableError(
-                    f"{what} must be pickled to reach ranks started as fresh interpreters ({self.options.method.reason}, "
-                    f"so they are not forked), but {unpicklable_part(value, what)} cannot be: {type(exc).__name__}: "
-                    f"{exc}. Expected plain data and importable or notebook-defined functions; pass paths or "
-                    f"settings instead of open files, locks or live objects, and open them inside fn."
-                ) from exc
-        return ship(self.call)
-
-    def _child_env(self) -> dict[str, str]:
-        """Variables every rank gets on top of the caller's environment (quirk defaults included)."""
-        from levers9.distributed.hardware import quirks
-
-        env: dict[str, str] = {}
-        if quirks.applied_plan() is None:  # planned once: a job process applied its cards' plan already
-            plan = quirks.plan_quirks(local_world_size=self.layout.nprocs, backend=self.layout.backend,
-                                      disabled=self.options.disable_quirks)  # fmt: skip
-            plan.raise_errors()  # before any rank starts
-            plan.log()
-            env.update(plan.set_env)
-        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            if name not in os.environ:
-                env[name] = "lo"  # one machine: rank-to-rank sockets stay on loopback
-        return env
-
     def _forward(self, child: Child, stream: str, line: str) -> None:
-        prefix = f"[{child.name}] " if self.options.prefix_output and child is not self.ranks[0] else ""
+        prefix = f"[{child.name}] " if self.plan.prefix_output and child is not self.ranks[0] else ""
         out = sys.stdout if stream == "stdout" else sys.stderr
         out.write(f"{prefix}{line}\n")
         out.flush()
 
     def _watch(self, folder: stalls.RunFolder) -> Any:
         """Pump messages and output until every rank is done or one fails; then return or raise."""
-        timeout, stall_timeout = self.options.timeout, self.options.stall_timeout
+        timeout, stall_timeout = self.plan.timeout, self.plan.stall_timeout
         deadline = None if timeout is None else self.started + timeout
         failure_seen_at: float | None = None
         while True:
@@ -329,7 +331,7 @@ class _Spawn:
 
     def _raise_root_failure(self) -> NoReturn:
         root = self._root_cause()
-        self.watcher.stop(self.options.stop_grace)
+        self.watcher.stop(self.plan.stop_grace)
         self.watcher.drain(0.3)
         report = root.failure
         failure = RankFailure(
@@ -363,14 +365,14 @@ class _Spawn:
     def _raise_stopped(self, folder: stalls.RunFolder, error: type[RankFailed], headline: str) -> NoReturn:
         """Ask every rank where it is, stop them all, and raise `error` with that report and their last output."""
         where = stalls.where_ranks_are(folder, {i: p.pid for i, p in enumerate(self.ranks) if not p.poll()})
-        self.watcher.stop(self.options.stop_grace)
+        self.watcher.stop(self.plan.stop_grace)
         self.watcher.drain(0.3)
         tails = "".join(f"\n\nLast output of {p.name}:\n" + "\n".join(list(p.tail)[-10:]) for p in self.ranks if p.tail)
         raise error(f"{headline}\n{where}{tails}")
 
     def _timeout_text(self) -> str:
         running = ", ".join(str(i) for i, p in enumerate(self.ranks) if not p.poll())
-        timeout = self.options.timeout
+        timeout = self.plan.timeout
         return (
             f"distributed.run timed out: still running after {timeout:g} s (timeout={timeout:g}); rank(s) {running} "
             f"had not finished and every rank was stopped. Expected the run to finish within the timeout; pass a "
@@ -378,7 +380,7 @@ class _Spawn:
         )
 
     def _stall_text(self) -> str:
-        stall_timeout = self.options.stall_timeout
+        stall_timeout = self.plan.stall_timeout
         return (
             f"distributed.run stalled: for {stall_timeout:g} s (stall_timeout={stall_timeout:g}) no "
             f"rank issued or completed a collective while at least one waited for one; every rank was stopped. "

@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
-from typing import Any
 
 from levers9.procs import fds
 from levers9.procs.failure import Failure, FrameReader
@@ -164,8 +163,9 @@ class Watcher:
                 if key.fd != child.msg_fd:
                     self._emit(child, key.fd, child.partial.pop(key.fd, b""), final=True)
             elif key.fd == child.msg_fd:
-                for message in child.reader.feed(chunk):
-                    self._on_message(child, message)
+                for kind, value in child.reader.feed(chunk):
+                    child.reported = True
+                    child.result, child.failure = (value, None) if kind == "result" else (None, value)
             else:
                 self._emit(child, key.fd, child.partial.pop(key.fd, b"") + chunk, final=False)
         for child in self.children:
@@ -177,14 +177,6 @@ class Watcher:
             fds.close(fd)
         else:
             os.close(fd)
-
-    @staticmethod
-    def _on_message(child: Child, message: tuple[Any, ...]) -> None:
-        child.reported = True
-        if message[0] == "result":
-            child.result = message[1]
-        elif message[0] == "error":
-            child.failure = message[1]
 
     def _emit(self, child: Child, fd: int, data: bytes, *, final: bool) -> None:
         if not data:
