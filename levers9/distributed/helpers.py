@@ -121,10 +121,7 @@ def barrier() -> None:
         return
     import torch.distributed as td
 
-    if td.get_backend() == "nccl":
-        td.barrier(device_ids=[device().index])
-    else:
-        td.barrier()
+    td.barrier(device_ids=[device().index] if td.get_backend() == "nccl" else None)
 
 
 if hasattr(os, "register_at_fork"):

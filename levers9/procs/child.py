@@ -117,14 +117,9 @@ def _start_watchdog(lifeline_fd: int) -> int:
         os.closerange(0, lifeline_fd)
         os.closerange(lifeline_fd + 1, 4096)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        while True:
-            try:
-                if not os.read(lifeline_fd, 1):
-                    break
-            except InterruptedError:
-                continue
-            except OSError:
-                break
+        with contextlib.suppress(OSError):  # nothing is ever written: the read returns at end of file
+            while os.read(lifeline_fd, 1):  # (a signal does not end it: Python retries reads on EINTR)
+                pass
         os.killpg(os.getpgrp(), signal.SIGKILL)
     finally:
         os._exit(0)

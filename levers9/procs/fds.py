@@ -9,6 +9,7 @@ child's snapshot is exact.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -54,10 +55,8 @@ def fork_child(keep: Iterable[int], child: Callable[[], None]) -> int:
         pid = os.fork()
         if pid == 0:
             for fd in _tracked - keep:
-                try:
+                with contextlib.suppress(OSError):
                     os.close(fd)
-                except OSError:
-                    pass
             _tracked.clear()
             _tracked.update(keep)
     if pid == 0:

@@ -158,8 +158,7 @@ def start(
     out_r, out_w = fds.pipe()
     err_r, err_w = fds.pipe()
     lifeline = _lifeline_read_end()
-    parent = os.getpid()
-    ends = child.Ends(parent, msg_w, out_w, err_w, lifeline)
+    ends = child.Ends(os.getpid(), msg_w, out_w, err_w, lifeline)
     try:
         if method.forks:
             child.flush_std_streams()

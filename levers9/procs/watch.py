@@ -79,12 +79,11 @@ class Child:
     def signal_tree(self, signum: int) -> None:
         """Send `signum` to the child's process group (everything it started), or to the child alone
         while it has not made its group yet."""
-        for target in (lambda: os.killpg(self.pid, signum), lambda: os.kill(self.pid, signum)):
-            try:
-                target()
-                return
-            except (ProcessLookupError, PermissionError):
-                continue
+        try:
+            os.killpg(self.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.pid, signum)
 
 
 def pid_alive(pid: int) -> bool:
@@ -215,11 +214,10 @@ class Watcher:
             pending = [c for c in pending if not c.poll()]
         return True
 
-    def stop(self, grace: float, children: Iterable[Child] | None = None) -> None:
+    def stop(self, grace: float) -> None:
         """SIGTERM every live child's process group, SIGKILL after `grace` s, reap them all, and SIGKILL
         whatever is left in their groups (grandchildren that ignored SIGTERM)."""
-        chosen = list(self.children if children is None else children)
-        live = [c for c in chosen if not c.poll()]
+        live = [c for c in self.children if not c.poll()]
         for child in live:
             child.signal_tree(signal.SIGTERM)
         if not self.wait(live, grace):
@@ -227,7 +225,7 @@ class Watcher:
                 if not child.poll():
                     child.signal_tree(signal.SIGKILL)
             self.wait(live, None)
-        for child in chosen:
+        for child in self.children:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(child.pid, signal.SIGKILL)
 
