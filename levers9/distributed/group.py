@@ -213,7 +213,6 @@ def route_env_rendezvous() -> None:
     handlers["env"] = env_handler
 
 
-
 def _fresh_keys(inner: Any) -> Any:
     """The launcher's store, under a prefix of its own for each group after the first: every rank forms its
     groups in the same order, so the prefixes match (torch reuses the first group's keys otherwise)."""
