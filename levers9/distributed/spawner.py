@@ -351,8 +351,10 @@ class _Spawn:
             headline = f"rank {failure.rank} (pid {root.pid}) called sys.exit({report.message or report.exitcode}){stopped}."
             raise RankCrashed(f"distributed.run: {headline}\n\n{full}", failure)
         if report is None:
-            phrase = oom.killed_by(root.signal, self.oom_before, oom.oom_kills()) if root.signal is not None else ""
-            hint = f"\nrank {failure.rank} was {phrase}." if phrase not in ("", f"killed by {signal_name(root.signal or 0)}") else ""
+            hint = ""
+            if root.signal is not None:  # more than the signal only on evidence: the cgroup's OOM-kill count rose
+                how = oom.killed_by(root.signal, self.oom_before, oom.oom_kills())
+                hint = "" if how == f"killed by {signal_name(root.signal)}" else f"\nrank {failure.rank} was {how}."
             raise RankCrashed(f"distributed.run: {full.splitlines()[0]}{stopped}.{hint}\n\n{full}", failure)
         wrapper = RankFailed(f"distributed.run: {full.splitlines()[0]}{stopped}.\n\n{full}", failure)
         original = rebuild(report)
