@@ -55,6 +55,21 @@ def test_a_sleeping_rank_is_named_with_its_line_and_the_waiting_rank_with_its_co
     )
 
 
+def test_a_rank_counts_only_its_own_collectives_not_those_of_the_caller_it_was_forked_from(tmp_path: Path) -> None:
+    """The caller ran collectives in a group of its own first (a notebook, an earlier run in place): a forked
+    rank inherits torch's flight recorder with that group in it, and its report must not count them."""
+    import torch
+    import torch.distributed as td
+
+    td.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    for _ in range(3):
+        td.all_reduce(torch.ones(1))
+    td.destroy_process_group()
+    text = _stall_report(rankfns.rank1_sleeps_in_a_formed_group)
+    assert "rank 0: waiting in all_reduce for " in text
+    assert "(1 collective(s) issued, 0 completed; last call all_reduce)" in text
+
+
 def test_a_rank_waiting_for_the_lazy_group_to_form_is_a_stall_too() -> None:
     """No group yet: rank 0's first collective makes it and waits there for rank 1, which never comes."""
     text = _stall_report(rankfns.rank1_sleeps_before_all_reduce)

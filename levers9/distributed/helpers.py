@@ -124,5 +124,4 @@ def barrier() -> None:
     td.barrier(device_ids=[device().index] if td.get_backend() == "nccl" else None)
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_device_cache.clear)
+os.register_at_fork(after_in_child=_device_cache.clear)  # a forked rank has a device of its own

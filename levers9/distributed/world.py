@@ -24,15 +24,13 @@ _cache: tuple[tuple[object, ...], LaunchInfo] | None = None
 
 # os.environ keeps its raw mapping in `_data` (bytes keys on POSIX); reading that with pre-encoded keys
 # costs a fraction of os.environ.get, which matters when a helper runs every training step.
-_RAW_ENV = getattr(os.environ, "_data", None)
-_RAW_KEYS = tuple(os.environ.encodekey(name) for name in _FINGERPRINT_VARS) if _RAW_ENV is not None else ()
+_RAW_ENV = os.environ._data  # type: ignore[attr-defined]
+_RAW_KEYS = tuple(os.environ.encodekey(name) for name in _FINGERPRINT_VARS)
 
 
 def _fingerprint() -> tuple[object, ...]:
-    if _RAW_ENV is not None:
-        raw = _RAW_ENV
-        return tuple(raw.get(key) for key in _RAW_KEYS)
-    return tuple(os.environ.get(name) for name in _FINGERPRINT_VARS)
+    raw = _RAW_ENV
+    return tuple(raw.get(key) for key in _RAW_KEYS)
 
 
 def launch_info() -> LaunchInfo:

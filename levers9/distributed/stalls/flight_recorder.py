@@ -56,28 +56,44 @@ def _dump(dump: Callable[..., bytes], with_entries: bool) -> dict[str, Any]:
     return dict(pickle.loads(dump(with_entries, False, False)))
 
 
-def read_status() -> RecorderStatus | None:
-    """This rank's counts now, or None when torch records nothing (recorder off, too old, or no group yet)."""
-    issued = completed = 0
-    pending: list[tuple[str, int, int]] = []
-    seen = False
+def _group_statuses() -> list[tuple[str, str, Any]]:
+    """(recorder, process group id, its status) for every group each recorder knows, destroyed ones included."""
+    found = []
     for label, dump in _dumpers():
         try:
             groups = _dump(dump, with_entries=False).get("pg_status", {})
         except Exception:  # a recorder that cannot dump is one we cannot read, not an error of the run
             continue
-        for group_id, status in groups.items():
-            try:
-                last_issued = int(status["last_enqueued_collective"])
-                last_completed = int(status["last_completed_collective"])
-                group = int(group_id)
-            except (KeyError, TypeError, ValueError):  # a layout this code does not know: leave the group out
-                continue
-            seen = True
-            issued += max(last_issued, 0)
-            completed += max(last_completed, 0)
-            if last_issued > last_completed:
-                pending.append((label, group, max(last_completed, 0) + 1))
+        found += [(label, str(group_id), status) for group_id, status in groups.items()]
+    return found
+
+
+def known_groups() -> frozenset[tuple[str, str]]:
+    """The groups the recorders know now. A forked rank inherits the caller's (process group ids only
+    grow), and their collectives are not the rank's own."""
+    return frozenset((label, group_id) for label, group_id, _ in _group_statuses())
+
+
+def read_status(inherited: frozenset[tuple[str, str]] = frozenset()) -> RecorderStatus | None:
+    """This rank's counts now, leaving out the `inherited` groups, or None when torch records nothing
+    (recorder off, too old, or no group yet)."""
+    issued = completed = 0
+    pending: list[tuple[str, int, int]] = []
+    seen = False
+    for label, group_id, status in _group_statuses():
+        if (label, group_id) in inherited:
+            continue
+        try:
+            last_issued = int(status["last_enqueued_collective"])
+            last_completed = int(status["last_completed_collective"])
+            group = int(group_id)
+        except (KeyError, TypeError, ValueError):  # a layout this code does not know: leave the group out
+            continue
+        seen = True
+        issued += max(last_issued, 0)
+        completed += max(last_completed, 0)
+        if last_issued > last_completed:
+            pending.append((label, group, max(last_completed, 0) + 1))
     return RecorderStatus(issued, completed, tuple(pending)) if seen else None
 
 
@@ -116,6 +132,7 @@ class RecorderSampler(threading.Thread):
         super().__init__(name="levers9-recorder-sampler", daemon=True)
         self._wait_for_request = wait_for_request
         self._write = write
+        self._inherited = known_groups()  # made before fn runs: every group the rank did not make itself
 
     def run(self) -> None:
         last: RecorderStatus | None = None
@@ -124,7 +141,7 @@ class RecorderSampler(threading.Thread):
         first = True
         while True:  # a daemon: it ends with the rank
             self._wait_for_request()
-            status = read_status()
+            status = read_status(self._inherited)
             now = time.monotonic()
             if first or status != last:
                 first, last, changed_at, pending = False, status, now, ""
