@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 
 from levers9 import __version__
+from levers9.console_log import install_console_handler
 
 # Modules that each add one subcommand (and its options) to the parser.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="levers9: %(message)s")
+    install_console_handler(args.verbose)  # the `levers9` logger only: a script's root logger stays its own
     if not getattr(args, "handler", None):
         parser.print_help(sys.stderr)
         return 2

@@ -4,9 +4,11 @@
 
 torchrun's single-node spellings are accepted (both `--nproc-per-node` and `--nproc_per_node`);
 options that only make sense across machines are refused with how to run across several today.
-The exit status is the failing rank's, as torchrun's: 1 for an exception, N for sys.exit(N), 128+N
-for signal N; 2 for a bad command line (nothing was started); 143 (or 129) when levers9 run itself got
-SIGTERM (or SIGHUP) and stopped every rank, giving each its SIGTERM and grace period first.
+The exit status is torchrun's: 0 when every rank succeeded, 1 when any rank failed (an exception,
+sys.exit(N), a signal, a timeout or stall) and when levers9 run itself got SIGTERM or SIGHUP and stopped
+every rank (each given its SIGTERM and grace period first), 2 for a bad command line (nothing was
+started). `--rank-exit-status` exits with the failing rank's own status instead (N for sys.exit(N),
+128+N for signal N, 143 or 129 after SIGTERM or SIGHUP).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def register(sub: Any) -> None:
         description=(
             "Run SCRIPT (or -m MODULE) on N ranks of this machine, each as __main__ with torchrun's environment "
             "(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/MASTER_PORT, TORCHELASTIC_*). The first failing rank's "
-            "traceback is printed, the other ranks are stopped, and the exit status is that rank's."
+            "traceback is printed, the other ranks are stopped, and the exit status is torchrun's (1; "
+            "--rank-exit-status for the rank's own)."
         ),
         epilog="Example: levers9 run --nproc-per-node 2 train.py --epochs 3",
     )
@@ -83,6 +86,9 @@ def register(sub: Any) -> None:
         help="stop every rank once no collective progressed for this long; report where each rank was",
     )
     own.add_argument("--no-prefix", action="store_true", help="no '[rank N] ' before other ranks' output")
+    own.add_argument("--rank-exit-status", action="store_true",
+                     help="exit with the failing rank's own status (N for sys.exit(N), 128+N for signal N, 143 after "
+                          "SIGTERM to levers9 run) instead of torchrun's 1")
     own.add_argument("--restart-on", default=None, metavar="KINDS",
                      help="what a restart may cure, e.g. crash,comm,stall (the default) or crash,comm,stall,exception")
     own.add_argument("--restart-delay", type=float, default=None, metavar="SECONDS",
@@ -150,6 +156,7 @@ def main(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             restart_on=None if args.restart_on is None else tuple(k.strip() for k in args.restart_on.split(",") if k.strip()),
             restart_delay=args.restart_delay,
+            init_group=False,  # the script makes its own group, as under torchrun
         )
     except ConfigError as exc:
         if scripts.failure_of(exc) is not None:  # raised on a rank (e.g. init_process_group's world_size)
@@ -160,16 +167,19 @@ def main(args: argparse.Namespace) -> int:
         print("levers9 run: interrupted; every rank was stopped.", file=sys.stderr)
         return 130
     except SystemExit as exc:  # SIGTERM or SIGHUP to this process (see procs.watch.exit_on_terminate)
-        if isinstance(exc.code, int) and exc.code > 128:
-            print(f"levers9 run: got {signal_name(exc.code - 128)}; every rank was stopped.", file=sys.stderr)
-        raise
+        if not (isinstance(exc.code, int) and exc.code > 128):
+            raise
+        print(f"levers9 run: got {signal_name(exc.code - 128)}; every rank was stopped.", file=sys.stderr)
+        return exc.code if args.rank_exit_status else 1  # torchrun's agent exits 1 here too
     except BaseException as exc:  # noqa: BLE001 - a rank's failure becomes the exit status
-        return _report_failure(exc)
+        code = _report_failure(exc)
+        return code if args.rank_exit_status else 1
     return 0
 
 
 def _report_failure(exc: BaseException) -> int:
-    """Print the failing rank's headline and its own traceback; return torchrun's exit status for it."""
+    """Print the failing rank's headline and its own traceback; return that rank's own exit status (1 for an
+    exception, N for sys.exit(N), 128+N for signal N)."""
     from levers9.distributed import script as scripts
 
     failure = scripts.failure_of(exc)
@@ -189,6 +199,6 @@ def _report_failure(exc: BaseException) -> int:
     elif "\n" in str(wrapper):
         lines += ["", str(wrapper).split("\n", 1)[1].strip()]
     code = scripts.exit_code_for(exc)
-    lines += ["", f"levers9 run: exit status {code} (rank {failure.rank}'s)."]
+    lines += ["", f"levers9 run: rank {failure.rank}'s exit status was {code}."]
     print("\n".join(lines), file=sys.stderr, flush=True)
     return code

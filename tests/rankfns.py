@@ -138,17 +138,17 @@ def rank1_sleeps_in_a_formed_group(cfg: Any) -> None:
 
 
 def rank1_sleeps_before_all_reduce(cfg: Any) -> None:
-    """Rank 0 waits in all_reduce while rank 1 sleeps (alive, not in a collective); the group is made
-    lazily by that all_reduce, so rank 0 waits for rank 1 to join it."""
+    """Rank 0 waits in all_reduce while rank 1 sleeps (alive, not in a collective)."""
     if dist.rank() == 1:
         time.sleep(60)  # STALL-LINE rank 1
     torch.distributed.all_reduce(torch.ones(1))
 
 
 def form_group_as_torchrun_code_does() -> None:
-    """init_process_group at the top, as a script written for torchrun does: the group exists before any
-    rank falls behind (otherwise the first collective waits for the group to form, not in gloo)."""
-    torch.distributed.init_process_group("gloo")
+    """The guard that code written for torchrun and for a launcher-made group uses (timm, detectron2): inside
+    distributed.run the group is already live, so it makes none."""
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo")
 
 
 def rank1_skips_barrier(cfg: Any) -> None:

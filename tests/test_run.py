@@ -198,14 +198,14 @@ def fn(cfg):
     time.sleep(120)
 
 if __name__ == "__main__":
-    dist.run(fn, sys.argv[1], nprocs=2)
+    dist.run(fn, sys.argv[1], nprocs=2, timeout=float(sys.argv[2]) if len(sys.argv) > 2 else None)
 """
 
 
-def _start_driver(tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
+def _start_driver(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], list[int]]:
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=REPO, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), *extra], cwd=REPO, start_new_session=True)
     files = [tmp_path / f"rank-{r}" for r in range(2)]
     end = time.monotonic() + 30
     while time.monotonic() < end and not all(f.exists() and f.read_text() for f in files):
@@ -221,12 +221,12 @@ def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path: Path) -> None:
 
 
 def test_ranks_exit_when_the_caller_is_killed_outright(tmp_path: Path) -> None:
-    proc, pids = _start_driver(tmp_path)
+    proc, pids = _start_driver(tmp_path, "600")  # timeout= gives the run a folder (for its report)
     assert list(board.runs_root().glob(f"{board.RUN_DIR_PREFIX}{proc.pid}-*"))
     proc.kill()
     proc.wait(timeout=10)
     assert wait_gone(pids, 5) == []
-    dist.run(rankfns.describe, None, nprocs=2)  # the next run clears what the killed caller could not
+    dist.run(rankfns.describe, None, nprocs=2, timeout=600)  # the next such run clears what the killed caller could not
     assert not list(board.runs_root().glob(f"{board.RUN_DIR_PREFIX}{proc.pid}-*"))
 
 

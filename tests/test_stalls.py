@@ -14,7 +14,7 @@ import pytest
 
 from levers9 import distributed as dist
 from levers9.distributed import stalls
-from levers9.distributed.stalls import board, instrument, report
+from levers9.distributed.stalls import board, report
 from levers9.errors import StallError
 from tests import rankfns
 from tests.proc_util import children_of, left_behind
@@ -45,14 +45,14 @@ def _stall_report(fn: Callable[[Any], None], stall_timeout: float = 2) -> str:
     return str(info.value)
 
 
+NONE_YET = "not in a collective (no collective recorded yet)"
+
+
 def test_a_sleeping_rank_is_named_with_its_line_and_the_waiting_rank_with_its_collective() -> None:
     text = _stall_report(rankfns.rank1_sleeps_in_a_formed_group)
-    assert "rank 0: waiting in all_reduce for " in text
-    assert "(1 collective(s) issued, 0 completed; last call all_reduce)" in text
-    assert (
-        f"rank 1: not in a collective (0 collective(s) issued) at {RANKFNS}:{_line_of('STALL-LINE')} "
-        "in rank1_sleeps_before_all_reduce" in text
-    )
+    assert "rank 0: waiting for gloo:all_reduce #1 to complete, for " in text
+    assert "(1 collective(s) issued, 0 completed)" in text
+    assert f"rank 1: {NONE_YET} at {RANKFNS}:{_line_of('STALL-LINE')} in rank1_sleeps_before_all_reduce" in text
 
 
 def test_a_rank_counts_only_its_own_collectives_not_those_of_the_caller_it_was_forked_from(tmp_path: Path) -> None:
@@ -66,23 +66,16 @@ def test_a_rank_counts_only_its_own_collectives_not_those_of_the_caller_it_was_f
         td.all_reduce(torch.ones(1))
     td.destroy_process_group()
     text = _stall_report(rankfns.rank1_sleeps_in_a_formed_group)
-    assert "rank 0: waiting in all_reduce for " in text
-    assert "(1 collective(s) issued, 0 completed; last call all_reduce)" in text
-
-
-def test_a_rank_waiting_for_the_lazy_group_to_form_is_a_stall_too() -> None:
-    """No group yet: rank 0's first collective makes it and waits there for rank 1, which never comes."""
-    text = _stall_report(rankfns.rank1_sleeps_before_all_reduce)
-    assert "rank 0: waiting in all_reduce for " in text and "(1 collective(s) issued" in text
-    assert f"rank 1: not in a collective (0 collective(s) issued) at {RANKFNS}:{_line_of('STALL-LINE')}" in text
+    assert "rank 0: waiting for gloo:all_reduce #1 to complete" in text
+    assert "(1 collective(s) issued, 0 completed)" in text
 
 
 def test_a_rank_that_skips_a_barrier_is_named() -> None:
     with pytest.raises(StallError) as info:
         dist.run(rankfns.rank1_skips_barrier, None, nprocs=2, stall_timeout=2)
     text = str(info.value)
-    assert "rank 0: waiting in barrier" in text
-    assert "rank 1: not in a collective (0 collective(s) issued) at" in text and "rank1_skips_barrier" in text
+    assert "rank 0: waiting for gloo:barrier #1 to complete" in text
+    assert f"rank 1: {NONE_YET} at" in text and "rank1_skips_barrier" in text
 
 
 def test_a_slow_but_progressing_run_is_never_reported() -> None:
@@ -101,14 +94,14 @@ def test_a_wait_for_a_collective_issued_from_cpp_is_named() -> None:
         "rank 0: waiting for gloo:all_reduce #1 to complete, for " in text
         and f"(1 collective(s) issued, 0 completed) at {RANKFNS}:{_line_of('FUNCOL-WAIT-LINE')}" in text
     )
-    assert f"rank 1: not in a collective (0 collective(s) issued) at {RANKFNS}:{_line_of('FUNCOL-SLEEP-LINE')}" in text
+    assert f"rank 1: {NONE_YET} at {RANKFNS}:{_line_of('FUNCOL-SLEEP-LINE')}" in text
 
 
 def test_a_hang_without_stall_timeout_ends_at_timeout_with_the_same_report() -> None:
     with pytest.raises(TimeoutError) as info:
         dist.run(rankfns.rank1_sleeps_before_all_reduce, None, nprocs=2, timeout=3)
     text = str(info.value)
-    assert "rank 0: waiting in all_reduce" in text and "rank 1: not in a collective (0 collective(s) issued) at" in text
+    assert "rank 0: waiting for gloo:all_reduce #1 to complete" in text and f"rank 1: {NONE_YET} at" in text
 
 
 def test_ranks_that_issued_different_numbers_of_collectives_are_a_stall() -> None:
@@ -118,19 +111,18 @@ def test_ranks_that_issued_different_numbers_of_collectives_are_a_stall() -> Non
     text = str(info.value)
     assert (
         "rank 0: waiting for gloo:all_reduce #1 to complete, for " in text
-        and f"(1 collective(s) issued, 0 completed; last call all_reduce) at {RANKFNS}:{_line_of('AHEAD-LINE')}" in text
+        and f"(1 collective(s) issued, 0 completed) at {RANKFNS}:{_line_of('AHEAD-LINE')}" in text
     )
-    assert f"rank 1: not in a collective (0 collective(s) issued) at {RANKFNS}:{_line_of('BEHIND-LINE')}" in text
+    assert f"rank 1: {NONE_YET} at {RANKFNS}:{_line_of('BEHIND-LINE')}" in text
 
 
-def test_with_torchs_flight_recorder_off_different_issued_counts_are_still_a_stall(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TORCH_FR_BUFFER_SIZE=0 (or a torch without the recorder): the Python-level counts stand in."""
+def test_with_torchs_flight_recorder_off_stall_timeout_is_refused_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TORCH_FR_BUFFER_SIZE=0: levers9 wraps nothing of torch's, so it could see no stall; it says so at once."""
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
-    with pytest.raises(StallError) as info:
-        dist.run(rankfns.rank0_ahead_by_an_async_collective, None, nprocs=2, stall_timeout=2, start_method="spawn")
-    text = str(info.value)
-    assert f"rank 0: not in a collective (1 collective(s) issued; last call all_reduce) at {RANKFNS}:{_line_of('AHEAD-LINE')}" in text
-    assert f"rank 1: not in a collective (0 collective(s) issued) at {RANKFNS}:{_line_of('BEHIND-LINE')}" in text
+    before = set(children_of(os.getpid()))
+    with pytest.raises(ValueError, match=r"TORCH_FR_BUFFER_SIZE=0 turns off.*unset TORCH_FR_BUFFER_SIZE.*timeout="):
+        dist.run(rankfns.describe, None, nprocs=2, stall_timeout=2)
+    assert set(children_of(os.getpid())) <= before
 
 
 @pytest.mark.parametrize("value", [0, -1, True, "5"])
@@ -151,14 +143,14 @@ def fn(cfg):
 
 if __name__ == "__main__":
     print("started", flush=True)
-    dist.run(fn, None, nprocs=2)
+    dist.run(fn, None, nprocs=2, timeout=float(sys.argv[1]) if len(sys.argv) > 1 else None, init_group=False)
 """
 
 
 def test_levers9_stacks_reports_a_live_run_without_stopping_it(tmp_path: Path) -> None:
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script), "600"], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         end = time.monotonic() + 30
         folder = None
@@ -171,9 +163,9 @@ def test_levers9_stacks_reports_a_live_run_without_stopping_it(tmp_path: Path) -
             [sys.executable, "-m", "levers9", "stacks", str(proc.pid)], cwd=REPO, capture_output=True, text=True, timeout=60
         )
         assert done.returncode == 0, done.stderr
-        assert "rank 0: waiting in all_reduce" in done.stdout
+        assert "rank 0: waiting for " in done.stdout
         # No stall_timeout here: only the command's own request got these counts from rank 0's recorder.
-        assert "(1 collective(s) issued, 0 completed; last call all_reduce)" in done.stdout
+        assert "(1 collective(s) issued, 0 completed)" in done.stdout
         assert f"{script}:8 in fn" in done.stdout
         assert proc.poll() is None, "asking for stacks must not stop the run"
     finally:
@@ -182,6 +174,23 @@ def test_levers9_stacks_reports_a_live_run_without_stopping_it(tmp_path: Path) -
     end = time.monotonic() + 10
     while time.monotonic() < end and stalls.find_run(proc.pid) is not None:
         time.sleep(0.1)
+
+
+def test_levers9_stacks_on_a_run_without_timeout_says_how_to_get_stacks(tmp_path: Path) -> None:
+    """Without timeout= or stall_timeout= levers9 installs no stack-dump handler in the ranks, and says so."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "started\n"
+        done = subprocess.run(
+            [sys.executable, "-m", "levers9", "stacks", str(proc.pid)], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 1
+        assert "timeout= or stall_timeout=" in done.stderr and "--timeout" in done.stderr
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 def test_levers9_stacks_for_a_pid_with_no_run_says_so() -> None:
@@ -206,11 +215,11 @@ def test_job_stall_timeout_reaches_distributed_run_inside_the_job(monkeypatch: p
 
 
 def test_a_rank_stuck_before_a_ddp_step_is_named_and_the_other_waits_in_backward() -> None:
-    """DDP all-reduces inside backward(): the waiting rank is seen there, not only at timeout."""
+    """DDP all-reduces inside backward(), from C++: the recorder sees the waiting rank there, not only at timeout."""
     with pytest.raises(StallError) as info:
         dist.run(rankfns.rank1_stalls_before_a_ddp_step, None, nprocs=2, stall_timeout=2)
     text = str(info.value)
-    assert "rank 0: waiting in DDP backward" in text
+    assert "rank 0: waiting for gloo:all_reduce #" in text
     assert f"at {RANKFNS}:{_line_of('DDP-BACKWARD-LINE')} in rank1_stalls_before_a_ddp_step" in text
     assert "rank 1: not in a collective" in text and f"{RANKFNS}:{_line_of('DDP-SLEEP-LINE')}" in text
 
@@ -222,12 +231,11 @@ def _state(finished: int = 0, issued: int = -1, completed: int = -1, moved_at: f
 @pytest.mark.parametrize(
     ("states", "expected"),
     [
-        ([_state(inside=True), _state()], True),  # waiting inside a blocking call
-        ([_state(1, 5, 4), _state(0, 4, 4)], True),  # issued and not completed (NCCL's enqueue)
-        ([_state(3, 7, 7), _state(1, 5, 5)], False),  # recorder on, nothing pending: extra subgroup calls, then compute
-        ([_state(1, 5, 5), _state(0)], False),  # recorder on; a rank it has not seen yet issued nothing
-        ([_state(1), _state(0)], True),  # recorder off: different Python-level counts stand in
-        ([_state(2), _state(2)], False),  # recorder off, in step: everyone computes
+        ([_state(inside=True), _state()], True),  # waiting for the group to form (levers9's own wait)
+        ([_state(1, 5, 4), _state(0, 4, 4)], True),  # issued and not completed (gloo's blocking call, NCCL's enqueue)
+        ([_state(3, 7, 7), _state(1, 5, 5)], False),  # nothing pending: extra subgroup calls, then compute
+        ([_state(1, 5, 5), _state(0)], False),  # a rank the recorder has not seen yet issued nothing
+        ([_state(2), _state(2)], False),  # nothing recorded at all: everyone computes
     ],
 )
 def test_stall_rule(states: list[board.SlotState], expected: bool) -> None:
@@ -272,7 +280,7 @@ def test_the_users_frame_is_found_by_where_torch_and_levers9_are_not_by_names_in
     torch_file = str(Path(torch.__file__).parent / "distributed" / "distributed_c10d.py")
     frames = [
         report.Frame(torch_file, 3252, "all_reduce"),
-        report.Frame(instrument.__file__, 231, "tracked"),
+        report.Frame(report.__file__, 231, "collect_stacks"),
         report.Frame("<frozen runpy>", 1, "_run_code"),
         report.Frame("/home/me/levers9/tests/train.py", 7, "step"),
     ]

@@ -1,9 +1,11 @@
-"""The default process group's life: made when first needed (quirks applied first), destroyed only by its maker.
+"""The default process group's life: joined before fn (quirks applied first), destroyed only by its maker.
 
-Inside `distributed.run` no group exists before fn runs, on every path: fn may make it itself
-(`init_process_group`, as torchrun code does), and otherwise the first levers9 helper or
-torch.distributed collective that needs one makes it. levers9 destroys only a group it made; one the
-user, accelerate or a launcher made is left alone.
+`distributed.run` makes the group before fn on every path with more than one rank (or adopts one
+that already exists), so fn starts with `torch.distributed.is_initialized()` True, as the user's
+documents say. Nothing of torch's is replaced: levers9 calls `init_process_group` as any script
+would. levers9 destroys only a group it made; one the user, accelerate or a launcher made is left
+alone. Under a launcher, code that uses levers9's helpers without `distributed.run` gets the group
+from the first helper that needs one (`ensure_group`).
 """
 
 from __future__ import annotations
@@ -12,11 +14,10 @@ import atexit
 import contextlib
 import datetime
 import gc
-import importlib
 import os
+import traceback
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import parse_qs, urlparse
 
 from levers9.distributed import world
 from levers9.distributed.detect import LaunchInfo
@@ -25,12 +26,12 @@ from levers9.errors import ConfigError, DeviceError, LauncherEnvError
 DEFAULT_TIMEOUT_S = 600.0
 # Set by distributed.run for its ranks: the loopback port of the rendezvous store the parent hosts.
 STORE_PORT_VAR = "LEVERS9_STORE_PORT"
+# levers9's own group keeps its keys under this prefix of the parent's store, so a group fn makes
+# itself later (after destroying levers9's) never reads levers9's keys.
+OWN_KEYS = "levers9-group/"
 
 _created_by_us = False
 _cpu_only = False
-_lazy_backend: str | None = None  # inside lazy_group: the backend of a group made on first need
-_stall_slot: Any = None  # in a rank of distributed.run: forming the group counts as waiting in a collective
-_groups_formed = 0  # on a launcher's store, every group after the first gets keys of its own
 
 
 def compute_on_cpu() -> None:
@@ -51,6 +52,11 @@ def wants_cuda() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+def default_backend() -> str:
+    """nccl where this process computes on a card, else gloo."""
+    return "nccl" if wants_cuda() else "gloo"
 
 
 def visible_devices_note() -> str:
@@ -96,15 +102,41 @@ def apply_quirks_here(local_world_size: int, backend: str, disabled: tuple[str, 
     quirks.apply_quirks(local_world_size=local_world_size, backend=backend, is_main=world.rank() == 0, disabled=disabled)
 
 
+def pg_timeout() -> datetime.timedelta:
+    """The finite timeout of a group levers9 makes: LEVERS9_PG_TIMEOUT seconds, else 600."""
+    return datetime.timedelta(seconds=float(os.environ.get("LEVERS9_PG_TIMEOUT", DEFAULT_TIMEOUT_S)))
+
+
 def join_launcher_group(info: LaunchInfo, backend: str | None = None) -> bool:
-    """Under a launcher with several ranks and no live group, create it (the card set as current device
-    first for nccl, quirks applied first, a finite timeout); True if this call created it."""
+    """With several ranks and no live group, make it (the card set as current device first for nccl, quirks
+    applied first, a finite timeout); True if this call made it.
+
+    In a rank `distributed.run` started, the group meets on the parent's loopback store under keys of its
+    own; under torchrun or accelerate through torch's own env:// rendezvous (as a script would); under
+    SLURM or MPI at tcp://MASTER_ADDR:MASTER_PORT.
+    """
     global _created_by_us
     if info.world_size <= 1 or world.live_group() is not None:
         return False
-    backend = backend or ("nccl" if wants_cuda() else "gloo")
+    backend = backend or default_backend()
     apply_quirks_here(info.local_world_size, backend)
-    init_method = "env://"
+    import torch
+    import torch.distributed as td
+
+    kwargs: dict[str, Any] = {"rank": info.rank, "world_size": info.world_size, "timeout": pg_timeout()}
+    if backend == "nccl":
+        kwargs["device_id"] = torch.device("cuda", cuda_index_for_local_rank(info.local_rank))
+    if STORE_PORT_VAR in os.environ:
+        store = td.TCPStore("127.0.0.1", int(os.environ[STORE_PORT_VAR]), None, False, kwargs["timeout"])
+        td.init_process_group(backend, store=td.PrefixStore(OWN_KEYS, store), **kwargs)
+    else:
+        td.init_process_group(backend, init_method=_init_method(info), **kwargs)
+    _created_by_us = True
+    return True
+
+
+def _init_method(info: LaunchInfo) -> str:
+    """Where a launcher's ranks meet: env:// under torchrun-style launchers, tcp://MASTER under SLURM and MPI."""
     if info.launcher in ("slurm", "mpi"):
         if not info.master_addr:
             raise LauncherEnvError(
@@ -112,8 +144,8 @@ def join_launcher_group(info: LaunchInfo, backend: str | None = None) -> bool:
                 f"and MASTER_ADDR are unset). Expected the address of rank 0's node; export MASTER_ADDR=<host> "
                 f"(and MASTER_PORT) before launching."
             )
-        init_method = f"tcp://{info.master_addr}:{info.master_port or 29500}"
-    elif "TORCHELASTIC_USE_AGENT_STORE" not in os.environ:
+        return f"tcp://{info.master_addr}:{info.master_port or 29500}"
+    if "TORCHELASTIC_USE_AGENT_STORE" not in os.environ:
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if name not in os.environ:
                 raise LauncherEnvError(
@@ -121,139 +153,54 @@ def join_launcher_group(info: LaunchInfo, backend: str | None = None) -> bool:
                     f"Expected MASTER_ADDR and MASTER_PORT naming rank 0's rendezvous; export {name}=... "
                     f"or launch with `torchrun`."
                 )
-    import torch
-    import torch.distributed as td
-
-    timeout = datetime.timedelta(seconds=float(os.environ.get("LEVERS9_PG_TIMEOUT", DEFAULT_TIMEOUT_S)))
-    card = torch.device("cuda", cuda_index_for_local_rank(info.local_rank)) if backend == "nccl" else None
-    td.init_process_group(backend, init_method=init_method, rank=info.rank, world_size=info.world_size,
-                          timeout=timeout, device_id=card)  # fmt: skip
-    _created_by_us = True
-    return True
+    return "env://"
 
 
 def ensure_group() -> None:
-    """Make the group now if the launcher says there are several ranks and none exists (helpers call this)."""
+    """Make the group now if the launcher says there are several ranks and none exists (helpers call this);
+    it is destroyed when the process exits."""
     if world.live_group() is not None:
         return
     info = world.launch_info()
-    if info.world_size <= 1:
-        return
-    with contextlib.nullcontext() if _stall_slot is None else _stall_slot.inside("init_process_group"):
-        created = join_launcher_group(info, _lazy_backend)
-    if created:
+    if info.world_size > 1 and join_launcher_group(info):
         atexit.register(destroy_own_group)
 
 
 @contextlib.contextmanager
-def lazy_group(backend: str, stall_slot: Any = None) -> Iterator[None]:
-    """While the block runs fn: no group is made up front, but one with `backend` is made on first need (a
-    levers9 helper, or a torch.distributed collective called with no group, as code written for an eager
-    group does); fn's own `init_process_group` works as under torchrun. A group made in the block is
-    destroyed at its end."""
-    global _lazy_backend, _stall_slot
-    route_env_rendezvous()
-    _make_group_on_first_collective()
-    had_group = world.live_group() is not None
-    saved = _lazy_backend, _stall_slot
-    _lazy_backend, _stall_slot = backend, stall_slot
+def joined(backend: str, slot: Any = None) -> Iterator[None]:
+    """The block runs in this rank's process group: the live one if there is one, else one made now (counted as a
+    wait in `slot`, the rank's stall-board slot, while it forms); a group made here is destroyed at the end.
+
+    A ValueError from the block that torch's `init_process_group` raised because this group already exists
+    (fn is a classic torchrun main()) becomes a ConfigError naming `init_group=False`.
+    """
+    made = False
+    if world.live_group() is None:
+        with contextlib.nullcontext() if slot is None else slot.inside("init_process_group"):
+            made = join_launcher_group(world.launch_info(), backend)
     try:
         yield
+    except ValueError as exc:
+        if _raised_by_second_init(exc):
+            raise ConfigError(
+                f"fn called torch.distributed.init_process_group on rank {world.rank()}, but distributed.run had "
+                f"already joined every rank into a process group before calling fn (torch: {exc}). Expected fn to use "
+                f"the live group; drop fn's init_process_group/destroy_process_group calls, or pass "
+                f"init_group=False to distributed.run so that fn makes its own group, or run the script unchanged "
+                f"with distributed.run_script / `levers9 run` (torchrun's meaning), or distributed.spawn (mp.spawn's)."
+            ) from exc
+        raise
     finally:
-        _lazy_backend, _stall_slot = saved
-        if not had_group:
+        if made:
             destroy_own_group()
 
 
-def _make_group_on_first_collective() -> None:
-    """Inside lazy_group, a collective called with no group makes it instead of failing with "Default
-    process group has not been initialized". Installed once per process."""
-    c10d = importlib.import_module("torch.distributed.distributed_c10d")
-    original = c10d._get_default_group  # what every collective called with group=None asks first
-    if getattr(original, "__levers9_wrapped__", False):
-        return
-
-    def default_group() -> Any:
-        if _lazy_backend is not None and not c10d.is_initialized():
-            join_launcher_group(world.launch_info(), _lazy_backend)  # the collective asking is already counted as one
-        return original()
-
-    default_group.__levers9_wrapped__ = True  # type: ignore[attr-defined]
-    c10d._get_default_group = default_group  # type: ignore[attr-defined]
-
-
-def route_env_rendezvous() -> None:
-    """Make `init_process_group(..., init_method="env://")` (the default) right in levers9's and torchrun's ranks.
-
-    On a launcher's store (TORCHELASTIC_USE_AGENT_STORE=True: distributed.run's parent or torchrun's
-    agent) every group after this process's first gets keys of its own, so a group made after fn
-    destroyed its own never reads the old group's addresses. In a levers9 rank, a rank= or world_size=
-    that contradicts the ranks started is refused at once instead of waiting for ranks that never come,
-    and a MASTER_PORT the script set itself (as the PyTorch DDP tutorial does) gets torch's own env://
-    rendezvous, in which rank 0 hosts the store. Installed once per process, in place of torch's handler.
-    """
-    rendezvous = importlib.import_module("torch.distributed.rendezvous")
-    handlers = rendezvous._rendezvous_handlers  # torch offers no public way to replace a registered scheme
-    original = handlers.get("env")
-    if original is None or getattr(original, "__levers9_wrapped__", False):
-        return
-
-    def env_handler(url: str, **kwargs: Any) -> Any:
-        in_levers9_rank = STORE_PORT_VAR in os.environ
-        if in_levers9_rank and not _names_parent_store():
-            _check_asked_world(url, ("world_size",))
-            return _without_agent_store(original(url, **kwargs))
-        if in_levers9_rank:
-            _check_asked_world(url, ("world_size", "rank"))
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            return _fresh_keys(original(url, **kwargs))
-        return original(url, **kwargs)
-
-    env_handler.__levers9_wrapped__ = True  # type: ignore[attr-defined]
-    handlers["env"] = env_handler
-
-
-def _fresh_keys(inner: Any) -> Any:
-    """The launcher's store, under a prefix of its own for each group after the first: every rank forms its
-    groups in the same order, so the prefixes match (torch reuses the first group's keys otherwise)."""
-    global _groups_formed
-    import torch.distributed as td
-
-    _groups_formed += 1
-    number = _groups_formed
-    for store, rank, world_size in inner:
-        yield (store if number == 1 else td.PrefixStore(f"levers9-group-{number}/", store)), rank, world_size
-
-
-def _names_parent_store() -> bool:
-    """True while MASTER_ADDR/MASTER_PORT still name the store distributed.run's parent hosts."""
-    port = os.environ.get(STORE_PORT_VAR)
-    return os.environ.get("MASTER_PORT") == port and os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost")
-
-
-def _without_agent_store(inner: Any) -> Any:
-    """Torch's env:// rendezvous with TORCHELASTIC_USE_AGENT_STORE off while it makes its store (rank 0 hosts it)."""
-    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    try:
-        first = next(inner)
-    finally:
-        if saved is not None:
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
-    yield first
-    yield from inner
-
-
-def _check_asked_world(url: str, names: tuple[str, ...]) -> None:
-    """ConfigError when init_process_group's rank= or world_size= contradicts the ranks distributed.run started."""
-    query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
-    started = {"world_size": os.environ.get("WORLD_SIZE"), "rank": os.environ.get("RANK")}
-    for name in names:
-        value, asked = started[name], query.get(name)
-        if asked is not None and value is not None and asked != value:
-            raise ConfigError(
-                f"init_process_group({name}={asked}) on a rank that levers9 started as RANK={started['rank']} of "
-                f"WORLD_SIZE={started['world_size']}: the group would wait for ranks that were never started. "
-                f"Expected {name}={value}; drop the {name}= argument (env:// reads RANK and WORLD_SIZE), or "
-                f"start as many ranks as the script asks for (`levers9 run --nproc-per-node {asked if name == 'world_size' else 'N'}`, "
-                f"or nprocs= in distributed.run)."
-            )
+def _raised_by_second_init(exc: ValueError) -> bool:
+    """True if torch's init_process_group raised `exc` because a default group already existed."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return (
+        bool(frames)
+        and frames[-1].name == "init_process_group"
+        and frames[-1].filename.endswith("distributed_c10d.py")
+        and world.live_group() is not None
+    )

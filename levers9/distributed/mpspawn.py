@@ -1,12 +1,13 @@
 """`distributed.spawn`: torch.multiprocessing.spawn's signature and meaning on distributed.run's ranks.
 
 An mp.spawn script switches by changing one import (`from levers9.distributed import spawn`) and
-gains the fast start, torchrun's environment in each rank, loopback-only rendezvous, and failure
-reports that name the rank and carry its traceback.
+gains the fast start and failure reports that name the rank and carry its traceback. Each rank gets
+what mp.spawn gives it: the caller's environment (no launcher variables), no process group, fn(i, *args).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -43,14 +44,11 @@ def spawn(
         )
     if start_method == "forkserver":
         start_method = "spawn"
-    from levers9.distributed.spawner import run
+    from levers9.distributed.spawner import spawn_ranks
 
-    return run(_call_with_rank, (fn, args), nprocs=nprocs, start_method=start_method)
+    return spawn_ranks(functools.partial(_call_with_rank, fn, args), nprocs, start_method)
 
 
-def _call_with_rank(packed: tuple[Callable[..., Any], tuple[Any, ...]]) -> Any:
+def _call_with_rank(fn: Callable[..., Any], args: tuple[Any, ...], rank: int) -> Any:
     """What each rank runs: fn(rank, *args), where rank is this process's index among the spawned ones."""
-    from levers9.distributed import world
-
-    fn, args = packed
-    return fn(world.launch_info().rank, *args)
+    return fn(rank, *args)

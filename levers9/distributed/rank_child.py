@@ -1,12 +1,14 @@
 """Child side: what runs inside each rank that `distributed.run` started.
 
 The parent starts each rank through levers9.procs with a RankTarget; the rank takes its place in the
-world (torchrun's variables, set by the parent), calls fn with the group made lazily (group.lazy_group)
-and ships rank 0's value back (every other rank sends None). Failures travel through procs' codec.
+world (torchrun's variables, set by the parent), joins the process group before fn (unless fn makes
+its own: `init_group=False`, run_script, spawn), calls fn and ships rank 0's value back (every other
+rank sends None). Failures travel through procs' codec.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from collections.abc import Callable
@@ -24,8 +26,10 @@ class RankSpec:
     rank: int
     world_size: int
     backend: str  # "gloo" ranks compute on the CPU, even where cards are present
-    run_folder: str
+    run_folder: str | None  # the stall board and stack files, when timeout= or stall_timeout= asked for them
     job: JobContext | None  # the job that called distributed.run, if any
+    make_group: bool = True  # join the process group before fn (False: fn makes its own, as under torchrun)
+    pass_rank: bool = False  # call fn(rank) (distributed.spawn), not fn()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,13 +37,13 @@ class RankTarget:
     """fn bound to cfg for one rank: as it is (forked ranks) or shipped as bytes (fresh interpreters)."""
 
     spec: RankSpec
-    call: Callable[[], Any] | bytes
+    call: Callable[..., Any] | bytes
 
     def __call__(self) -> bytes | None:
         return rank_main(self.spec, unship(self.call) if isinstance(self.call, bytes) else self.call)
 
 
-def rank_main(spec: RankSpec, call: Callable[[], Any]) -> bytes | None:
+def rank_main(spec: RankSpec, call: Callable[..., Any]) -> bytes | None:
     """Run fn on this rank; rank 0's value shipped for the caller, None on the others."""
     from levers9.distributed.hardware import quirks
 
@@ -47,9 +51,9 @@ def rank_main(spec: RankSpec, call: Callable[[], Any]) -> bytes | None:
     quirks.mark_applied()  # the parent applied them for every rank, before starting any
     if spec.backend == "gloo":
         group.compute_on_cpu()
-    slot = stalls.watch_this_rank(spec.run_folder, spec.rank)
-    with group.lazy_group(spec.backend, slot):
-        result = call()
+    slot = None if spec.run_folder is None else stalls.watch_this_rank(spec.run_folder, spec.rank)
+    with group.joined(spec.backend, slot) if spec.make_group else contextlib.nullcontext():
+        result = call(spec.rank) if spec.pass_rank else call()
         return ship_value(to_cpu(result), "rank 0's return value") if spec.rank == 0 else None
 
 

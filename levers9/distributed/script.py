@@ -8,6 +8,7 @@ traceback and its exit code. `exit_code_for` maps a failure to the exit status t
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import importlib.util
@@ -22,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from levers9.console_log import forget_console_handler
 from levers9.distributed import group, world
 from levers9.errors import ConfigError, RankCrashed, RankFailed, RankFailure
 from levers9.procs.failure import exit_status
@@ -34,8 +36,9 @@ _LIBRARY_FILES = (str(Path(__file__).resolve().parent.parent), runpy.__file__, "
 class ScriptTarget:
     """What every rank runs, and how: shipped to the ranks as distributed.run's cfg."""
 
-    kind: str  # "path" (a .py file), "module" (-m) or "program" (--no-python)
+    kind: str  # "path" (a .py file, or a folder or zip with __main__.py), "module" (-m) or "program" (--no-python)
     name: str  # absolute path, module name or program
+    typed: str = ""  # the path as given, for sys.argv[0] (as `python path` keeps it)
     argv: tuple[str, ...] = ()
     one_omp_thread: bool = False  # OMP_NUM_THREADS=1 on every rank (it was unset and several ranks run)
     log_dir: str | None = None  # a copy of each rank's output goes to LOG_DIR/<local rank>/{stdout,stderr}.log
@@ -89,6 +92,7 @@ def run_script(
         max_restarts=max_restarts,
         restart_on=restart_on,
         restart_delay=restart_delay,
+        init_group=False,  # the script makes its own group, as under torchrun
     )
 
 
@@ -142,17 +146,19 @@ def prepare(
         kind, name = "module", target
     else:
         path = Path(target)
-        if not path.is_file():
+        if not (path.is_file() or (path / "__main__.py").is_file()):
             hint = f" `{target}` names a module: add -m (module=True)." if _find_module(target) is not None else ""
+            folder = " (a folder without __main__.py)" if path.is_dir() else ""
             raise ConfigError(
-                f"{what}: script {target!r} does not exist (looked in {os.getcwd()}). Expected a path to a Python "
-                f"file; check the path, or pass a module with -m.{hint}"
+                f"{what}: script {target!r} does not exist{folder} (looked in {os.getcwd()}). Expected a path to a "
+                f"Python file, or a folder or zip with __main__.py; check the path, or pass a module with -m.{hint}"
             )
         kind, name = "path", str(path.resolve())
     return ScriptTarget(
         kind,
         name,
-        tuple(argv),
+        typed=target,
+        argv=tuple(argv),
         log_dir=str(Path(log_dir).resolve()) if log_dir else None,
         console_ranks=tuple(console_ranks) if console_ranks is not None else None,
     )
@@ -229,6 +235,7 @@ def run_target(script: ScriptTarget) -> None:
     if world.launch_info().launcher == "single":
         _run_in_place(script)
         return
+    forget_console_handler()  # a rank starts with a fresh interpreter's logging, as under torchrun
     if script.one_omp_thread:
         os.environ["OMP_NUM_THREADS"] = "1"
         import torch
@@ -246,15 +253,17 @@ def run_target(script: ScriptTarget) -> None:
 
 
 def _run_as_main(script: ScriptTarget) -> None:
-    """Run a Python script or module as __main__ with sys.argv set, as `python script.py args` would."""
+    """Run a Python script, folder or module as __main__ with sys.argv set, as `python script.py args` would:
+    sys.argv[0] as typed, __builtins__ the builtins module, the script's folder first on sys.path."""
     if script.kind == "module":
         sys.argv = [script.name, *script.argv]
         sys.path.insert(0, os.getcwd())
         runpy.run_module(script.name, run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = [script.name, *script.argv]
+        return
+    sys.argv = [script.typed or script.name, *script.argv]
+    if not os.path.isdir(script.name):  # run_path puts a folder (or zip) itself first on sys.path
         sys.path.insert(0, os.path.dirname(script.name))
-        runpy.run_path(script.name, run_name="__main__")
+    runpy.run_path(script.name, init_globals={"__builtins__": builtins}, run_name="__main__")
 
 
 def _run_in_place(script: ScriptTarget) -> None:
@@ -268,10 +277,8 @@ def _run_in_place(script: ScriptTarget) -> None:
         if code != 0:
             _raise_exit(code if code > 0 else None, -code if code < 0 else None, f"program {script.name}")
         return
-    saved_argv, saved_path, saved_env = list(sys.argv), list(sys.path), dict(os.environ)
-    with hosted_store() as port:
-        os.environ.update(rank_env(0, 1, port))
-        group.route_env_rendezvous()
+    saved_argv, saved_path = list(sys.argv), list(sys.path)
+    with hosted_store() as port, _environment(rank_env(0, 1, port)):
         try:
             _run_as_main(script)
         except SystemExit as exc:
@@ -283,8 +290,22 @@ def _run_in_place(script: ScriptTarget) -> None:
             if td is not None:
                 td.destroy_process_group()  # the script's group: in its own process it would end with it
             sys.argv[:], sys.path[:] = saved_argv, saved_path
-            os.environ.clear()
-            os.environ.update(saved_env)
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+    """`variables` set in os.environ for the block; afterwards os.environ is as it was before (what the block
+    added removed, what it changed put back), as a script's own process would leave the caller's."""
+    saved = dict(os.environ)
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name in [name for name in os.environ if name not in saved]:
+            del os.environ[name]
+        for name, value in saved.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
 
 
 def _raise_exit(code: int | None, signum: int | None, what: str) -> None:

@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import functools
 import inspect
+import math
 import os
 import socket
 import sys
@@ -27,6 +28,7 @@ from levers9.distributed import detect, group, restarts, stalls, world
 from levers9.distributed.hardware import oom
 from levers9.distributed.rank_child import RankSpec, RankTarget, to_cpu
 from levers9.distributed.self_timer import SelfTimer
+from levers9.distributed.stalls import flight_recorder
 from levers9.errors import (
     ConfigError,
     NotShippableError,
@@ -69,6 +71,7 @@ def run(
     max_restarts: int | None = None,
     restart_on: Sequence[str] | None = None,
     restart_delay: float | None = None,
+    init_group: bool = True,
 ) -> Any:
     """Run `fn(cfg)` on every rank and return what rank 0 returned (on every rank, under a launcher).
 
@@ -83,6 +86,14 @@ def run(
     ranks get between SIGTERM and SIGKILL when a sibling failed, on timeout, on Ctrl-C, or when this
     process gets SIGTERM or SIGHUP (then SystemExit(128 + signal) is raised here once they are stopped).
 
+    With several ranks, every rank is in the default process group when fn starts
+    (`torch.distributed.is_initialized()` is True): one levers9 made, destroyed after fn, or one that
+    already existed, left alone. `init_group=False` makes no group: fn makes its own with
+    `init_process_group` (a classic torchrun `main()`); without it such a fn fails at once with a
+    ConfigError naming `init_group=False`. `timeout` and `stall_timeout` give the ranks levers9 starts
+    a stack dump on SIGUSR1 (and, for stalls, a flight-recorder sampler thread) for their reports;
+    without them levers9 installs nothing in a rank.
+
     `max_restarts` (default 0, or what @job(max_restarts=...) set) stops every rank after a failure
     that `restart_on` names and starts them all again, up to that many times, `restart_delay` s
     apart (default 1); `restart_on` is drawn from "crash", "comm", "stall", "timeout" and
@@ -93,6 +104,9 @@ def run(
         raise ConfigError(f"distributed.run needs a function to call on every rank; got {type(fn).__name__} {fn!r}.")
     for name, value in (("timeout", timeout), ("stall_timeout", stall_timeout), ("stop_grace", stop_grace)):
         _check_seconds(name, value, allow_zero=name == "stop_grace")
+    if not isinstance(init_group, bool):
+        raise ConfigError(f"init_group={init_group!r}; expected True (levers9 joins the group before fn) or False "
+                          f"(fn calls init_process_group itself).")
     from levers9.distributed.hardware import quirks  # imported on use: `import levers9` stays light
 
     quirks.check_quirk_ids(disable_quirks)
@@ -108,30 +122,50 @@ def run(
         _refuse_spawn_only(f"under {info.launcher}", stall_timeout=stall_timeout, start_method=start_method,
                            prefix_output=prefix_output, max_restarts=max_restarts, restart_on=restart_on,
                            restart_delay=restart_delay)  # fmt: skip
-        return _run_here(call, backend or ("nccl" if group.wants_cuda() else "gloo"), timeout, disable_quirks, in_place=False)
+        return _run_under_launcher(call, backend or group.default_backend(), timeout, disable_quirks, init_group)
     layout = plan_layout(nprocs, backend)
     job = current_job()
     if max_restarts is None and job is not None:
         policy = dataclasses.replace(policy, max_restarts=job.max_restarts)  # @job(max_restarts=...)
     if layout.nprocs == 1 and not policy.max_restarts:  # a restartable world of one runs as a started rank
         _refuse_spawn_only("in place", stall_timeout=stall_timeout, start_method=start_method)
-        return _run_here(call, layout.backend, timeout, disable_quirks, in_place=True)
+        return _run_in_place(call, layout.backend, timeout, disable_quirks)
     if stall_timeout is None and job is not None:
         stall_timeout = job.stall_timeout  # @job(stall_timeout=...)
     method = start.choose(start_method)
     plan = _Plan(call, None if method.forks else _shipped(fn, cfg, call, method), layout, _ranks_env(layout, disable_quirks),
-                 method, timeout, stall_timeout, prefix_output is None or bool(prefix_output), stop_grace)  # fmt: skip
+                 method, timeout, stall_timeout, prefix_output is None or bool(prefix_output), stop_grace,
+                 make_group=init_group)  # fmt: skip
+    return _run_spawned(plan, policy)
+
+
+def _run_spawned(plan: _Plan, policy: restarts.RestartPolicy) -> Any:
+    """Start the plan's ranks (again after each failure the policy restarts) and return rank 0's value."""
+    if plan.stall_timeout is not None:
+        flight_recorder.require(plan.layout.backend)
     with exit_on_terminate():  # SIGTERM to this process stops the ranks with stop_grace, as Ctrl-C does
-        return restarts.run_attempts(policy, lambda attempt_env: _Spawn(plan, attempt_env).run(), ranks=layout.nprocs,
-                                     timeout=timeout, stall_timeout=stall_timeout)  # fmt: skip
+        return restarts.run_attempts(policy, lambda attempt_env: _Spawn(plan, attempt_env).run(), ranks=plan.layout.nprocs,
+                                     timeout=plan.timeout, stall_timeout=plan.stall_timeout)  # fmt: skip
+
+
+def spawn_ranks(call: Callable[[int], Any], nprocs: int, start_method: str | None) -> Any:
+    """`call(rank)` in `nprocs` ranks with torch.multiprocessing.spawn's meaning: the caller's environment (no
+    launcher variables, no store, no group) and no restarts; rank 0's value, or the root failure raised."""
+    layout = plan_layout(nprocs, None)
+    method = start.choose(start_method)
+    shipped = None if method.forks else _shipped(call, None, call, method)
+    plan = _Plan(call, shipped, layout, _ranks_env(layout, ()), method, None, None, True, STOP_GRACE_S,
+                 make_group=False, torchrun_env=False, pass_rank=True)  # fmt: skip
+    return _run_spawned(plan, restarts.RestartPolicy())
 
 
 def _check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> None:
     if value is None and name != "stop_grace":
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not allow_zero):
-        expected = "a number of seconds >= 0" if allow_zero else "a positive number of seconds, or None for no limit"
-        raise ConfigError(f"{name}={value!r}; expected {expected}.")
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+            or (value == 0 and not allow_zero)):  # fmt: skip
+        expected = "a finite number of seconds >= 0" if allow_zero else "a finite positive number of seconds, or None for no limit"
+        raise ConfigError(f"{name}={value!r}; expected {expected}. Pass e.g. {name}=30.")
 
 
 def _refuse_spawn_only(where: str, **given: Any) -> None:
@@ -198,27 +232,50 @@ def _takes_no_arguments(fn: Callable[..., Any]) -> bool:
     return not any(p.kind in positional for p in params)
 
 
-def _run_here(call: Callable[[], Any], backend: str, timeout: float | None, disabled: tuple[str, ...], *,
-              in_place: bool) -> Any:  # fmt: skip
-    """fn in this process (a rank under a launcher or in a group the user made, or in place as a world of one)
-    with quirks applied and the group made lazily; rank 0's value, on every rank."""
+def _run_in_place(call: Callable[[], Any], backend: str, timeout: float | None, disabled: tuple[str, ...]) -> Any:
+    """fn in this process as a world of one, quirks applied; its value."""
+    group.apply_quirks_here(1, backend, disabled)
+    with SelfTimer(timeout, "distributed.run (in place, a world of one)", under_launcher=False):
+        return call()
+
+
+def _run_under_launcher(call: Callable[[], Any], backend: str, timeout: float | None, disabled: tuple[str, ...],
+                        init_group: bool) -> Any:  # fmt: skip
+    """fn in this rank of a launcher's world (or of a group the user made), quirks applied, in the group
+    (joined now unless `init_group` is False); rank 0's value, on every rank."""
     group.apply_quirks_here(world.launch_info().local_world_size, backend, disabled)
-    what = "distributed.run (in place, a world of one)" if in_place else f"rank {world.rank()} of distributed.run"
-    with group.lazy_group(backend), SelfTimer(timeout, what, under_launcher=not in_place):
-        result = call()
-        if world.world_size() == 1:
-            return result
-        group.ensure_group()  # fn may have destroyed its own group: the value still travels through one
-        import torch.distributed as td
-
-        from levers9.distributed.helpers import device
-
-        box = [to_cpu(result) if td.get_rank() == 0 else None]
-        td.broadcast_object_list(box, src=0, device=device() if td.get_backend() == "nccl" else None)
-        return box[0]
+    with SelfTimer(timeout, f"rank {world.rank()} of distributed.run", under_launcher=True):
+        with group.joined(backend) if init_group else contextlib.nullcontext():
+            result = call()
+            if world.live_group() is not None:
+                return _from_rank0(result)
+        return _from_rank0_without_group(result, backend)
 
 
-def _shipped(fn: Callable[..., Any], cfg: Any, call: Callable[[], Any], method: start.StartMethod) -> bytes:
+def _from_rank0(result: Any) -> Any:
+    """Rank 0's `result` on every rank, through the live group."""
+    import torch.distributed as td
+
+    from levers9.distributed.helpers import device
+
+    box = [to_cpu(result) if td.get_rank() == 0 else None]
+    td.broadcast_object_list(box, src=0, device=device() if td.get_backend() == "nccl" else None)
+    return box[0]
+
+
+def _from_rank0_without_group(result: Any, backend: str) -> Any:
+    """Rank 0's `result` on every rank after fn destroyed its own group: through a group made for it alone."""
+    if world.launch_info().world_size == 1:
+        return result
+    if not group.join_launcher_group(world.launch_info(), backend):
+        return _from_rank0(result)
+    try:
+        return _from_rank0(result)
+    finally:
+        group.destroy_own_group()
+
+
+def _shipped(fn: Callable[..., Any], cfg: Any, call: Callable[..., Any], method: start.StartMethod) -> bytes:
     """fn bound to cfg, pickled by value where needed (cloudpickle), or a clear error naming what cannot be."""
     for what, value in (("fn", fn), ("cfg", cfg)):
         try:
@@ -253,7 +310,7 @@ def _ranks_env(layout: Layout, disabled: tuple[str, ...]) -> dict[str, str]:
 class _Plan:
     """What every attempt of a spawned run starts and how it is watched, decided once per run."""
 
-    call: Callable[[], Any]  # fn bound to cfg
+    call: Callable[..., Any]  # fn bound to cfg (spawn: taking the rank)
     shipped: bytes | None  # `call` pickled, for ranks that are fresh interpreters
     layout: Layout
     env: dict[str, str]  # on top of the caller's, in every rank
@@ -262,6 +319,14 @@ class _Plan:
     stall_timeout: float | None
     prefix_output: bool
     stop_grace: float
+    make_group: bool = True  # every rank joins the group before fn
+    torchrun_env: bool = True  # ranks get torchrun's worker variables and the parent's store (spawn: neither)
+    pass_rank: bool = False  # fn(rank), as mp.spawn calls it
+
+    @property
+    def diagnostics(self) -> bool:
+        """Ranks get a run folder, stack dumps on SIGUSR1 and a recorder sampler: timeout= or stall_timeout= asked."""
+        return self.timeout is not None or self.stall_timeout is not None
 
 
 class _Spawn:
@@ -278,18 +343,22 @@ class _Spawn:
     def run(self) -> Any:
         plan, nprocs = self.plan, self.plan.layout.nprocs
         with contextlib.ExitStack() as cleanup:  # unwound last to first: ranks stopped, store, pipes, folder
-            folder = stalls.RunFolder(nprocs)
-            cleanup.callback(folder.remove)
+            folder = stalls.RunFolder(nprocs) if plan.diagnostics else None
+            if folder is not None:
+                cleanup.callback(folder.remove)
             cleanup.callback(self.watcher.close)
-            port = cleanup.enter_context(hosted_store())
+            port = cleanup.enter_context(hosted_store()) if plan.torchrun_env else None
             cleanup.callback(self.watcher.stop, plan.stop_grace)
             for rank in range(nprocs):
-                spec = RankSpec(rank, nprocs, plan.layout.backend, str(folder.path), current_job())
+                spec = RankSpec(rank, nprocs, plan.layout.backend, None if folder is None else str(folder.path),
+                                current_job(), make_group=plan.make_group, pass_rank=plan.pass_rank)  # fmt: skip
                 target = RankTarget(spec, plan.call if plan.shipped is None else plan.shipped)
+                env = {**plan.env, **({} if port is None else {**rank_env(rank, nprocs, port), **self.attempt_env})}
                 child = start.start(target, method=plan.method, shipped=None if plan.shipped is None else ship(target),
-                                    env={**plan.env, **rank_env(rank, nprocs, port), **self.attempt_env}, name=f"rank {rank}")  # fmt: skip
+                                    env=env, name=f"rank {rank}")  # fmt: skip
                 self.ranks.append(self.watcher.add(child))
-            folder.write_pids(os.getpid(), [p.pid for p in self.ranks])
+            if folder is not None:
+                folder.write_pids(os.getpid(), [p.pid for p in self.ranks])
             return self._watch(folder)
 
     def _forward(self, child: Child, stream: str, line: str) -> None:
@@ -298,7 +367,7 @@ class _Spawn:
         out.write(f"{prefix}{line}\n")
         out.flush()
 
-    def _watch(self, folder: stalls.RunFolder) -> Any:
+    def _watch(self, folder: stalls.RunFolder | None) -> Any:
         """Pump messages and output until every rank is done or one fails; then return or raise."""
         timeout, stall_timeout = self.plan.timeout, self.plan.stall_timeout
         deadline = None if timeout is None else self.started + timeout
@@ -316,7 +385,7 @@ class _Spawn:
                 return None if rank0 is None else unship(rank0)
             if deadline is not None and now >= deadline:
                 self._raise_stopped(folder, RunTimeout, self._timeout_text())
-            if stall_timeout is not None and stalls.stalled_now(folder, stall_timeout, now):
+            if stall_timeout is not None and folder is not None and stalls.stalled_now(folder, stall_timeout, now):
                 self._raise_stopped(folder, StallError, self._stall_text())
 
     def _root_cause(self) -> Child:
@@ -364,9 +433,10 @@ class _Spawn:
                            f"Its traceback:\n{report.traceback.rstrip()}")  # fmt: skip
         raise original from wrapper
 
-    def _raise_stopped(self, folder: stalls.RunFolder, error: type[RankFailed], headline: str) -> NoReturn:
+    def _raise_stopped(self, folder: stalls.RunFolder | None, error: type[RankFailed], headline: str) -> NoReturn:
         """Ask every rank where it is, stop them all, and raise `error` with that report and their last output."""
-        where = stalls.where_ranks_are(folder, {i: p.pid for i, p in enumerate(self.ranks) if not p.poll()})
+        live = {i: p.pid for i, p in enumerate(self.ranks) if not p.poll()}
+        where = "" if folder is None else stalls.where_ranks_are(folder, live)
         self.watcher.stop(self.plan.stop_grace)
         self.watcher.drain(0.3)
         tails = "".join(f"\n\nLast output of {p.name}:\n" + "\n".join(list(p.tail)[-10:]) for p in self.ranks if p.tail)

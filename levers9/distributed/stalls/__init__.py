@@ -6,7 +6,8 @@ Each run started by `distributed.run` gets a private run folder holding
   flight_recorder.py);
 - `stack-<rank>.txt`: where a rank writes every thread's Python stack on SIGUSR1 (report.py);
 - `ranks.json`: the caller's pid and the ranks' pids, for `levers9 stacks` (runs.py).
-Each rank's blocking `torch.distributed` calls are wrapped to update its slot (instrument.py).
+A run gets its folder only when `timeout=` or `stall_timeout=` asks for reports; nothing of torch's is
+wrapped: what a rank waits for comes from torch's own flight recorder, where it is from stack dumps.
 The three functions below are what `distributed.run`'s parent and ranks call.
 """
 
@@ -14,8 +15,7 @@ from __future__ import annotations
 
 import time
 
-from levers9.distributed.stalls.board import RankSlot, RunFolder, remove_stale_runs
-from levers9.distributed.stalls.instrument import instrument_collectives
+from levers9.distributed.stalls.board import RankSlot, RunFolder
 from levers9.distributed.stalls.report import collect_stacks, describe_ranks, enable_stack_dumps, stalled
 from levers9.distributed.stalls.runs import find_run, live_runs, report_for_run
 from levers9.distributed.stalls.sampler import start_recorder_sampler
@@ -27,7 +27,6 @@ __all__ = [
     "stalled_now",
     "where_ranks_are",
     "enable_stack_dumps",
-    "instrument_collectives",
     "start_recorder_sampler",
     "collect_stacks",
     "describe_ranks",
@@ -35,16 +34,15 @@ __all__ = [
     "find_run",
     "live_runs",
     "report_for_run",
-    "remove_stale_runs",
 ]
 
 
 def watch_this_rank(folder: str, rank: int) -> RankSlot:
-    """In a rank, before fn: its stacks dumped on SIGUSR1, its collectives tracked in its slot, its flight
-    recorder sampled on request; the slot."""
+    """In a rank, before fn (only when timeout= or stall_timeout= asked): its stacks dumped on SIGUSR1 (faulthandler,
+    for as long as the rank lives) and its flight recorder sampled on request by a daemon thread; the slot,
+    in which levers9's own waits (forming the group) are marked."""
     enable_stack_dumps(folder, rank)
     slot = RankSlot(folder, rank)
-    instrument_collectives(slot)
     start_recorder_sampler(slot.record, folder, rank)
     return slot
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from levers9.distributed.stalls.flight_recorder import RecorderStatus
 from levers9.distributed.stalls.sampler import fresh_states, request_samples, sample_fifo
+from levers9.errors import PrivateDirError
 from levers9.private_dir import private_dir
 from levers9.procs.watch import pid_alive
 
@@ -36,11 +37,31 @@ RUN_DIR_PREFIX = "levers9-run-"
 
 
 def runs_root() -> Path:
-    """Where run folders live: our private levers9-<uid> folder in /dev/shm when it exists (memory, never a
-    slow disk), else in the temp dir."""
+    """Where run folders live: `$LEVERS9_STATE_DIR/boards` when that is set, else our private levers9-<uid> folder
+    in /dev/shm (memory, never a slow disk), else in the temp dir."""
+    return run_roots()[0]
+
+
+def run_roots() -> list[Path]:
+    """The places a run folder may go, best first; each is a private folder (created on first use)."""
+    state = os.environ.get("LEVERS9_STATE_DIR")
+    if state:
+        return [private_dir(Path(state) / "boards")]
+    found: list[Path] = []
+    errors: list[str] = []
     shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    return private_dir(base / f"levers9-{os.getuid()}")
+    for base in ([shm] if shm.is_dir() and os.access(shm, os.W_OK) else []) + [Path(tempfile.gettempdir())]:
+        try:
+            found.append(private_dir(base / f"levers9-{os.getuid()}"))
+        except OSError as exc:  # another user's folder, a symlink: try the next place
+            errors.append(str(exc))
+    if not found:
+        raise PrivateDirError(
+            "distributed.run has nowhere private for its run folder (timeout=/stall_timeout= reports): "
+            + " ".join(errors) + " Set LEVERS9_STATE_DIR to a folder of your own (e.g. export "
+            "LEVERS9_STATE_DIR=~/.cache/levers9)."
+        )
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,14 +97,9 @@ class RunFolder:
     """The parent's side: creates the folder and the progress board, reads them, removes them."""
 
     def __init__(self, nprocs: int) -> None:
-        remove_stale_runs()
-        self.path = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=runs_root()))
         self.nprocs = nprocs
+        self.path = self._make(run_roots())
         board = self.path / "progress.bin"
-        now = time.monotonic()
-        with open(board, "wb") as f:
-            for _ in range(nprocs):
-                f.write(_CALLS.pack(0, 0, 0.0, now, b"") + _RECORDER.pack(-1, -1, now, 0.0, b""))
         for rank in range(nprocs):
             try:
                 os.mkfifo(sample_fifo(self.path, rank), 0o600)
@@ -92,6 +108,27 @@ class RunFolder:
         self._file = open(board, "r+b")  # noqa: SIM115 - closed in remove()
         self._map = mmap.mmap(self._file.fileno(), _SLOT_SIZE * nprocs)
         self._last_request = 0.0
+
+    def _make(self, roots: list[Path]) -> Path:
+        """A fresh folder with an empty board in the first root with room for it (a full /dev/shm moves it on)."""
+        failures = []
+        for root in roots:
+            remove_stale_runs(root)
+            path = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=root))
+            now = time.monotonic()
+            try:
+                with open(path / "progress.bin", "wb") as f:
+                    for _ in range(self.nprocs):
+                        f.write(_CALLS.pack(0, 0, 0.0, now, b"") + _RECORDER.pack(-1, -1, now, 0.0, b""))
+                return path
+            except OSError as exc:  # ENOSPC: a full or tiny /dev/shm
+                shutil.rmtree(path, ignore_errors=True)
+                failures.append(f"{root}: {exc.strerror or exc}")
+        raise OSError(
+            f"distributed.run could not write its run folder (for timeout=/stall_timeout= reports) in "
+            f"{'; '.join(failures)}. Expected a few hundred bytes free; free space there, or set LEVERS9_STATE_DIR "
+            f"to a folder of your own with room."
+        )
 
     def write_pids(self, parent: int, pids: list[int]) -> None:
         (self.path / "ranks.json").write_text(json.dumps({"parent": parent, "pids": pids}))
@@ -115,9 +152,9 @@ class RunFolder:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def remove_stale_runs() -> None:
-    """Remove run folders whose caller no longer exists (it was killed outright, so it could not)."""
-    for folder in runs_root().glob(f"{RUN_DIR_PREFIX}*"):
+def remove_stale_runs(root: Path) -> None:
+    """Remove run folders in `root` whose caller no longer exists (it was killed outright, so it could not)."""
+    for folder in root.glob(f"{RUN_DIR_PREFIX}*"):
         pid_text = folder.name[len(RUN_DIR_PREFIX) :].split("-", 1)[0]
         if not pid_text.isdigit():
             continue

@@ -7,9 +7,9 @@ of its last enqueued and last completed collective, and NCCL's watchdog moves "c
 work has finished on the card. So "issued more than completed" is the one test of "this rank waits for
 a collective" that holds for gloo and NCCL alike, including NCCL's return-on-enqueue.
 
-The recorder is on by default in current torch (`TORCH_FR_BUFFER_SIZE`, default 2000); with it off, or
-in a torch without it, `read_status` answers None and stall detection falls back to the Python-level
-counts in `stalls`. `RecorderSampler` copies the counts into the rank's slot of the progress board
+The recorder is on by default in current torch (`TORCH_FR_BUFFER_SIZE`, default 2000). Stall detection
+needs it: `require` refuses `stall_timeout=` where it is off or cannot see the run's backend, rather
+than watching nothing. `RecorderSampler` copies the counts into the rank's slot of the progress board
 from a thread, because the main thread may be blocked in C++ (`.item()`, `synchronize()`, `wait()`),
 all of which release the GIL. It samples only when asked, so a run whose Python-level progress is
 visible anyway pays nothing for it.
@@ -18,11 +18,14 @@ visible anyway pays nothing for it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from levers9.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +56,39 @@ def _dumpers() -> list[tuple[str, Callable[..., bytes]]]:
 
 
 def _dump(dump: Callable[..., bytes], with_entries: bool) -> dict[str, Any]:
-    return dict(pickle.loads(dump(with_entries, False, False)))
+    try:
+        raw = dump(with_entries, False, False)
+    except TypeError:  # older builds take no arguments
+        raw = dump()
+    return dict(pickle.loads(raw))
+
+
+# The first torch release whose flight recorder records gloo groups (earlier ones record NCCL only).
+GLOO_RECORDED_SINCE = (2, 9)
+_OFF_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+
+
+def require(backend: str) -> None:
+    """ConfigError unless torch's flight recorder can see this backend's collectives here (stall_timeout= needs it)."""
+    import torch
+
+    fix = "pass timeout= instead (it stops the run and reports where every rank was), or drop stall_timeout="
+    off = next((name for name in _OFF_VARS if os.environ.get(name, "").strip() == "0"), None)
+    if off is not None:
+        raise ConfigError(
+            f"stall_timeout= needs torch's flight recorder, which {off}=0 turns off. Expected it on (the default); "
+            f"unset {off}, or {fix}."
+        )
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2] if part.isdigit())
+    names = [label for label, _ in _dumpers()]
+    seen = ("generic" in names and version >= GLOO_RECORDED_SINCE) if backend == "gloo" else bool(names)
+    if not seen:
+        since = ".".join(map(str, GLOO_RECORDED_SINCE))
+        raise ConfigError(
+            f"stall_timeout= needs torch's flight recorder to record {backend} collectives, and torch "
+            f"{torch.__version__} does not{' (gloo is recorded from torch ' + since + ' on)' if backend == 'gloo' else ''}. "
+            f"Expected a torch that does; upgrade torch (pip install -U 'torch>={since}'), or {fix}."
+        )
 
 
 def _group_statuses() -> list[tuple[str, str, Any]]:
@@ -121,7 +156,7 @@ class RecorderSampler(threading.Thread):
 
     `changed_at` is the `time.monotonic()` at which the counts were first seen as they are now (a rank
     whose counts move is making progress); `sampled_at` says the request was answered. A rank seen
-    waiting with the same counts in two samples in a row gets its pending collective named.
+    waiting gets its pending collective named.
     """
 
     def __init__(
@@ -145,6 +180,6 @@ class RecorderSampler(threading.Thread):
             now = time.monotonic()
             if first or status != last:
                 first, last, changed_at, pending = False, status, now, ""
-            elif status is not None and status.waiting and not pending:
+            if status is not None and status.waiting and not pending:
                 pending = name_pending(status)
             self._write(status, changed_at, now, pending)

@@ -150,26 +150,20 @@ def describe_ranks(states: list[SlotState], dumps: dict[int, str], now: float) -
 
 
 def _counts(state: SlotState) -> str:
-    """The recorder's counts when it is on (they include collectives issued from C++), else the Python calls'."""
-    last = f"; last call {state.name}" if state.name else ""
+    """The flight recorder's counts (every collective, whoever issued it), or that it recorded none yet."""
     if state.recorder_known:
-        return f"{state.recorder_issued} collective(s) issued, {state.recorder_completed} completed{last}"
-    return f"{state.finished + state.in_collective} collective(s) issued{last}"
+        return f"{state.recorder_issued} collective(s) issued, {state.recorder_completed} completed"
+    return "no collective recorded yet"
 
 
 def stalled(states: list[SlotState], stall_timeout: float, now: float) -> bool:
     """True when nothing moved for `stall_timeout` seconds while at least one rank waits for a collective.
 
-    Waiting: inside a blocking `torch.distributed` call (gloo, barriers), or, by torch's flight recorder,
-    holding a collective it issued that has not completed (NCCL returns once a collective is enqueued,
-    so the rank ahead waits further on, e.g. in `.item()`). With the recorder off, ranks that issued
-    different numbers of collectives from Python stand in for the second test.
+    Waiting: by torch's flight recorder, holding a collective it issued that has not completed (gloo's
+    blocking calls and NCCL's enqueued work alike, so the rank ahead may wait further on, e.g. in
+    `.item()`), or inside levers9's own wait for the group to form.
     """
     last_move = max(max(s.entered_at, s.last_finished_at, s.recorder_changed_at) for s in states)
     if now - last_move < stall_timeout:
         return False
-    if any(s.in_collective or s.waiting_for_issued for s in states):
-        return True
-    if any(s.recorder_known for s in states):  # it is on: a rank it has not seen has issued nothing
-        return False
-    return len({s.finished for s in states}) > 1
+    return any(s.in_collective or s.waiting_for_issued for s in states)

@@ -10,15 +10,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from levers9.distributed.stalls.board import RUN_DIR_PREFIX, read_slot, runs_root
+from levers9.distributed.stalls.board import RUN_DIR_PREFIX, read_slot, run_roots
 from levers9.distributed.stalls.report import collect_stacks, describe_ranks
 from levers9.distributed.stalls.sampler import fresh_states
 
 
+def _run_folders() -> list[Path]:
+    return sorted(folder for root in run_roots() for folder in root.glob(f"{RUN_DIR_PREFIX}*"))
+
+
 def find_run(pid: int) -> Path | None:
     """The run folder of the run whose caller or one of whose ranks has `pid`."""
-    root = runs_root()
-    for folder in sorted(root.glob(f"{RUN_DIR_PREFIX}*")):
+    for folder in _run_folders():
         info = folder / "ranks.json"
         try:
             data = json.loads(info.read_text())
@@ -31,7 +34,7 @@ def find_run(pid: int) -> Path | None:
 
 def live_runs() -> Iterator[tuple[Path, dict[str, Any]]]:
     """Every run folder whose caller is still alive, with its ranks.json."""
-    for folder in sorted(runs_root().glob(f"{RUN_DIR_PREFIX}*")):
+    for folder in _run_folders():
         try:
             data = json.loads((folder / "ranks.json").read_text())
             os.kill(int(data["parent"]), 0)
