@@ -3,8 +3,9 @@
 The command line gives that logger a handler of its own (`levers9: message` on stderr) and stops it
 propagating, so the root logger stays unconfigured, as a script expects it (its own
 `logging.basicConfig` works, and libraries' INFO lines stay quiet, as under torchrun). A script's
-ranks, forked from the command line, take that handler back before the script starts
-(`forget_console_handler`), so they begin with the logging state of a fresh interpreter.
+ranks are forked from their caller (the command line, or a program calling run_script); before the
+script starts they take that handler back and empty the root logger (`fresh_logging`), so the script
+begins with the root logger of a fresh interpreter, as a torchrun worker does.
 """
 
 from __future__ import annotations
@@ -29,13 +30,17 @@ def install_console_handler(verbose: bool) -> None:
     logger.propagate = False
 
 
-def forget_console_handler() -> None:
-    """Undo install_console_handler in this process (a script's rank): the `levers9` logger as Python made it."""
+def fresh_logging() -> None:
+    """In a script's rank, before the script: the `levers9` logger and the root logger as a fresh interpreter has
+    them (no handlers, root at WARNING). Only this process changes; the caller's handlers stay the caller's."""
     logger = logging.getLogger(LOGGER)
     found = [h for h in logger.handlers if isinstance(h, _ConsoleHandler)]
-    if not found:
-        return
     for handler in found:
         logger.removeHandler(handler)
-    logger.setLevel(logging.NOTSET)
-    logger.propagate = True
+    if found:
+        logger.setLevel(logging.NOTSET)
+        logger.propagate = True
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.setLevel(logging.WARNING)

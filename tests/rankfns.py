@@ -120,6 +120,7 @@ def accelerate_adopts(cfg: Any) -> dict[str, Any]:
     """accelerate's PartialState / Accelerator created inside fn join the group run() made."""
     from accelerate import Accelerator, PartialState
 
+    group_before = torch.distributed.is_initialized()
     state = PartialState(cpu=True)  # on a CPU box accelerate itself needs cpu=True (as under `accelerate launch`)
     acc = Accelerator(cpu=True)
     t = acc.reduce(torch.tensor([float(acc.process_index)]), reduction="sum")
@@ -128,6 +129,7 @@ def accelerate_adopts(cfg: Any) -> dict[str, Any]:
         "process_index": state.process_index,
         "accelerator_processes": acc.num_processes,
         "sum": t.item(),
+        "group_before": group_before,
     }
 
 

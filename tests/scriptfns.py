@@ -63,7 +63,34 @@ def job_runs_classic_main() -> Any:
     """A job body: a torchrun-style main on every card of the job."""
     from levers9 import distributed as dist
 
-    return dist.run(torchrun_main)
+    return dist.run(torchrun_main, init_group=False)
+
+
+def what_fn_sees() -> dict[str, Any]:
+    """What code that asks torch.distributed for its place sees at the top of fn (rank 0's answer comes back;
+    each rank checks its own against levers9's helpers and fails if they differ)."""
+    import torch.distributed as td
+
+    from levers9 import distributed as l9
+
+    seen = {
+        "initialized": td.is_initialized(),
+        "idiom_rank": td.get_rank() if td.is_initialized() else 0,  # torchmetrics', timm's, detectron2's guard
+        "world": td.get_world_size() if td.is_initialized() else 1,
+        "group_world_set": td.group.WORLD is not None,
+    }
+    if (seen["idiom_rank"], seen["world"]) != (l9.rank(), l9.world_size()):
+        raise AssertionError(f"torch says rank {seen['idiom_rank']} of {seen['world']}, levers9 {l9.rank()} of {l9.world_size()}")
+    ranks = [None] * seen["world"]
+    td.all_gather_object(ranks, seen["idiom_rank"])
+    return {**seen, "every_rank": ranks}
+
+
+def job_reports_what_fn_sees() -> Any:
+    """A job body: distributed.run on every card of the job, reporting what fn sees at its top."""
+    from levers9 import distributed as dist
+
+    return dist.run(what_fn_sees)
 
 
 def job_runs_script(out: str) -> None:
@@ -88,3 +115,16 @@ def raw_collective() -> float:
     total = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(total)
     return total.item()
+
+
+def spawned_sees(index: int) -> dict[str, Any]:
+    """What an mp.spawn worker sees of launchers before it makes a group (mp.spawn sets no variables)."""
+    import torch.distributed as td
+
+    return {
+        "rank_var": os.environ.get("RANK"),
+        "master_port": os.environ.get("MASTER_PORT"),
+        "torchelastic": td.is_torchelastic_launched(),
+        "initialized": td.is_initialized(),
+        "index": index,
+    }

@@ -34,7 +34,7 @@ def test_rank_lines_carry_a_prefix_unless_turned_off(capfd: pytest.CaptureFixtur
 
 def test_accelerate_inside_fn_adopts_the_group() -> None:
     out = dist.run(rankfns.accelerate_adopts, None, nprocs=2)
-    assert out == {"num_processes": 2, "process_index": 0, "accelerator_processes": 2, "sum": 1.0}
+    assert out == {"num_processes": 2, "process_index": 0, "accelerator_processes": 2, "sum": 1.0, "group_before": True}
 
 
 def test_training_losses_match_across_world_sizes() -> None:

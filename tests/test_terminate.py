@@ -1,7 +1,7 @@
 """SIGTERM or SIGHUP to the process that waits for ranks or jobs (a scheduler preempting it, `docker stop`,
 a closed terminal): every rank or job gets SIGTERM and its grace period, so its own handler can save a
-checkpoint, and the caller then exits with 128 + the signal, as under torchrun's agent. Before, the
-caller died at once and its children died by SIGKILL with it."""
+checkpoint, and the caller then exits with 128 + the signal (`levers9 run`: 1, as torchrun does). Before,
+the caller died at once and its children died by SIGKILL with it."""
 
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ def test_a_terminated_caller_lets_every_child_save_its_checkpoint_then_exits_128
         assert len(pids) == count, f"the children did not start (caller exit status {caller.poll()})"
         caller.send_signal(signum)
         _, err = caller.communicate(timeout=60)
-        assert caller.returncode == 128 + signum, err.decode()
+        expected = 1 if how == "levers9 run" else 128 + signum  # levers9 run exits as torchrun's agent does
+        assert caller.returncode == expected, err.decode()
     finally:
         if caller.poll() is None:
             os.killpg(caller.pid, signal.SIGKILL)
@@ -91,6 +92,32 @@ def test_a_terminated_caller_lets_every_child_save_its_checkpoint_then_exits_128
     assert wait_gone(pids, 5) == []
     if how == "levers9 run":
         assert f"levers9 run: got {signal.Signals(signum).name}; every rank was stopped." in err.decode()
+
+
+@pytest.mark.timeout(120)
+def test_levers9_run_and_torchrun_exit_alike_when_they_get_sigterm(tmp_path: Path) -> None:
+    """Measured side by side: the launcher itself gets SIGTERM while its ranks wait; both exit with one status."""
+    statuses = {}
+    for name, launcher in (("torchrun", ["-m", "torch.distributed.run", "--standalone"]), ("levers9", ["-m", "levers9", "run"])):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "train.py").write_text(SCRIPT)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               "TMPDIR": str(folder)}  # fmt: skip
+        proc = subprocess.Popen([sys.executable, *launcher, "--nproc-per-node", "2", str(folder / "train.py"), str(folder)],
+                                cwd=REPO, env=env, start_new_session=True, stderr=subprocess.DEVNULL)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while len(list(folder.glob("ready-*"))) < 2 and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(list(folder.glob("ready-*"))) == 2, f"{name}'s ranks did not start"
+            proc.send_signal(signal.SIGTERM)
+            statuses[name] = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert statuses["levers9"] == statuses["torchrun"], statuses
 
 
 def test_a_handler_the_caller_installed_is_kept_and_the_default_comes_back_afterwards() -> None:

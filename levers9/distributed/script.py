@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dataclasses
+import importlib.machinery
 import importlib.util
 import io
 import os
@@ -19,11 +20,12 @@ import shutil
 import subprocess
 import sys
 import traceback
+import types
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from levers9.console_log import forget_console_handler
+from levers9.console_log import fresh_logging
 from levers9.distributed import group, world
 from levers9.errors import ConfigError, RankCrashed, RankFailed, RankFailure
 from levers9.procs.failure import exit_status
@@ -235,7 +237,7 @@ def run_target(script: ScriptTarget) -> None:
     if world.launch_info().launcher == "single":
         _run_in_place(script)
         return
-    forget_console_handler()  # a rank starts with a fresh interpreter's logging, as under torchrun
+    fresh_logging()  # the script starts with a fresh interpreter's root logger, as under torchrun
     if script.one_omp_thread:
         os.environ["OMP_NUM_THREADS"] = "1"
         import torch
@@ -254,16 +256,28 @@ def run_target(script: ScriptTarget) -> None:
 
 def _run_as_main(script: ScriptTarget) -> None:
     """Run a Python script, folder or module as __main__ with sys.argv set, as `python script.py args` would:
-    sys.argv[0] as typed, __builtins__ the builtins module, the script's folder first on sys.path."""
+    sys.argv[0] as typed, __file__ absolute, __builtins__ the builtins module, the script's folder first on sys.path."""
     if script.kind == "module":
         sys.argv = [script.name, *script.argv]
         sys.path.insert(0, os.getcwd())
         runpy.run_module(script.name, run_name="__main__", alter_sys=True)
         return
     sys.argv = [script.typed or script.name, *script.argv]
-    if not os.path.isdir(script.name):  # run_path puts a folder (or zip) itself first on sys.path
-        sys.path.insert(0, os.path.dirname(script.name))
-    runpy.run_path(script.name, init_globals={"__builtins__": builtins}, run_name="__main__")
+    if os.path.isdir(script.name):  # a folder (or zip) with __main__.py: runpy puts it first on sys.path
+        runpy.run_path(script.name, run_name="__main__")
+        return
+    sys.path.insert(0, os.path.dirname(script.name))
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=script.name, __builtins__=builtins, __cached__=None, __spec__=None,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", script.name))  # fmt: skip
+    with open(script.name, "rb") as f:
+        code = compile(f.read(), script.name, "exec")
+    saved = sys.modules["__main__"]
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        sys.modules["__main__"] = saved
 
 
 def _run_in_place(script: ScriptTarget) -> None:

@@ -20,6 +20,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -47,6 +48,7 @@ def forked_main(target: Callable[[], Any], ends: Ends, env: dict[str, str]) -> N
             os.setsid()
         die_with_parent(ends.parent_pid)
         _redirect_stdio(ends.out_fd, ends.err_fd)
+        threading.current_thread().name = "MainThread"  # the forker thread's copy is this process's main thread
         status = run_target(target, ends, env)
     finally:
         os._exit(status)
@@ -69,8 +71,10 @@ def run_target(target: Callable[[], Any] | bytes, ends: Ends, env: dict[str, str
     """Run the target (unpickled first if it came shipped, so its modules import under `env`, as a forked
     child's already are) and send its outcome; returns the exit status to leave with."""
     os.environ.update(env)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # what a fresh interpreter has; a fork had the caller's
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # kept ignored under nohup, as exec keeps it
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
     faulthandler.enable(file=sys.stderr, all_threads=True)
     watchdog = _start_watchdog(ends.lifeline_fd)
     status = 0

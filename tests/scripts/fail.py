@@ -1,4 +1,4 @@
-"""Rank 1 fails in the way argv[1] names (raise, exit3, kill9) or exits 0 early (early0); rank 0 waits a little."""
+"""Rank 1 fails in the way argv[1] names (raise, exit3, kill9, segv) or exits 0 early (early0); rank 0 waits a little."""
 
 import os
 import signal
@@ -14,6 +14,8 @@ if rank == 1:
         sys.exit(3)
     if mode == "kill9":
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
     if mode == "early0":
         sys.exit(0)
 if mode == "early0":

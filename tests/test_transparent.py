@@ -1,0 +1,196 @@
+"""The shim changes nothing the user did not ask for: fn starts in a live process group, torch and the
+process are left as a process that never imported levers9 has them, and scripts see what torchrun gives."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from levers9 import distributed as dist
+from levers9.errors import ConfigError
+from levers9.launch import job
+from levers9.launch.settings import update_settings
+from tests import rankfns, scriptfns
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "scripts"
+LIVE = {"initialized": True, "idiom_rank": 0, "world": 2, "group_world_set": True, "every_rank": [0, 1]}
+
+
+def _run(argv: list[str], timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+    """A command with the repo importable and a $TMPDIR of its own (torchrun's agent leaves folders there)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                "TMPDIR": tmp, "OMP_NUM_THREADS": "1", **env}  # fmt: skip
+        return subprocess.run(argv, cwd=REPO, env=full, capture_output=True, text=True, timeout=timeout)
+
+
+def _tagged(out: str, tag: str) -> list[Any]:
+    return [json.loads(line.split(tag, 1)[1]) for line in out.splitlines() if tag in line]
+
+
+# -- a live group at the top of fn ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_fn_starts_in_a_live_group_on_the_ranks_run_starts(start_method: str) -> None:
+    """`get_rank() if is_initialized() else 0` answers each rank's own rank (it answered 0 on every rank before)."""
+    assert dist.run(scriptfns.what_fn_sees, nprocs=2, start_method=start_method) == LIVE
+
+
+@pytest.mark.timeout(180)
+def test_fn_starts_in_a_live_group_inside_a_two_card_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LEVERS9_SIMULATE_GPUS", "RTXPro6000:2")
+    update_settings(multi_gpu=True)
+    assert job(gpu="RTXPro6000", gpu_count=2)(scriptfns.job_reports_what_fn_sees).remote() == LIVE
+
+
+def test_a_world_of_one_in_place_has_no_group_and_the_idiom_answers_0() -> None:
+    assert dist.run(_idiom) == {"initialized": False, "rank": 0}
+
+
+def _idiom() -> dict[str, Any]:
+    import torch.distributed as td
+
+    return {"initialized": td.is_initialized(), "rank": td.get_rank() if td.is_initialized() else 0}
+
+
+# -- a fn that makes its own group ------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_classic_main_fails_at_once_naming_init_group_false() -> None:
+    """Without init_group=False, torch's own 'initialize twice' error becomes one that says what to do."""
+    began = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        dist.run(scriptfns.torchrun_main, nprocs=2)
+    text = str(info.value)
+    assert "init_group=False" in text and "run_script" in text and "spawn" in text
+    assert time.monotonic() - began < 30  # at fn's first line, never a hang until some timeout
+
+
+@pytest.mark.timeout(120)
+def test_a_classic_main_with_init_group_false_makes_and_destroys_its_own_group() -> None:
+    assert dist.run(scriptfns.torchrun_main, nprocs=2, init_group=False) == {"rank": 0, "world": 2, "sum": 3.0, "elastic": True}
+
+
+def test_init_group_must_be_a_bool() -> None:
+    with pytest.raises(ConfigError, match="init_group='no'"):
+        dist.run(rankfns.describe, None, nprocs=2, init_group="no")  # type: ignore[arg-type]
+
+
+# -- torch and the process left as found --------------------------------------------------------------
+
+
+def _state(mode: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, *(launcher or []), str(SCRIPTS / "torch_state.py"), mode]
+    done = _run(argv, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def _differences(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key in theirs:
+        if key == "functions":
+            changed = {n: (ours["functions"].get(n), v) for n, v in theirs["functions"].items() if ours["functions"].get(n) != v}
+            added = sorted(set(ours["functions"]) - set(theirs["functions"]))
+            if changed or added:
+                found[key] = {"changed": changed, "added": added}
+        elif ours[key] != theirs[key]:
+            found[key] = (ours[key], theirs[key])
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_levers9_leaves_torch_and_the_process_as_a_process_that_never_imported_it() -> None:
+    """Measured on the last round's code: 29 torch callables replaced in every rank, the env:// handler and
+    _get_default_group replaced in the caller, a warning filter added by `import levers9`, SIGUSR1 taken
+    in every rank, a sampler thread in every rank. None of that may happen by default."""
+    plain = _tagged(_state("plain").stdout, "STATE ")[0]
+    imported = _tagged(_state("imported").stdout, "STATE ")[0]
+    assert _differences(imported, plain) == {}  # `import levers9` changes nothing
+
+    ours = _state("levers9").stdout
+    caller, rank = _tagged(ours, "CALLER ")[0], _tagged(ours, "RANK ")[0]
+    # The one thing that stays, documented in the README: an idle daemon thread that does every fork (a
+    # child's parent-death signal follows the thread that forked it, so that thread must outlive children).
+    caller["threads"].remove("levers9-forker")
+    assert _differences(caller, plain) == {}  # the caller, after distributed.run
+    torchrun = _tagged(_state("torchrun", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]).stdout, "RANK ")[0]
+    assert _differences(rank, torchrun) == {}  # a rank, inside fn, against a torchrun worker in its group
+
+
+# -- scripts see what torchrun gives -------------------------------------------------------------
+
+
+def _log_lines(text: str) -> list[str]:
+    """The lines the script and its library printed, without levers9's rank prefix."""
+    lines = [line.removeprefix("[rank 1] ") for line in text.splitlines()]
+    return sorted(line for line in lines if "somelib" in line or "MYFMT" in line)
+
+
+@pytest.mark.timeout(240)
+def test_a_scripts_own_logging_is_as_under_torchrun() -> None:
+    """levers9 run configured the root logger before forking: the script's basicConfig did nothing, and
+    library INFO lines appeared prefixed 'levers9: '."""
+    script = str(SCRIPTS / "logs_its_own_way.py")
+    theirs = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script])
+    ours = _run([sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2", script])
+    assert theirs.returncode == ours.returncode == 0, ours.stderr[-2000:]
+    expected = sorted(["somelib warns"] * 2 + ["MYFMT INFO train: rank 0 step 1", "MYFMT INFO train: rank 1 step 1"])
+    assert _log_lines(theirs.stderr) == expected
+    assert _log_lines(ours.stderr) == expected
+    # run_script from a caller that configured logging its own way: the script's ranks start fresh too.
+    caller = (
+        "import logging, sys; logging.basicConfig(level=logging.DEBUG, format='CALLER %(message)s');"
+        "from levers9 import distributed as dist; dist.run_script(sys.argv[1], nprocs=2)"
+    )
+    from_python = _run([sys.executable, "-c", caller, script])
+    assert from_python.returncode == 0, from_python.stderr[-2000:]
+    assert _log_lines(from_python.stderr) == expected
+
+
+@pytest.mark.timeout(120)
+def test_a_script_sees_argv0_as_typed_and_builtins_as_the_module(tmp_path: Path) -> None:
+    script = tmp_path / "where.py"
+    script.write_text(
+        "import builtins, json, os, sys\n"
+        "print('SEEN ' + json.dumps({'argv0': sys.argv[0], 'builtins': __builtins__ is builtins, "
+        "'file_abs': os.path.isabs(__file__)}), flush=True)\n"
+    )
+    seen = {}
+    for name, launcher in (("torchrun", ["-m", "torch.distributed.run", "--standalone"]), ("levers9", ["-m", "levers9", "run"])):
+        done = subprocess.run([sys.executable, *launcher, "--nproc-per-node", "2", "where.py"], cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)},
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        seen[name] = _tagged(done.stdout, "SEEN ")
+    assert seen["levers9"] == seen["torchrun"] == [{"argv0": "where.py", "builtins": True, "file_abs": True}] * 2
+
+
+@pytest.mark.timeout(120)
+def test_levers9_run_runs_a_folder_with_main_as_torchrun_does(tmp_path: Path) -> None:
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "__main__.py").write_text("import os\nprint(f\"APP rank {os.environ['RANK']}\", flush=True)\n")
+    done = _run([sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2", str(app)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(line.removeprefix("[rank 1] ") for line in done.stdout.splitlines() if "APP" in line) == [
+        "APP rank 0", "APP rank 1"
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_spawn_gives_what_mp_spawn_gives_no_launcher_variables() -> None:
+    seen = dist.spawn(scriptfns.spawned_sees, nprocs=2)
+    assert seen == {"rank_var": None, "master_port": None, "torchelastic": False, "initialized": False, "index": 0}
