@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakes import build_fake_nccl
+from tests.fakes import build_fake_nccl, build_fake_nccl_wheel
 from tests.fakes.machines import FAKES_DIR, H100, RTX_PRO_6000_SERVER, machine, uuid_of
 
 
@@ -58,8 +58,9 @@ def test_probe_with_no_cards_has_nothing_to_probe() -> None:
 
 
 def test_four_rtx_pro_6000_with_old_nccl(tmp_path: Path) -> None:
-    build_fake_nccl(tmp_path, 22602, "2.26.2+cuda12.2")
-    env = with_fake(machine(*[RTX_PRO_6000_SERVER] * 4, pids={1: (777,)}), LD_LIBRARY_PATH=str(tmp_path))
+    build_fake_nccl_wheel(tmp_path / "site", "2.26.2", 22602, "2.26.2+cuda12.2")
+    env = with_fake(machine(*[RTX_PRO_6000_SERVER] * 4, pids={1: (777,)}))
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), env["PYTHONPATH"]])
     text = doctor(env_extra=env)
     assert text.returncode == 1  # a quirk would refuse to run
     assert "NVIDIA RTX PRO 6000 Blackwell Server Edition [RTXPro6000] cc 12.0, 97887 MiB" in text.stdout

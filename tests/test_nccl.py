@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from levers9.distributed.hardware import nccl
-from tests.fakes import build_fake_nccl
+from tests.fakes import build_fake_nccl, build_fake_nccl_wheel
 
 REPORT = (
     "import json; from levers9.distributed.hardware import nccl; i = nccl.nccl_info(); "
@@ -43,13 +43,7 @@ needs_no_nccl_wheel = pytest.mark.skipif(
 )
 
 
-def _fake_wheel(site: Path, version: str, code: int, build: str) -> Path:
-    """site/nvidia/nccl/lib/libnccl.so.2 plus the dist-info importlib.metadata reads."""
-    lib = build_fake_nccl(site / "nvidia" / "nccl" / "lib", code, build)
-    info = site / f"{FAKE_WHEEL.replace('-', '_')}-{version}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {FAKE_WHEEL}\nVersion: {version}\n")
-    return lib
+_fake_wheel = build_fake_nccl_wheel
 
 
 @needs_no_nccl_wheel

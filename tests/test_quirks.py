@@ -20,7 +20,7 @@ from levers9.distributed.hardware.quirk_rows import Match, Quirk
 from levers9.distributed.hardware.quirks import plan_quirks
 from levers9.distributed.stalls.board import RUN_DIR_PREFIX, runs_root
 from levers9.errors import ConfigError, QuirkError
-from tests.fakes import build_fake_nccl, use_fake_pynvml
+from tests.fakes import build_fake_nccl, build_fake_nccl_wheel, use_fake_pynvml
 from tests.fakes.machines import (
     B200,
     FAKES_DIR,
@@ -415,12 +415,14 @@ def test_apply_sets_defaults_once_and_logs(tmp_path: Path) -> None:
 
 
 def test_apply_raises_before_any_collective_with_old_nccl(tmp_path: Path) -> None:
-    build_fake_nccl(tmp_path, 22602, "2.26.2+cuda12.2")
-    result, _ = _apply({"FAKE_PYNVML": machine(RTX_PRO_6000_SERVER), "LD_LIBRARY_PATH": str(tmp_path)})
+    """The old NCCL is planted as a wheel first on sys.path, where the lookup reads first on CPU and CUDA builds."""
+    lib = build_fake_nccl_wheel(tmp_path / "old", "2.26.2", 22602, "2.26.2+cuda12.2")
+    shadow = os.pathsep.join([str(tmp_path / "old"), FAKES_DIR])
+    result, _ = _apply({"FAKE_PYNVML": machine(RTX_PRO_6000_SERVER), "PYTHONPATH": shadow})
     assert result["error"] == "QuirkError"
     assert "RTX PRO 6000" in result["message"] and "2.26.2+cuda12.2" in result["message"]
-    assert str(tmp_path / "libnccl.so.2") in result["message"]
-    fixed_dir = tmp_path / "fixed"
-    build_fake_nccl(fixed_dir, 22602, "2.26.2+cuda12.8")
-    ok, _ = _apply({"FAKE_PYNVML": machine(RTX_PRO_6000_SERVER), "LD_LIBRARY_PATH": str(fixed_dir)})
+    assert str(lib) in result["message"]
+    build_fake_nccl_wheel(tmp_path / "fixed", "2.26.2.post1", 22602, "2.26.2+cuda12.8")
+    fixed = os.pathsep.join([str(tmp_path / "fixed"), FAKES_DIR])
+    ok, _ = _apply({"FAKE_PYNVML": machine(RTX_PRO_6000_SERVER), "PYTHONPATH": fixed})
     assert "error" not in ok

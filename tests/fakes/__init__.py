@@ -38,3 +38,22 @@ def build_fake_nccl(folder: Path, code: int, version_string: str | None) -> Path
         args.insert(-3, f'-DFAKE_VERSION_STRING="NCCL version {version_string}"')
     subprocess.run(args, check=True, capture_output=True, text=True)
     return out
+
+
+def installed_nccl_wheel() -> str | None:
+    """The name of a real NCCL wheel installed here (CUDA builds of torch bring one), else None."""
+    from levers9.distributed.hardware import nccl
+
+    return nccl._wheel()[0]
+
+
+def build_fake_nccl_wheel(site: Path, version: str, code: int, build: str) -> Path:
+    """site/nvidia/nccl/lib/libnccl.so.2 plus the dist-info importlib.metadata reads, under the name of the
+    real wheel installed here (if any): with `site` first on PYTHONPATH it shadows that wheel, as a newer
+    wheel a user installed would. Where the lookup reads first, so it holds on CPU and CUDA builds alike."""
+    name = installed_nccl_wheel() or "nvidia-nccl-cu12"
+    lib = build_fake_nccl(site / "nvidia" / "nccl" / "lib", code, build)
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return lib
