@@ -41,6 +41,6 @@ def fresh_logging() -> None:
         logger.setLevel(logging.NOTSET)
         logger.propagate = True
     root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
+    for other in list(root.handlers):
+        root.removeHandler(other)
     root.setLevel(logging.WARNING)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakes import build_fake_nccl, build_fake_nccl_wheel
+from tests.fakes import build_fake_nccl_wheel
 from tests.fakes.machines import FAKES_DIR, H100, RTX_PRO_6000_SERVER, machine, uuid_of
 
 

@@ -26,12 +26,9 @@ from levers9.errors import ConfigError, DeviceError, LauncherEnvError
 DEFAULT_TIMEOUT_S = 600.0
 # Set by distributed.run for its ranks: the loopback port of the rendezvous store the parent hosts.
 STORE_PORT_VAR = "LEVERS9_STORE_PORT"
-# levers9's own group keeps its keys under this prefix of the parent's store, so a group fn makes
-# itself later (after destroying levers9's) never reads levers9's keys.
-OWN_KEYS = "levers9-group/"
-
 _created_by_us = False
 _cpu_only = False
+_groups_made = 0  # groups levers9 made on a launcher's store in this process: each gets keys of its own
 
 
 def compute_on_cpu() -> None:
@@ -111,11 +108,13 @@ def join_launcher_group(info: LaunchInfo, backend: str | None = None) -> bool:
     """With several ranks and no live group, make it (the card set as current device first for nccl, quirks
     applied first, a finite timeout); True if this call made it.
 
-    In a rank `distributed.run` started, the group meets on the parent's loopback store under keys of its
-    own; under torchrun or accelerate through torch's own env:// rendezvous (as a script would); under
-    SLURM or MPI at tcp://MASTER_ADDR:MASTER_PORT.
+    Where a launcher hosts the store (distributed.run's parent, torchrun's agent:
+    TORCHELASTIC_USE_AGENT_STORE=True) the group meets on it under keys of its own, so it never reads the
+    keys of a group made there before (torch reuses them after destroy_process_group, and gloo then
+    connects to the old group's addresses), and a group fn makes there itself never reads levers9's.
+    Elsewhere torch's env:// rendezvous (rank 0 hosts a fresh store), or tcp://MASTER under SLURM and MPI.
     """
-    global _created_by_us
+    global _created_by_us, _groups_made
     if info.world_size <= 1 or world.live_group() is not None:
         return False
     backend = backend or default_backend()
@@ -126,13 +125,24 @@ def join_launcher_group(info: LaunchInfo, backend: str | None = None) -> bool:
     kwargs: dict[str, Any] = {"rank": info.rank, "world_size": info.world_size, "timeout": pg_timeout()}
     if backend == "nccl":
         kwargs["device_id"] = torch.device("cuda", cuda_index_for_local_rank(info.local_rank))
-    if STORE_PORT_VAR in os.environ:
-        store = td.TCPStore("127.0.0.1", int(os.environ[STORE_PORT_VAR]), None, False, kwargs["timeout"])
-        td.init_process_group(backend, store=td.PrefixStore(OWN_KEYS, store), **kwargs)
+    agent_store = _agent_store_address()
+    if agent_store is not None:
+        _groups_made += 1
+        store = td.TCPStore(agent_store[0], agent_store[1], None, False, kwargs["timeout"])
+        td.init_process_group(backend, store=td.PrefixStore(f"levers9-group-{_groups_made}/", store), **kwargs)
     else:
         td.init_process_group(backend, init_method=_init_method(info), **kwargs)
     _created_by_us = True
     return True
+
+
+def _agent_store_address() -> tuple[str, int] | None:
+    """(host, port) of the store the launcher hosts for its ranks, or None where rank 0 hosts one itself."""
+    if STORE_PORT_VAR in os.environ:  # a rank of distributed.run (fn may have pointed MASTER_PORT elsewhere)
+        return "127.0.0.1", int(os.environ[STORE_PORT_VAR])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in os.environ:
+        return os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500"))
+    return None
 
 
 def _init_method(info: LaunchInfo) -> str:
