@@ -64,6 +64,7 @@ class RankFailure:
     message: str = ""
     traceback: str = ""
     output_tail: str = ""
+    oom_killed: bool = False  # killed by a signal while this cgroup's out-of-memory kill count rose
 
     def how(self) -> str:
         """'raised ValueError', 'exited with code 3' or 'was killed by SIGKILL'."""

@@ -166,7 +166,7 @@ def classify(exc: BaseException, timeout: float | None, stall_timeout: float | N
     if not isinstance(wrapper, RankFailed) or wrapper.failure is None:
         return None, f"{type(exc).__name__}: {_first_line(str(exc))}"
     failure = wrapper.failure
-    return _kind_of(failure), _phrase(failure, str(wrapper))
+    return _kind_of(failure), _phrase(failure)
 
 
 def _kind_of(failure: RankFailure) -> str:
@@ -181,11 +181,11 @@ def _kind_of(failure: RankFailure) -> str:
     return "exception"
 
 
-def _phrase(failure: RankFailure, report: str) -> str:
+def _phrase(failure: RankFailure) -> str:
     phrase = f"rank {failure.rank} (pid {failure.pid}) {failure.how()}"
     if failure.exc_type and failure.message:
         phrase += f": {_first_line(failure.message)}"
-    if failure.signal is not None and "out-of-memory killer fired" in report:
+    if failure.oom_killed:
         phrase += " (the out-of-memory killer)"
     return phrase
 

@@ -403,6 +403,7 @@ class _Spawn:
         self.watcher.stop(self.plan.stop_grace)
         self.watcher.drain(0.3)
         report = root.failure
+        oom_after = oom.oom_kills() if report is None and root.signal is not None else None
         failure = RankFailure(
             rank=self.ranks.index(root),
             pid=root.pid,
@@ -412,6 +413,7 @@ class _Spawn:
             message="" if report is None else report.message,
             traceback="" if report is None else report.traceback,
             output_tail=output_excerpt(list(root.tail)),
+            oom_killed=oom.count_rose(self.oom_before, oom_after),
         )
         others = [str(i) for i, p in enumerate(self.ranks) if p is not root]
         stopped = f"; the other rank(s) {', '.join(others)} were stopped" if others else ""
@@ -422,7 +424,7 @@ class _Spawn:
         if report is None:
             hint = ""
             if root.signal is not None:  # more than the signal only on evidence: the cgroup's OOM-kill count rose
-                how = oom.killed_by(root.signal, self.oom_before, oom.oom_kills())
+                how = oom.killed_by(root.signal, self.oom_before, oom_after)
                 hint = "" if how == f"killed by {signal_name(root.signal)}" else f"\nrank {failure.rank} was {how}."
             raise RankCrashed(f"distributed.run: {full.splitlines()[0]}{stopped}.{hint}\n\n{full}", failure)
         wrapper = RankFailed(f"distributed.run: {full.splitlines()[0]}{stopped}.\n\n{full}", failure)

@@ -29,6 +29,11 @@ def oom_kills() -> int | None:
     return None
 
 
+def count_rose(before: int | None, after: int | None) -> bool:
+    """True when both counts were read and the cgroup's OOM-kill count rose between them."""
+    return before is not None and after is not None and after > before
+
+
 def killed_by(signum: int, before: int | None, after: int | None) -> str:
     """How a process that died by `signum` is described, given this cgroup's OOM-kill count when it
     started and when its death was seen: 'killed by SIGKILL; the out-of-memory killer fired in this
