@@ -115,8 +115,9 @@ class Losses:
         self.unrecorded = False  # the run has no record at all (already said, at its start)
         self.output_bytes = 0
         self.output_files: list[Path] = []
-        self.results: list[str] = []
-        self.other: list[str] = []
+        self.results: list[int] = []  # cell indexes
+        self.other: dict[str, int] = {}  # what else -> how many
+        self.end_lost = False
 
     def _first(self, exc: OSError) -> None:
         if self.error is None:
@@ -129,17 +130,21 @@ class Losses:
             if path not in self.output_files:
                 self.output_files.append(path)
 
-    def lost_result(self, label: str, exc: OSError) -> None:
+    def lost_result(self, index: int, exc: OSError) -> None:
         with self._lock:
             self._first(exc)
-            self.results.append(label)
+            self.results.append(index)
 
     def lost(self, what: str, exc: OSError) -> None:
-        """Something else of the record (its events, its end, an attempt's meta.json)."""
+        """Something else of the record, named by a noun that takes an 's' ('meta.json file')."""
         with self._lock:
             self._first(exc)
-            if what not in self.other:
-                self.other.append(what)
+            self.other[what] = self.other.get(what, 0) + 1
+
+    def lost_end(self, exc: OSError) -> None:
+        with self._lock:
+            self._first(exc)
+            self.end_lost = True
 
     def unrecorded_run(self, root: Path, run_id: str, exc: OSError) -> None:
         """The run folder could not be made: say so now, in one line, and stay quiet after."""
@@ -147,7 +152,7 @@ class Losses:
             self._first(exc)
             self.unrecorded = True
         log.warning(
-            "levers9: the state folder %s %s: run %s is not recorded (no logs, and resume will not find its "
+            "the state folder %s %s: run %s is not recorded (no logs, and resume will not find its "
             "results); its cells run anyway. %s.", root, why(exc), run_id, MOVE_IT,
         )
 
@@ -164,12 +169,16 @@ class Losses:
                     f"e.g. {self.output_files[0]}, cut short where the disk filled)"
                 )
             if self.results:
+                cells = ", ".join(f"#{i}" for i in sorted(self.results))
                 parts.append(
-                    f"the results of {', '.join(self.results)} (returned to you, but resume will not find them)"
+                    f"the result{'s' * (len(self.results) > 1)} of cell{'s' * (len(self.results) > 1)} {cells} "
+                    f"(returned to you, but resume will not find them)"
                 )
-            parts += self.other
+            parts += [f"{n} {what}{'s' * (n > 1)}" for what, n in self.other.items()]
+            if self.end_lost:
+                parts.append("the run's end (levers9 runs shows it as interrupted)")
             error, self.error = self.error, None
-        log.warning("levers9: the run folder %s %s; lost %s. %s.", self.folder, why(error), "; ".join(parts), MOVE_IT)
+        log.warning("the run folder %s %s; lost %s. %s.", self.folder, why(error), "; ".join(parts), MOVE_IT)
 
 
 _registry: dict[str, Losses] = {}

@@ -139,7 +139,7 @@ class JobAttempt:
         try:
             job_dir.mkdir(mode=0o700, exist_ok=True)
         except OSError as exc:
-            state_files.losses(run_dir).lost(f"the log folder of {label} (attempt {attempt})", exc)
+            state_files.losses(run_dir).lost("attempt log folder", exc)
         return cls(label, index, attempt, spec.retries.max_retries + 1, job_dir, oom.oom_kills())
 
     @property
@@ -157,7 +157,7 @@ class JobAttempt:
         except FileNotFoundError:
             pass  # no folder: the run is unrecorded, or was cleaned while it ran
         except OSError as exc:
-            state_files.losses(self.job_dir.parent).lost(f"{self.label}'s meta.json", exc)
+            state_files.losses(self.job_dir.parent).lost("meta.json file", exc)
 
 
 def _on(node: str | None) -> str:

@@ -233,7 +233,7 @@ class RunRecord:
         try:
             write_atomic(self.path / RESULTS / f"{self.keys[cell.index]}.pkl", blob)
         except OSError as exc:
-            self.losses.lost_result(f"cell #{cell.index}", exc)
+            self.losses.lost_result(cell.index, exc)
 
     def reuse(self, cells: Sequence[Cell]) -> dict[int, Any]:
         """Values of `cells` that a kept run with this function already computed, by cell index; each
@@ -256,7 +256,7 @@ class RunRecord:
                 try:
                     write_atomic(target, state_files.read_private(source))
                 except OSError as exc:
-                    self.losses.lost_result(f"cell #{cell.index} (reused)", exc)
+                    self.losses.lost_result(cell.index, exc)
             self._event(cell, "done", reused=True)
         self.reused = len(values)
         self.done += len(values)
@@ -278,7 +278,7 @@ class RunRecord:
                     pass  # the folder was removed (runs clean while it ran)
                 except OSError as exc:
                     if not state_files.overwrite_in_place(self.path / RUN_FILE, blob):
-                        self.losses.lost("its end (levers9 runs will show it as interrupted)", exc)
+                        self.losses.lost_end(exc)
             state_files.report_losses(self.path)
             self.closed.set()
 
@@ -299,7 +299,7 @@ def _stored_results(fn_key: str, *, exclude: str) -> dict[str, Path]:
     found: dict[str, Path] = {}
     kept, skipped = scan_runs()
     for problem in skipped:
-        log.warning("levers9: not reusing results from a run folder: %s", problem)
+        log.warning("not reusing results from a run folder: %s", problem)
     for run in reversed(kept):
         if run.name_on_disk == exclude or run.meta.get("fn_key") != fn_key or run.newer:
             continue

@@ -78,9 +78,16 @@ def _guarded(handler: Any) -> Any:
     return run
 
 
+def _say_skipped(skipped: Sequence[Levers9Error]) -> None:
+    """One line on stderr per run folder that could not be read (each names its folder and fix)."""
+    for problem in skipped:
+        print(f"levers9 runs: skipped: {problem}", file=sys.stderr)
+
+
 @_guarded
 def _list(args: argparse.Namespace) -> int:
-    found = runs.list_runs()
+    found, skipped = runs.scan_runs()
+    _say_skipped(skipped)
     if args.limit:
         found = found[-args.limit :]
     if not found:
@@ -88,7 +95,11 @@ def _list(args: argparse.Namespace) -> int:
         return 0
     rows = []
     for run in reversed(found):
-        done, failed, total = run.counts()
+        try:
+            done, failed, total = run.counts()
+        except Levers9Error as exc:
+            _say_skipped([exc])
+            continue
         end = run.ended if run.ended is not None else time.time() if run.alive else None
         wall = "" if end is None else _duration(end - run.started)
         rows.append(
@@ -113,6 +124,10 @@ def _show(args: argparse.Namespace) -> int:
             state += f" (attempt {cell.attempt})"
         rows.append([f"#{cell.index}", cell.args, state, cell.card, took, cell.error])
     _table(["cell", "arguments", "state", "card", "duration", "error"], rows)
+    if run.skipped_events:
+        print(f"levers9 runs: skipped {run.skipped_events} line(s) of {run.path / runs.EVENTS_FILE} that are not "
+              f"as levers9 writes them (cut short by a crash, or edited); the states above leave them out",
+              file=sys.stderr)  # fmt: skip
     return 0
 
 
@@ -182,7 +197,9 @@ def _clean(args: argparse.Namespace) -> int:
     if keep is None and args.older_than is None:
         keep = runs.keep_runs()
     removed = runs.clean(keep=keep, older_than=args.older_than)
-    print(f"removed {len(removed)} run folder(s) from {runs_dir()}; {len(runs.list_runs())} kept")
+    kept, skipped = runs.scan_runs()
+    _say_skipped(skipped)
+    print(f"removed {len(removed)} run folder(s) from {runs_dir()}; {len(kept)} kept")
     return 0
 
 
