@@ -591,7 +591,13 @@ def follow(paths: Sequence[Path], still_going: Callable[[], bool], every: float 
     while True:
         going = still_going()  # read before the files, so the last lines are never missed
         for path in paths:
-            with contextlib.suppress(FileNotFoundError), open(path, "rb") as handle:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue  # not there yet, or a symlink (never followed)
+            with open(fd, "rb") as handle:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue  # a FIFO is never waited on
                 handle.seek(offsets[path])
                 data = handle.read()
                 end = data.rfind(b"\n") + 1 if going else len(data)

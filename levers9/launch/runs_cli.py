@@ -21,6 +21,7 @@ from typing import Any
 from levers9.errors import ConfigError, Levers9Error
 from levers9.launch import runs
 from levers9.launch.settings import runs_dir
+from levers9.state_files import read_private
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -157,8 +158,12 @@ def _print_attempt(folder: Any, attempts: int) -> None:
         print(f"--- attempt {folder.name.split('-')[-1]} ---")
     for name in ("stdout.log", "stderr.log"):
         path = folder / name
-        if path.exists():
-            sys.stdout.write(path.read_text(errors="replace"))
+        try:
+            sys.stdout.write(read_private(path, limit=1 << 40).decode(errors="replace"))
+        except FileNotFoundError:
+            continue
+        except OSError as exc:  # a symlink, a FIFO, someone else's: never followed, never waited on
+            print(f"levers9 runs: skipped {path}: {exc.strerror or exc}", file=sys.stderr)
     sys.stdout.flush()
 
 
