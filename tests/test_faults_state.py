@@ -25,6 +25,7 @@ from levers9.cli import main as cli_main
 from levers9.errors import JobConfigError, PrivateDirError, SettingsError
 from levers9.launch import job, runs
 from levers9.launch.settings import load_settings, runs_dir, settings_path
+from tests import ray_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 OTHER_UID = 12345
@@ -127,6 +128,24 @@ def test_job_logs_that_do_not_fit_are_dropped_with_one_warning_and_every_cell_su
     assert _leftovers(state) == []
     (run,) = runs.list_runs()
     assert run.status == "ended" and run.counts() == (8, 0, 8)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(240)
+def test_on_ray_too_job_logs_that_do_not_fit_are_dropped_with_one_warning(
+    small_disk: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    request: pytest.FixtureRequest,
+) -> None:  # fmt: skip
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address(request.config))
+    state = _state_on(monkeypatch, small_disk("2m"))
+    fn = job(stream_output=False, backend="ray")(chatty)
+    with caplog.at_level(logging.WARNING, logger="levers9"):
+        assert list(fn.map([700] * 4, progress=False)) == [700] * 4
+    said = _warnings(caplog)
+    assert len(said) == 1 and "B of job output" in said[0] and str(state / "runs") in said[0], said
+    assert _leftovers(state) == []
+    (run,) = runs.list_runs()
+    assert run.status == "ended" and run.counts() == (4, 0, 4)
 
 
 @pytest.mark.timeout(180)
