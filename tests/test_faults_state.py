@@ -430,6 +430,25 @@ def test_an_unwritable_home_is_an_error_naming_the_variables_that_move_the_state
     assert load_settings().multi_gpu is False  # reading settings needs no folder
     status, _, err = _cli(capsys, "workspace", "multi-gpu", "on")
     assert status == 1 and "LEVERS9_CONFIG_DIR" in err and "XDG_CONFIG_HOME" in err
+    # no HOME at all, as a user with no passwd entry: the same variables, from a child that is that user
+    monkeypatch.delenv("HOME")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.setgid(OTHER_UID)
+            os.setuid(OTHER_UID)
+            runs_dir()
+            os.write(write, b"no error")
+        except Exception as exc:
+            os.write(write, f"{type(exc).__name__}: {exc}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as said:
+        text = said.read()
+    assert text.startswith("ConfigError") and "LEVERS9_STATE_DIR or XDG_CACHE_HOME" in text, text
 
 
 # ---- bad seconds -------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Any
 import tomlkit
 
 from levers9.context import current_job
-from levers9.errors import SettingsError
+from levers9.errors import ConfigError, SettingsError
 from levers9.private_dir import check_private, private_dir
 from levers9.state_files import StateFileError, read_private
 
@@ -67,8 +67,20 @@ def config_dir(env: os._Environ[str] | dict[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     if env.get("LEVERS9_CONFIG_DIR"):
         return Path(env["LEVERS9_CONFIG_DIR"]).expanduser()
-    base = env.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    base = env.get("XDG_CONFIG_HOME") or str(_home("LEVERS9_CONFIG_DIR", "XDG_CONFIG_HOME") / ".config")
     return Path(base).expanduser() / "levers9"
+
+
+def _home(*variables: str) -> Path:
+    """The user's home folder; ConfigError naming `variables` (which move what would live there)
+    when there is none (HOME unset and no passwd entry)."""
+    try:
+        return Path.home()
+    except RuntimeError:
+        raise ConfigError(
+            f"levers9 cannot tell your home folder (HOME is not set, and uid {os.getuid()} has no passwd entry). "
+            f"Fix: set {' or '.join(variables)} to a folder you can write."
+        ) from None
 
 
 def settings_path(env: os._Environ[str] | dict[str, str] | None = None) -> Path:
@@ -96,7 +108,7 @@ def runs_dir(env: os._Environ[str] | dict[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     if env.get("LEVERS9_STATE_DIR"):
         return Path(env["LEVERS9_STATE_DIR"]).expanduser() / "runs"
-    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = env.get("XDG_CACHE_HOME") or str(_home("LEVERS9_STATE_DIR", "XDG_CACHE_HOME") / ".cache")
     return Path(base).expanduser() / "levers9" / "runs"
 
 
