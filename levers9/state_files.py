@@ -17,6 +17,8 @@ import logging
 import os
 import stat
 import threading
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("levers9.launch")
@@ -181,14 +183,25 @@ class Losses:
         log.warning("the run folder %s %s; lost %s. %s.", self.folder, why(error), "; ".join(parts), MOVE_IT)
 
 
-_registry: dict[str, Losses] = {}
+# One Losses per open run: held by its RunRecord (and the log writers), gone with them.
+_registry: weakref.WeakValueDictionary[str, Losses] = weakref.WeakValueDictionary()
 _registry_lock = threading.Lock()
 
 
 def losses(folder: Path) -> Losses:
     """The Losses of run folder `folder` (one per folder while its run is open)."""
     with _registry_lock:
-        return _registry.setdefault(str(folder), Losses(folder))
+        found = _registry.get(str(folder))
+        if found is None:
+            found = _registry[str(folder)] = Losses(folder)
+        return found
+
+
+def unrecorded(folder: Path) -> bool:
+    """True if the open run of `folder` could not be recorded at all (so nothing should be made there)."""
+    with _registry_lock:
+        found = _registry.get(str(folder))
+    return found is not None and found.unrecorded
 
 
 def report_losses(folder: Path) -> None:
@@ -201,10 +214,12 @@ def report_losses(folder: Path) -> None:
 
 class AppendLog:
     """An append-only log file (0600, never through a symlink) that never raises: once a write fails,
-    the rest of what is written is counted into `losses` instead."""
+    what is written after is handed to `lost` (path, bytes, the error) instead: by default counted
+    as job output lost by `losses`."""
 
-    def __init__(self, path: Path, losses: Losses) -> None:
-        self.path, self.losses = path, losses
+    def __init__(self, path: Path, lost: Losses | Callable[[Path, int, OSError], None]) -> None:
+        self.path = path
+        self.lost = lost.lost_output if isinstance(lost, Losses) else lost
         self.fd: int | None = None
         self.error: OSError | None = None
         try:
@@ -224,7 +239,7 @@ class AppendLog:
                 self.error = exc
                 data = bytes(view)
         if self.error is not None:
-            self.losses.lost_output(self.path, len(data), self.error)
+            self.lost(self.path, len(data), self.error)
 
     def close(self) -> None:
         if self.fd is not None:

@@ -78,8 +78,13 @@ RESERVE = 512  # spaces after run.json's first text: room to write its end in pl
 
 def runs_root() -> Path:
     """runs_dir(), created private (0700) if missing; PrivateDirError naming LEVERS9_STATE_DIR and
-    XDG_CACHE_HOME if it cannot be (a HOME that is not writable)."""
+    XDG_CACHE_HOME if it cannot be (a HOME that is not writable); OSError on a full disk."""
     return private_dir(runs_dir(), fix=STATE_FIX)
+
+
+def _run_path(run_id: str) -> Path:
+    """Where run `run_id`'s folder is (as runs_root() names it), without making anything."""
+    return Path(os.path.abspath(os.path.expanduser(runs_dir()))) / run_id
 
 
 def create_run_folder(run_id: str, record: dict[str, Any]) -> Path:
@@ -105,8 +110,8 @@ def create_run_folder(run_id: str, record: dict[str, Any]) -> Path:
 def run_folder(run_id: str) -> Path:
     """runs_dir()/run_id, for a backend: made (with a small record) if no RunRecord made it first; on a
     full disk the path comes back anyway (what is written there is counted as lost)."""
-    path = runs_root() / run_id
-    if path.is_dir() or state_files.losses(path).unrecorded:
+    path = _run_path(run_id)
+    if path.is_dir() or state_files.unrecorded(path):
         return path
     record = {"format": FORMAT, "id": run_id, "name": run_id, "backend": "?", "function": "?",
               "pid": os.getpid(), "started": time.time(), "total": 0, "cells": {}}  # fmt: skip
@@ -189,7 +194,7 @@ class RunRecord:
         self.done = 0
         self.failed = 0
         self.reused = 0
-        self.path = runs_root() / run_id
+        self.path = _run_path(run_id)
         self.losses = state_files.losses(self.path)
         try:
             create_run_folder(run_id, self._meta)
@@ -197,7 +202,9 @@ class RunRecord:
             if isinstance(exc, PrivateDirError):
                 raise
             self.losses.unrecorded_run(runs_dir(), run_id, exc)
-        self._events = state_files.AppendLog(self.path / EVENTS_FILE, self.losses)
+        self._events = state_files.AppendLog(
+            self.path / EVENTS_FILE, lambda _path, _n, exc: self.losses.lost("events.jsonl line", exc)
+        )
 
     def _event(self, cell: Cell, state: str, **extra: Any) -> None:
         line = json.dumps({"i": cell.index, "state": state, "t": round(time.time(), 3), **extra})
