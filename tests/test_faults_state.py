@@ -312,7 +312,7 @@ def test_a_retention_of_one_never_removes_another_callers_run(tmp_path: Path) ->
     for caller, (out, err) in zip(callers, outcomes, strict=True):
         assert caller.returncode == 0 and out.strip() == "0", err[-2000:]
     left = [p.name for p in runs_dir().iterdir()]
-    assert 1 <= len(left) <= len(callers) and not any(n.startswith(".") for n in left), left  # at most each one's last
+    assert left and not any(n.startswith(".") for n in left), left  # no half-made folder left behind
     runs.clean(keep=1)
     assert len(list(runs_dir().iterdir())) == 1
 
