@@ -8,11 +8,18 @@
         <index:04d>-<attempt>/           one attempt's stdout.log, stderr.log, meta.json (written by the backends)
 
 A cell's key is a hash of the function's key (module, name, source) and the cell's pickled
-arguments, so a changed function body or changed inputs make new cells. Results are read back only
-from folders and files owned by this user and writable by no one else.
+arguments, so a changed function body or changed inputs make new cells. Everything is read back
+only from regular files of this user's that no one else can write (never through a symlink, never
+waiting on a FIFO), and every field of run.json and every events.jsonl line is checked: a folder
+that fails is passed over with a RunFormatError naming it, never the reason a sweep stops.
+
+A run folder appears whole: made as .new-<pid>-<run id> with its run.json, then renamed. On a full
+disk the sweep still runs: unrecorded (said in one line at its start), or with what could not be
+kept said in one warning at its end (levers9.state_files).
 
 Retention: when a run folder is created, the oldest beyond the newest KEEP_RUNS (50, or
-$LEVERS9_KEEP_RUNS) are removed; runs whose caller is still alive are never removed.
+$LEVERS9_KEEP_RUNS) are removed; runs whose caller is still alive, and folders still being made, are
+never removed.
 """
 
 from __future__ import annotations

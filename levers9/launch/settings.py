@@ -5,7 +5,10 @@ The file is `$LEVERS9_CONFIG_DIR/workspace.toml` when that variable is set, else
 so a change takes effect on the next call. A missing file means the defaults (switch off, cap 8);
 a corrupt file is a SettingsError naming it, never a silent default. Writes are atomic (a temporary
 file in the same folder, fsync, os.replace) under an flock, so readers see the whole old file or the
-whole new one.
+whole new one. The file, its folder and its lock are obeyed only if they are this user's, not
+symlinks, not FIFOs and not writable by others (as private_dir checks state folders); anything else
+is a SettingsError or PrivateDirError naming the fix (LEVERS9_CONFIG_DIR). A bad value is an error
+naming the command that sets it, and that command repairs the file.
 
 Where levers9 keeps run state (card leases, per-job logs) is decided here too.
 """
