@@ -284,6 +284,8 @@ class RunRecord:
                 return
             self._events.close()
             self._meta.update(ended=time.time(), done=self.done, failed=self.failed, reused=self.reused)
+            if self.losses.error is not None:
+                self._meta["incomplete"] = True  # a full disk cost some of it: cells() does not guess
             if not self.losses.unrecorded:
                 blob = json.dumps(self._meta, indent=1).encode()
                 try:
@@ -357,6 +359,7 @@ _RECORD: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "failed": ("a whole number", _is_int),
     "reused": ("a whole number", _is_int),
     "cells": ('an object of cell index to arguments ({"0": "(1,)"})', _is_cells),
+    "incomplete": ("true or false", lambda v: isinstance(v, bool)),
     **{key: ("a string", lambda v: isinstance(v, str)) for key in ("id", "name", "backend", "function", "fn_key")},
 }
 
@@ -464,9 +467,10 @@ class Run:
                 cell.ended, cell.error = event["t"], event.get("error", "")
                 cell.reused = event.get("reused", False)
         if not self.alive:
+            lost = "not recorded" if self.meta.get("incomplete") else None  # the disk was full
             for cell in cells.values():
                 if cell.state in ("waiting", "running", "retrying"):
-                    cell.state = "cancelled" if self.ended is not None else "interrupted"
+                    cell.state = lost or ("cancelled" if self.ended is not None else "interrupted")
         return [cells[i] for i in sorted(cells)]
 
     def counts(self) -> tuple[int, int, int]:
