@@ -19,6 +19,7 @@ Anything else is a PrivateDirError naming the folder, its owner and mode, and th
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import stat
@@ -29,56 +30,78 @@ from levers9.errors import PrivateDirError
 FIX = "set LEVERS9_STATE_DIR to a folder of your own (e.g. ~/.levers9-state), or remove the folder"
 
 
-def private_dir(path: Path | str) -> Path:
+def private_dir(path: Path | str, fix: str = FIX) -> Path:
     """`path`, created if missing (with missing parents), once it is a real directory owned by this
-    user with mode 0700; PrivateDirError if it is anyone else's, a symlink, or writable by others."""
+    user with mode 0700; PrivateDirError if it is anyone else's, a symlink, or writable by others, or
+    if it cannot be created for want of permission (`fix` says what to do instead). A full disk is
+    the OSError itself (ENOSPC), which callers that only record may pass over."""
     path = Path(os.path.abspath(os.path.expanduser(path)))
-    _check_ancestors(path.parent)
+    _check_ancestors(path.parent, fix)
     if not path.parent.exists():
-        private_dir(path.parent)
+        private_dir(path.parent, fix)
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR):
+            raise
+        raise PrivateDirError(
+            f"cannot create {path} ({exc.strerror}): levers9 keeps its state there and needs a folder it can "
+            f"write. Fix: {fix}."
+        ) from None
     info = os.lstat(path)
-    _check_ours(path, info)
+    _check_ours(path, info, fix)
     if stat.S_IMODE(info.st_mode) != 0o700:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             now = os.fstat(fd)
             if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
-                raise PrivateDirError(f"{path} was replaced while levers9 checked it. Fix: {FIX}.")
+                raise PrivateDirError(f"{path} was replaced while levers9 checked it. Fix: {fix}.")
             os.fchmod(fd, 0o700)  # the folder just checked, never what a symlink swapped in points at
         finally:
             os.close(fd)
     return path
 
 
-def _check_ours(path: Path, info: os.stat_result) -> None:
+def check_private(path: Path | str, fix: str = FIX) -> bool:
+    """True if `path` is a folder of ours alone (as private_dir would leave it, but never created or
+    changed here), False if it does not exist; PrivateDirError otherwise."""
+    path = Path(os.path.abspath(os.path.expanduser(path)))
+    _check_ancestors(path.parent, fix)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    _check_ours(path, info, fix)
+    return True
+
+
+def _check_ours(path: Path, info: os.stat_result, fix: str = FIX) -> None:
     """Refuse `path` unless it is a real folder owned by this user that others cannot write."""
     if stat.S_ISLNK(info.st_mode):
         raise PrivateDirError(
             f"{path} is a symlink (owned by {_owner(info.st_uid)}, pointing at {os.readlink(path)}); levers9 "
-            f"keeps its lock and result files only in a real folder of its own. Fix: {FIX}."
+            f"keeps its lock and result files only in a real folder of its own. Fix: {fix}."
         )
     if not stat.S_ISDIR(info.st_mode):
         raise PrivateDirError(
-            f"{path} exists and is not a folder (owned by {_owner(info.st_uid)}). Fix: {FIX}."
+            f"{path} exists and is not a folder (owned by {_owner(info.st_uid)}). Fix: {fix}."
         )
     if info.st_uid != os.getuid():
         raise PrivateDirError(
             f"{path} belongs to {_owner(info.st_uid)}, not to you ({_owner(os.getuid())}); another user created "
-            f"it first and could hold or plant files in it. Expected a folder owned by you, mode 0700. Fix: {FIX}."
+            f"it first and could hold or plant files in it. Expected a folder owned by you, mode 0700. Fix: {fix}."
         )
     mode = stat.S_IMODE(info.st_mode)
     if mode & 0o022:
         raise PrivateDirError(
             f"{path} is yours but writable by others (mode {mode:04o}), so files in it may have been planted. "
-            f"Expected mode 0700. Fix: remove it (levers9 recreates it as 0700), or {FIX}."
+            f"Expected mode 0700. Fix: remove it (levers9 recreates it as 0700), or {fix}."
         )
 
 
-def _check_ancestors(folder: Path) -> None:
+def _check_ancestors(folder: Path, fix: str = FIX) -> None:
     """Every existing folder from `folder` up to / is safe to keep private folders under: one inside a
     folder others may write (such as /tmp) is a real folder of ours; any other is owned by root or us
     and, if others may write it, sticky."""
@@ -89,20 +112,20 @@ def _check_ancestors(folder: Path) -> None:
         except FileNotFoundError:
             continue
         if ancestor != ancestor.parent and os.stat(ancestor.parent).st_mode & 0o022:
-            _check_ours(ancestor, info)  # anyone could have created it: only a folder of ours will do
+            _check_ours(ancestor, info, fix)  # anyone could have created it: only a folder of ours will do
             continue
         if info.st_uid not in (0, me):
             raise PrivateDirError(
                 f"{ancestor} belongs to {_owner(info.st_uid)}, so that user could replace what levers9 keeps "
-                f"below it. Expected folders owned by you or root. Fix: {FIX}."
+                f"below it. Expected folders owned by you or root. Fix: {fix}."
             )
         if stat.S_ISLNK(info.st_mode):
-            _check_ancestors(Path(os.path.realpath(ancestor)))
+            _check_ancestors(Path(os.path.realpath(ancestor)), fix)
             continue
         if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
             raise PrivateDirError(
                 f"{ancestor} is writable by others (mode {stat.S_IMODE(info.st_mode):04o}, not sticky), so "
-                f"another user could replace what levers9 keeps below it. Fix: {FIX}."
+                f"another user could replace what levers9 keeps below it. Fix: {fix}."
             )
 
 

@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from levers9 import state_files
 from levers9.context import JobContext
 from levers9.errors import JobTimeout
 from levers9.launch import job_child, outcomes, runs
@@ -34,6 +35,7 @@ from levers9.launch.pool import Pool, local_pool
 from levers9.launch.settings import lease_dir, load_settings
 from levers9.procs import start
 from levers9.procs.watch import Child, Watcher
+from levers9.state_files import AppendLog
 
 log = logging.getLogger("levers9.launch")
 
@@ -150,12 +152,12 @@ class _Supervisor:
         target = job_child.JobTarget(self.batch.func, cell.args, cell.kwargs, context)
         shipped = None if self.method.forks else job_child.ship_target(target)
         tail = OutputTail()
-        with open(run.job_dir / "stdout.log", "ab") as out_log, open(run.job_dir / "stderr.log", "ab") as err_log:
+        losses = state_files.losses(self.run_dir)
+        with AppendLog(run.job_dir / "stdout.log", losses) as out_log, AppendLog(run.job_dir / "stderr.log", losses) as err_log:
             logs = {"stdout": out_log, "stderr": err_log}
 
             def on_line(child: Child, stream: str, line: str) -> None:
-                logs[stream].write(line.encode() + b"\n")
-                logs[stream].flush()
+                logs[stream].write(line.encode() + b"\n")  # a full disk drops the line, never the cell
                 tail.add(line)
                 self.batch.events.output(cell, stream, line)
 

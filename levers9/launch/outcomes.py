@@ -11,7 +11,6 @@ exception with a note saying where it ran), with the same words whichever backen
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import json
 import logging
@@ -21,6 +20,7 @@ from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import Any
 
+from levers9 import state_files
 from levers9.distributed.hardware import oom
 from levers9.errors import JobCrashed, JobTimeout, RankFailure, RemoteError, add_note
 from levers9.launch.backend import Batch
@@ -133,9 +133,13 @@ class JobAttempt:
 
     @classmethod
     def begin(cls, run_dir: Path, label: str, index: int, attempt: int, spec: JobSpec) -> JobAttempt:
-        """The attempt, with its log folder run_dir/<index>-<attempt> created."""
+        """The attempt, with its log folder run_dir/<index>-<attempt> created (0700) if the run folder
+        exists and the disk has room; what cannot be written there is counted as lost, never raised."""
         job_dir = run_dir / f"{index:04d}-{attempt}"
-        job_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            job_dir.mkdir(mode=0o700, exist_ok=True)
+        except OSError as exc:
+            state_files.losses(run_dir).lost("attempt log folder", exc)
         return cls(label, index, attempt, spec.retries.max_retries + 1, job_dir, oom.oom_kills())
 
     @property
@@ -147,9 +151,13 @@ class JobAttempt:
         return f"Logs: {self.job_dir}"
 
     def write_meta(self, meta: dict[str, Any]) -> None:
-        """meta.json in the attempt's folder: how it ran and ended (best effort: the logs may be gone)."""
-        with contextlib.suppress(OSError):
-            (self.job_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+        """meta.json in the attempt's folder: how it ran and ended (whole or not at all; never raises)."""
+        try:
+            state_files.write_atomic(self.job_dir / "meta.json", json.dumps(meta, indent=1).encode())
+        except FileNotFoundError:
+            pass  # no folder: the run is unrecorded, or was cleaned while it ran
+        except OSError as exc:
+            state_files.losses(self.job_dir.parent).lost("meta.json file", exc)
 
 
 def _on(node: str | None) -> str:

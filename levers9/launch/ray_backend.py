@@ -42,6 +42,7 @@ from typing import Any
 
 import ray
 
+from levers9 import state_files
 from levers9.context import JobContext
 from levers9.distributed.hardware import oom
 from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, NotShippableError, RankFailure
@@ -58,6 +59,7 @@ from levers9.private_dir import private_dir
 from levers9.procs import start
 from levers9.procs.failure import ship, unship
 from levers9.procs.watch import Watcher, pid_alive
+from levers9.state_files import AppendLog
 
 log = logging.getLogger("levers9.launch.ray")
 
@@ -391,7 +393,8 @@ class _RayCell:
         info: dict[str, Any] = {}
         end: dict[str, Any] | None = None
         try:
-            with open(job_dir / "stdout.log", "a") as out_log, open(job_dir / "stderr.log", "a") as err_log:
+            losses = state_files.losses(self.run_dir)
+            with AppendLog(job_dir / "stdout.log", losses) as out_log, AppendLog(job_dir / "stderr.log", losses) as err_log:
                 for ref in current.gen:
                     item = ray.get(ref)
                     if item["kind"] == "started":
@@ -405,11 +408,9 @@ class _RayCell:
                         self.batch.events.started(cell, f"{cards} on {item['node']}", attempt)
                     elif item["kind"] == "output":
                         for stream, line in item["lines"]:
-                            (out_log if stream == "stdout" else err_log).write(line)
+                            (out_log if stream == "stdout" else err_log).write(line.encode())  # never raises
                             tail.add(line)
                             self.batch.events.output(cell, stream, line.rstrip("\n"))
-                        out_log.flush()
-                        err_log.flush()
                     elif item["kind"] == "end":
                         end = item
         except ray.exceptions.RayError as exc:

@@ -8,11 +8,18 @@
         <index:04d>-<attempt>/           one attempt's stdout.log, stderr.log, meta.json (written by the backends)
 
 A cell's key is a hash of the function's key (module, name, source) and the cell's pickled
-arguments, so a changed function body or changed inputs make new cells. Results are read back only
-from folders and files owned by this user and writable by no one else.
+arguments, so a changed function body or changed inputs make new cells. Everything is read back
+only from regular files of this user's that no one else can write (never through a symlink, never
+waiting on a FIFO), and every field of run.json and every events.jsonl line is checked: a folder
+that fails is passed over with a RunFormatError naming it, never the reason a sweep stops.
+
+A run folder appears whole: made as .new-<pid>-<run id> with its run.json, then renamed. On a full
+disk the sweep still runs: unrecorded (said in one line at its start), or with what could not be
+kept said in one warning at its end (levers9.state_files).
 
 Retention: when a run folder is created, the oldest beyond the newest KEEP_RUNS (50, or
-$LEVERS9_KEEP_RUNS) are removed; runs whose caller is still alive are never removed.
+$LEVERS9_KEEP_RUNS) are removed; runs whose caller is still alive, and folders still being made, are
+never removed.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import inspect
 import json
 import logging
 import marshal
+import math
 import os
 import shutil
 import stat
@@ -36,11 +44,13 @@ from typing import Any
 
 import cloudpickle
 
-from levers9.errors import ConfigError, RunFormatError
+from levers9 import state_files
+from levers9.errors import ConfigError, PrivateDirError, RunFormatError
 from levers9.launch.cells import Cell
 from levers9.launch.settings import runs_dir
 from levers9.private_dir import private_dir
 from levers9.procs.watch import pid_alive
+from levers9.state_files import write_atomic
 
 log = logging.getLogger("levers9.launch")
 
@@ -65,14 +75,62 @@ def keep_runs() -> int:
     return value
 
 
-def run_folder(run_id: str) -> Path:
-    """runs_dir()/run_id, created private (0700) if missing; creating one applies retention first."""
-    root = private_dir(runs_dir())
+STATE_FIX = (
+    "set LEVERS9_STATE_DIR to a folder of your own that you can write (e.g. export LEVERS9_STATE_DIR="
+    "~/.levers9-state), or XDG_CACHE_HOME to a cache folder you can write"
+)
+NEW_PREFIX = ".new-"  # .new-<pid>-<run id>: a run folder being made; renamed into place with its run.json
+RESERVE = 512  # spaces after run.json's first text: room to write its end in place on a full disk
+
+
+def runs_root() -> Path:
+    """runs_dir(), created private (0700) if missing; PrivateDirError naming LEVERS9_STATE_DIR and
+    XDG_CACHE_HOME if it cannot be (a HOME that is not writable); OSError on a full disk."""
+    return private_dir(runs_dir(), fix=STATE_FIX)
+
+
+def _run_path(run_id: str) -> Path:
+    """Where run `run_id`'s folder is (as runs_root() names it), without making anything."""
+    return Path(os.path.abspath(os.path.expanduser(runs_dir()))) / run_id
+
+
+def create_run_folder(run_id: str, record: dict[str, Any]) -> Path:
+    """Make runs_dir()/run_id holding `record` as its run.json (and an empty results/), applying
+    retention first. The folder appears whole (made under a hidden name, then renamed), so another
+    caller's retention never sees it without the record that names its living caller. OSError (the
+    disk is full) leaves nothing behind."""
+    root = runs_root()
     path = root / run_id
-    if not path.is_dir():
-        clean(keep=keep_runs() - 1)
-        path.mkdir(mode=0o700, exist_ok=True)
+    clean(keep=keep_runs() - 1)
+    making = root / f"{NEW_PREFIX}{os.getpid()}-{run_id}"
+    try:
+        os.mkdir(making, 0o700)
+        write_atomic(making / RUN_FILE, json.dumps(record, indent=1).encode(), pad=RESERVE)
+        os.mkdir(making / RESULTS, 0o700)
+        os.rename(making, path)
+    except BaseException:
+        shutil.rmtree(making, ignore_errors=True)
+        raise
     return path
+
+
+def run_folder(run_id: str) -> Path:
+    """runs_dir()/run_id, for a backend: made (with a small record) if no RunRecord made it first; on a
+    full disk the path comes back anyway (what is written there is counted as lost)."""
+    path = _run_path(run_id)
+    if path.is_dir() or state_files.unrecorded(path):
+        return path
+    record = {"format": FORMAT, "id": run_id, "name": run_id, "backend": "?", "function": "?",
+              "pid": os.getpid(), "started": time.time(), "total": 0, "cells": {}}  # fmt: skip
+    try:
+        return create_run_folder(run_id, record)
+    except FileExistsError:
+        return path
+    except OSError as exc:
+        if isinstance(exc, PrivateDirError):
+            raise
+        state_files.losses(path).unrecorded_run(runs_dir(), run_id, exc)
+        return path
 
 
 # ---- keys -----------------------------------------------------------------------------------------
@@ -115,12 +173,15 @@ def owned_privately(path: Path) -> bool:
 
 
 class RunRecord:
-    """Writes run.json, events.jsonl and results/ of one batch (an Events, plus result storage)."""
+    """Writes run.json, events.jsonl and results/ of one batch (an Events, plus result storage).
+
+    A write that fails (a full disk) never reaches the cells: if the folder cannot be made the run goes
+    unrecorded, said in one line at its start; else what could not be kept is said in one warning
+    when it closes (state_files.Losses)."""
 
     def __init__(
         self, run_id: str, *, name: str, backend: str, func: Callable[..., Any], cells: Sequence[Cell]
     ) -> None:
-        self.path = run_folder(run_id)
         self.fn_key = function_key(func)
         self.keys = {cell.index: cell_key(self.fn_key, cell) for cell in cells}
         self._meta: dict[str, Any] = {
@@ -140,16 +201,23 @@ class RunRecord:
         self.done = 0
         self.failed = 0
         self.reused = 0
-        _write_json(self.path / RUN_FILE, self._meta)
-        (self.path / RESULTS).mkdir(mode=0o700, exist_ok=True)
-        self._events = open(self.path / EVENTS_FILE, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.path = _run_path(run_id)
+        self.losses = state_files.losses(self.path)
+        try:
+            create_run_folder(run_id, self._meta)
+        except OSError as exc:
+            if isinstance(exc, PrivateDirError):
+                raise
+            self.losses.unrecorded_run(runs_dir(), run_id, exc)
+        self._events = state_files.AppendLog(
+            self.path / EVENTS_FILE, lambda _path, _n, exc: self.losses.lost("events.jsonl line", exc)
+        )
 
     def _event(self, cell: Cell, state: str, **extra: Any) -> None:
         line = json.dumps({"i": cell.index, "state": state, "t": round(time.time(), 3), **extra})
         with self._lock:
-            if not self._events.closed:
-                self._events.write(line + "\n")
-                self._events.flush()
+            if not self.closed.is_set():
+                self._events.write(line.encode() + b"\n")
 
     def started(self, cell: Cell, cards: str, attempt: int) -> None:
         self._event(cell, "running", card=cards, attempt=attempt)
@@ -176,7 +244,10 @@ class RunRecord:
         except Exception as exc:
             log.debug("%s: result not kept for resume (%s)", self.path.name, exc)
             return
-        _write_private(self.path / RESULTS / f"{self.keys[cell.index]}.pkl", blob)
+        try:
+            write_atomic(self.path / RESULTS / f"{self.keys[cell.index]}.pkl", blob)
+        except OSError as exc:
+            self.losses.lost_result(cell.index, exc)
 
     def reuse(self, cells: Sequence[Cell]) -> dict[int, Any]:
         """Values of `cells` that a kept run with this function already computed, by cell index; each
@@ -188,7 +259,7 @@ class RunRecord:
             if source is None:
                 continue
             try:
-                values[cell.index] = cloudpickle.loads(source.read_bytes())
+                values[cell.index] = cloudpickle.loads(state_files.read_private(source))
             except Exception as exc:
                 log.warning("not reusing %s (%s: %s); running that cell again", source, type(exc).__name__, exc)
                 continue
@@ -196,24 +267,36 @@ class RunRecord:
             try:
                 os.link(source, target)
             except OSError:
-                with contextlib.suppress(OSError):
-                    shutil.copyfile(source, target)
+                try:
+                    write_atomic(target, state_files.read_private(source))
+                except OSError as exc:
+                    self.losses.lost_result(cell.index, exc)
             self._event(cell, "done", reused=True)
         self.reused = len(values)
         self.done += len(values)
         return values
 
     def close(self) -> None:
-        """Write the end time and counts into run.json and close the events file (idempotent)."""
+        """Write the end time and counts into run.json, close the events file and say what could not be
+        kept, if anything (idempotent). On a full disk the end is written into run.json's own space."""
         with self._lock:
-            if self._events.closed:
+            if self.closed.is_set():
                 return
             self._events.close()
-        self._meta.update(ended=time.time(), done=self.done, failed=self.failed, reused=self.reused)
-        with contextlib.suppress(OSError):
-            _write_json(self.path / RUN_FILE, self._meta)
-        self.closed.set()
-
+            self._meta.update(ended=time.time(), done=self.done, failed=self.failed, reused=self.reused)
+            if self.losses.error is not None:
+                self._meta["incomplete"] = True  # a full disk cost some of it: cells() does not guess
+            if not self.losses.unrecorded:
+                blob = json.dumps(self._meta, indent=1).encode()
+                try:
+                    write_atomic(self.path / RUN_FILE, blob)
+                except FileNotFoundError:
+                    pass  # the folder was removed (runs clean while it ran)
+                except OSError as exc:
+                    if not state_files.overwrite_in_place(self.path / RUN_FILE, blob):
+                        self.losses.lost_end(exc)
+            state_files.report_losses(self.path)
+            self.closed.set()
 
     def discard(self) -> None:
         """Close and remove the run folder: the batch was refused before anything ran."""
@@ -230,7 +313,10 @@ def describe_error(error: BaseException) -> str:
 def _stored_results(fn_key: str, *, exclude: str) -> dict[str, Path]:
     """cell key -> result file, from the kept runs of the function `fn_key`, newest run first."""
     found: dict[str, Path] = {}
-    for run in reversed(list_runs()):
+    kept, skipped = scan_runs()
+    for problem in skipped:
+        log.warning("not reusing results from a run folder: %s", problem)
+    for run in reversed(kept):
         if run.name_on_disk == exclude or run.meta.get("fn_key") != fn_key or run.newer:
             continue
         results = run.path / RESULTS
@@ -240,12 +326,56 @@ def _stored_results(fn_key: str, *, exclude: str) -> dict[str, Path]:
         with contextlib.suppress(OSError):
             for entry in os.scandir(results):
                 key = entry.name.removesuffix(".pkl")
-                if key not in found and owned_privately(Path(entry.path)):
+                if key not in found and entry.name.endswith(".pkl") and owned_privately(Path(entry.path)):
                     found[key] = Path(entry.path)
     return found
 
 
 # ---- reading runs back ---------------------------------------------------------------------------
+
+STATES = ("running", "retrying", "done", "failed")
+
+
+def _is_int(value: Any, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _is_time(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _is_cells(value: Any) -> bool:
+    return isinstance(value, dict) and all(k.isdigit() and isinstance(v, str) for k, v in value.items())
+
+
+# run.json's keys: (what a value must be, as said in messages; the check). The first three are required.
+_RECORD: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "format": ("a whole number", _is_int),
+    "started": ("a time (seconds since 1970)", _is_time),
+    "pid": ("a process id (a whole number, 1 or more)", lambda v: _is_int(v, 1)),
+    "ended": ("a time (seconds since 1970) or null", lambda v: v is None or _is_time(v)),
+    "total": ("a whole number", _is_int),
+    "done": ("a whole number", _is_int),
+    "failed": ("a whole number", _is_int),
+    "reused": ("a whole number", _is_int),
+    "cells": ('an object of cell index to arguments ({"0": "(1,)"})', _is_cells),
+    "incomplete": ("true or false", lambda v: isinstance(v, bool)),
+    **{key: ("a string", lambda v: isinstance(v, str)) for key in ("id", "name", "backend", "function", "fn_key")},
+}
+
+
+def _event_ok(event: Any) -> bool:
+    """An events.jsonl line as levers9 writes it."""
+    return (
+        isinstance(event, dict)
+        and _is_int(event.get("i"))
+        and event.get("state") in STATES
+        and _is_time(event.get("t"))
+        and isinstance(event.get("card", ""), str)
+        and _is_int(event.get("attempt", 1), 1)
+        and isinstance(event.get("error", ""), str)
+        and isinstance(event.get("reused", False), bool)
+    )
 
 
 @dataclasses.dataclass
@@ -265,11 +395,12 @@ class CellState:
 
 @dataclasses.dataclass
 class Run:
-    """A run folder as read back: its run.json, and whether its caller is still alive."""
+    """A run folder as read back: its run.json (checked), and whether its caller is still alive."""
 
     path: Path
     meta: dict[str, Any]
     newer: bool = False  # written by a newer levers9: only its name and age are shown
+    skipped_events: int = 0  # events.jsonl lines that cells() passed over (cut short or malformed)
 
     @property
     def name_on_disk(self) -> str:
@@ -306,71 +437,107 @@ class Run:
             )
 
     def cells(self) -> list[CellState]:
-        """Every cell's last known state, in index order (events.jsonl replayed over run.json's list)."""
+        """Every cell's last known state, in index order (events.jsonl replayed over run.json's list);
+        lines that are cut short or not as levers9 writes them are counted in skipped_events."""
         self.check_readable()
         cells = {int(i): CellState(int(i), text) for i, text in (self.meta.get("cells") or {}).items()}
-        with contextlib.suppress(FileNotFoundError), open(self.path / EVENTS_FILE, encoding="utf-8") as events:
-            for line in events:
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue  # a line cut short by a crash
-                cell = cells.setdefault(int(event["i"]), CellState(int(event["i"]), "?"))
-                cell.state = event["state"]
-                if event["state"] == "running":
-                    cell.card, cell.attempt, cell.started = event.get("card", ""), event.get("attempt", 1), event["t"]
-                elif event["state"] in ("done", "failed"):
-                    cell.ended, cell.error = event["t"], event.get("error", "")
-                    cell.reused = bool(event.get("reused"))
+        self.skipped_events = 0
+        try:
+            lines = state_files.read_private(self.path / EVENTS_FILE).splitlines()
+        except FileNotFoundError:
+            lines = []
+        except OSError as exc:
+            raise RunFormatError(
+                f"{self.path}: cannot read {EVENTS_FILE} ({exc.strerror or exc}); expected a file levers9 wrote. "
+                f"Remove the folder with: rm -r {self.path}"
+            ) from None
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = None
+            if not _event_ok(event):
+                self.skipped_events += 1
+                continue
+            cell = cells.setdefault(event["i"], CellState(event["i"], "?"))
+            cell.state = event["state"]
+            if event["state"] == "running":
+                cell.card, cell.attempt, cell.started = event.get("card", ""), event.get("attempt", 1), event["t"]
+            elif event["state"] in ("done", "failed"):
+                cell.ended, cell.error = event["t"], event.get("error", "")
+                cell.reused = event.get("reused", False)
         if not self.alive:
+            lost = "not recorded" if self.meta.get("incomplete") else None  # the disk was full
             for cell in cells.values():
                 if cell.state in ("waiting", "running", "retrying"):
-                    cell.state = "cancelled" if self.ended is not None else "interrupted"
+                    cell.state = lost or ("cancelled" if self.ended is not None else "interrupted")
         return [cells[i] for i in sorted(cells)]
 
     def counts(self) -> tuple[int, int, int]:
         """(done, failed, total)."""
         if self.newer:
             return 0, 0, int(self.meta.get("total") or 0)
-        if self.ended is not None and "done" in self.meta:
+        if self.ended is not None and all(k in self.meta for k in ("done", "failed", "total")):
             return int(self.meta["done"]), int(self.meta["failed"]), int(self.meta["total"])
         states = [c.state for c in self.cells()]
         return states.count("done"), states.count("failed"), len(states)
 
 
 def read_run(path: Path) -> Run:
-    """The run in folder `path`; RunFormatError if it has no readable run.json."""
+    """The run in folder `path`; RunFormatError naming the folder, the key and its value if its run.json
+    is missing, unreadable or not as levers9 writes it."""
+    fix = f"Remove the folder with: rm -r {path}"
     try:
-        meta = json.loads((path / RUN_FILE).read_text())
-        version = int(meta["format"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        meta = json.loads(state_files.read_private(path / RUN_FILE))
+    except (OSError, ValueError) as exc:
+        text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise RunFormatError(
-            f"{path} is not a readable run folder ({type(exc).__name__}: {exc}); expected a {RUN_FILE} "
-            f"written by levers9. Remove it with: levers9 runs clean --older-than 0s"
+            f"{path} is not a readable run folder ({type(exc).__name__}: {text}); expected a {RUN_FILE} "
+            f"written by levers9. {fix}"
         ) from None
-    return Run(path, meta, newer=version > FORMAT)
+    if not isinstance(meta, dict):
+        raise RunFormatError(f"{path / RUN_FILE} holds {type(meta).__name__}, not the object levers9 writes. {fix}")
+    newer = _is_int(meta.get("format")) and meta["format"] > FORMAT
+    for key in ("format", "started", "total") if newer else _RECORD:
+        expected, ok = _RECORD[key]
+        required = key in ("format", "started", "pid") and not newer
+        if (key in meta or required) and not ok(meta.get(key)):
+            raise RunFormatError(
+                f"{path / RUN_FILE}: {key!r} must be {expected}, got {meta.get(key)!r}; levers9 skips this run. {fix}"
+            )
+    return Run(path, meta, newer=newer)
+
+
+def scan_runs() -> tuple[list[Run], list[RunFormatError]]:
+    """Every readable run under runs_dir(), oldest first, and the errors of the folders passed over
+    (each names its folder). Folders being made (hidden names) are left out."""
+    runs, skipped = [], []
+    for path in _folders():
+        try:
+            runs.append(read_run(path))
+        except RunFormatError as exc:
+            skipped.append(exc)
+    return sorted(runs, key=lambda r: (r.started, r.name_on_disk)), skipped
 
 
 def list_runs() -> list[Run]:
-    """Every readable run under runs_dir(), oldest first (folders without a record are left out)."""
-    root = runs_dir()
-    runs = []
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir(root):
-            if entry.is_dir(follow_symlinks=False):
-                with contextlib.suppress(RunFormatError):
-                    runs.append(read_run(Path(entry.path)))
-    return sorted(runs, key=lambda r: (r.started, r.name_on_disk))
+    """Every readable run under runs_dir(), oldest first (see scan_runs for those passed over)."""
+    return scan_runs()[0]
 
 
 def find_run(text: str) -> Run:
-    """The run named `text`: its id, a unique prefix of it, or 'last'. ConfigError if none or several."""
-    runs = list_runs()
+    """The run named `text`: its id, a unique prefix of it, or 'last'. ConfigError if none or several;
+    the RunFormatError of a folder of that name that cannot be read."""
+    runs, skipped = scan_runs()
     if text == "last" and runs:
         return runs[-1]
     matches = [r for r in runs if r.name_on_disk == text] or [r for r in runs if r.name_on_disk.startswith(text)]
     if len(matches) == 1:
         return matches[0]
+    if not matches:
+        for problem in skipped:
+            if f"{os.sep}{text}" in str(problem):
+                raise problem
     recent = ", ".join(r.name_on_disk for r in runs[-3:]) or "none yet"
     if not matches:
         raise ConfigError(
@@ -384,39 +551,49 @@ def find_run(text: str) -> Run:
 
 def clean(*, keep: int | None = None, older_than: float | None = None, now: float | None = None) -> list[Path]:
     """Remove run folders beyond the newest `keep` and those started more than `older_than` seconds
-    ago; a run whose caller is alive is never removed. Returns what was removed."""
+    ago; a run whose caller is alive, or one still being made, is never removed (a folder whose
+    run.json cannot be read counts from its modification time). Returns what was removed."""
     now = time.time() if now is None else now
-    folders = _run_folders()
-    doomed: list[Path] = []
+    _remove_orphans()
+    folders = []
+    for path in _folders():
+        try:
+            run: Run | None = read_run(path)
+        except RunFormatError:
+            run = None
+        folders.append((path, run.started if run is not None else _mtime(path), run))
+    folders.sort(key=lambda item: (item[1], item[0].name))
+    doomed: list[tuple[Path, Run | None]] = []
     if keep is not None:
-        doomed += [path for path, _ in folders[: max(0, len(folders) - keep)]]
+        doomed += [(path, run) for path, _, run in folders[: max(0, len(folders) - keep)]]
     if older_than is not None:
-        doomed += [path for path, started in folders if now - started > older_than and path not in doomed]
+        doomed += [(p, r) for p, started, r in folders if now - started > older_than and (p, r) not in doomed]
     removed = []
-    for path in doomed:
-        with contextlib.suppress(RunFormatError):
-            if read_run(path).alive:
-                continue
+    for path, run in doomed:
+        if run is not None and run.alive:
+            continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
 
 
-def _run_folders() -> list[tuple[Path, float]]:
-    """(folder, start time) of everything under runs_dir(), oldest first; a folder without a
-    readable record counts from its modification time."""
+def _folders() -> list[Path]:
+    """The run folders under runs_dir() (not the hidden ones being made)."""
     found = []
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for entry in os.scandir(runs_dir()):
-            if not entry.is_dir(follow_symlinks=False):
-                continue
-            path = Path(entry.path)
-            try:
-                started = read_run(path).started
-            except RunFormatError:
-                started = _mtime(path)
-            found.append((path, started))
-    return sorted(found, key=lambda item: (item[1], item[0].name))
+            if not entry.name.startswith(".") and entry.is_dir(follow_symlinks=False):
+                found.append(Path(entry.path))
+    return found
+
+
+def _remove_orphans() -> None:
+    """Remove folders being made (.new-<pid>-...) whose maker has died."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for entry in os.scandir(runs_dir()):
+            pid = entry.name.removeprefix(NEW_PREFIX).partition("-")[0]
+            if entry.name.startswith(NEW_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
+                shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def attempt_folders(run: Run, index: int) -> list[Path]:
@@ -432,7 +609,13 @@ def follow(paths: Sequence[Path], still_going: Callable[[], bool], every: float 
     while True:
         going = still_going()  # read before the files, so the last lines are never missed
         for path in paths:
-            with contextlib.suppress(FileNotFoundError), open(path, "rb") as handle:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue  # not there yet, or a symlink (never followed)
+            with open(fd, "rb") as handle:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue  # a FIFO is never waited on
                 handle.seek(offsets[path])
                 data = handle.read()
                 end = data.rfind(b"\n") + 1 if going else len(data)
@@ -442,19 +625,6 @@ def follow(paths: Sequence[Path], still_going: Callable[[], bool], every: float 
         if not going:
             return
         time.sleep(every)
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    _write_private(path, json.dumps(data, indent=1).encode())
-
-
-def _write_private(path: Path, blob: bytes) -> None:
-    """Write `blob` to `path` atomically, readable by this user only."""
-    partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with open(fd, "wb") as handle:
-        handle.write(blob)
-    os.replace(partial, path)
 
 
 def _mtime(path: Path) -> float:

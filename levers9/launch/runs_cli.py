@@ -21,6 +21,7 @@ from typing import Any
 from levers9.errors import ConfigError, Levers9Error
 from levers9.launch import runs
 from levers9.launch.settings import runs_dir
+from levers9.state_files import read_private
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -78,9 +79,16 @@ def _guarded(handler: Any) -> Any:
     return run
 
 
+def _say_skipped(skipped: Sequence[Levers9Error]) -> None:
+    """One line on stderr per run folder that could not be read (each names its folder and fix)."""
+    for problem in skipped:
+        print(f"levers9 runs: skipped: {problem}", file=sys.stderr)
+
+
 @_guarded
 def _list(args: argparse.Namespace) -> int:
-    found = runs.list_runs()
+    found, skipped = runs.scan_runs()
+    _say_skipped(skipped)
     if args.limit:
         found = found[-args.limit :]
     if not found:
@@ -88,7 +96,11 @@ def _list(args: argparse.Namespace) -> int:
         return 0
     rows = []
     for run in reversed(found):
-        done, failed, total = run.counts()
+        try:
+            done, failed, total = run.counts()
+        except Levers9Error as exc:
+            _say_skipped([exc])
+            continue
         end = run.ended if run.ended is not None else time.time() if run.alive else None
         wall = "" if end is None else _duration(end - run.started)
         rows.append(
@@ -113,6 +125,10 @@ def _show(args: argparse.Namespace) -> int:
             state += f" (attempt {cell.attempt})"
         rows.append([f"#{cell.index}", cell.args, state, cell.card, took, cell.error])
     _table(["cell", "arguments", "state", "card", "duration", "error"], rows)
+    if run.skipped_events:
+        print(f"levers9 runs: skipped {run.skipped_events} line(s) of {run.path / runs.EVENTS_FILE} that are not "
+              f"as levers9 writes them (cut short by a crash, or edited); the states above leave them out",
+              file=sys.stderr)  # fmt: skip
     return 0
 
 
@@ -142,8 +158,12 @@ def _print_attempt(folder: Any, attempts: int) -> None:
         print(f"--- attempt {folder.name.split('-')[-1]} ---")
     for name in ("stdout.log", "stderr.log"):
         path = folder / name
-        if path.exists():
-            sys.stdout.write(path.read_text(errors="replace"))
+        try:
+            sys.stdout.write(read_private(path, limit=1 << 40).decode(errors="replace"))
+        except FileNotFoundError:
+            continue
+        except OSError as exc:  # a symlink, a FIFO, someone else's: never followed, never waited on
+            print(f"levers9 runs: skipped {path}: {exc.strerror or exc}", file=sys.stderr)
     sys.stdout.flush()
 
 
@@ -182,7 +202,9 @@ def _clean(args: argparse.Namespace) -> int:
     if keep is None and args.older_than is None:
         keep = runs.keep_runs()
     removed = runs.clean(keep=keep, older_than=args.older_than)
-    print(f"removed {len(removed)} run folder(s) from {runs_dir()}; {len(runs.list_runs())} kept")
+    kept, skipped = runs.scan_runs()
+    _say_skipped(skipped)
+    print(f"removed {len(removed)} run folder(s) from {runs_dir()}; {len(kept)} kept")
     return 0
 
 

@@ -5,7 +5,10 @@ The file is `$LEVERS9_CONFIG_DIR/workspace.toml` when that variable is set, else
 so a change takes effect on the next call. A missing file means the defaults (switch off, cap 8);
 a corrupt file is a SettingsError naming it, never a silent default. Writes are atomic (a temporary
 file in the same folder, fsync, os.replace) under an flock, so readers see the whole old file or the
-whole new one.
+whole new one. The file, its folder and its lock are obeyed only if they are this user's, not
+symlinks, not FIFOs and not writable by others (as private_dir checks state folders); anything else
+is a SettingsError or PrivateDirError naming the fix (LEVERS9_CONFIG_DIR). A bad value is an error
+naming the command that sets it, and that command repairs the file.
 
 Where levers9 keeps run state (card leases, per-job logs) is decided here too.
 """
@@ -16,6 +19,7 @@ import dataclasses
 import fcntl
 import logging
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -24,7 +28,9 @@ from typing import Any
 import tomlkit
 
 from levers9.context import current_job
-from levers9.errors import SettingsError
+from levers9.errors import ConfigError, SettingsError
+from levers9.private_dir import check_private, private_dir
+from levers9.state_files import StateFileError, read_private
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -64,8 +70,20 @@ def config_dir(env: os._Environ[str] | dict[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     if env.get("LEVERS9_CONFIG_DIR"):
         return Path(env["LEVERS9_CONFIG_DIR"]).expanduser()
-    base = env.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    base = env.get("XDG_CONFIG_HOME") or str(_home("LEVERS9_CONFIG_DIR", "XDG_CONFIG_HOME") / ".config")
     return Path(base).expanduser() / "levers9"
+
+
+def _home(*variables: str) -> Path:
+    """The user's home folder; ConfigError naming `variables` (which move what would live there)
+    when there is none (HOME unset and no passwd entry)."""
+    try:
+        return Path.home()
+    except RuntimeError:
+        raise ConfigError(
+            f"levers9 cannot tell your home folder (HOME is not set, and uid {os.getuid()} has no passwd entry). "
+            f"Fix: set {' or '.join(variables)} to a folder you can write."
+        ) from None
 
 
 def settings_path(env: os._Environ[str] | dict[str, str] | None = None) -> Path:
@@ -93,20 +111,48 @@ def runs_dir(env: os._Environ[str] | dict[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     if env.get("LEVERS9_STATE_DIR"):
         return Path(env["LEVERS9_STATE_DIR"]).expanduser() / "runs"
-    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = env.get("XDG_CACHE_HOME") or str(_home("LEVERS9_STATE_DIR", "XDG_CACHE_HOME") / ".cache")
     return Path(base).expanduser() / "levers9" / "runs"
 
 
+CONFIG_FIX = (
+    "set LEVERS9_CONFIG_DIR to a folder of your own that you can write (e.g. export LEVERS9_CONFIG_DIR="
+    "~/.levers9-config), or XDG_CONFIG_HOME"
+)
+_MAX_BYTES = 1 << 20  # a settings file larger than this is not one levers9 wrote
+# (table, key) -> the command that rewrites it; a table's own entry is for a table that is not a table.
+_FIXES: dict[tuple[str, str], str] = {
+    ("workspace", ""): "levers9 workspace multi-gpu on|off",
+    ("workspace", "multi_gpu"): "levers9 workspace multi-gpu on|off",
+    ("limits", ""): "levers9 workspace max-gpu-count N",
+    ("limits", "max_gpu_count"): "levers9 workspace max-gpu-count N",
+}
+
+
 def load_settings(path: Path | None = None) -> Settings:
-    """Read the settings file now (defaults if it is missing); SettingsError if it is corrupt or invalid."""
-    path = settings_path() if path is None else path
+    """Read the settings file now (defaults if it is missing); SettingsError if it is corrupt or
+    invalid, or not a file of this user's in a folder of this user's (then it is never obeyed)."""
+    return _load(settings_path() if path is None else path, repairing=())
+
+
+def _load(path: Path, repairing: tuple[str, ...]) -> Settings:
+    """load_settings, passing over bad values of the keys in `repairing` (which are about to be set)."""
+    if not check_private(path.parent, fix=CONFIG_FIX):
+        return Settings(path=path)
     try:
-        raw = path.read_bytes()
+        raw = read_private(path, limit=_MAX_BYTES)
     except FileNotFoundError:
         return Settings(path=path)
+    except StateFileError as exc:
+        raise SettingsError(
+            f"Refusing the workspace settings file {path}: {exc.strerror}. levers9 obeys only a regular file of "
+            f"your own that others cannot write. Fix: remove it (rm {path}) and run `levers9 workspace multi-gpu "
+            f"off` to write your own, or {CONFIG_FIX}."
+        ) from None
     except OSError as exc:
         raise SettingsError(
-            f"Cannot read the workspace settings file {path}: {exc}. Fix its permissions."
+            f"Cannot read the workspace settings file {path}: {exc.strerror or exc}. Fix its permissions "
+            f"(chmod u+r {path}), or {CONFIG_FIX}."
         ) from exc
     try:
         data = tomllib.loads(raw.decode("utf-8"))
@@ -115,23 +161,36 @@ def load_settings(path: Path | None = None) -> Settings:
             f"The workspace settings file {path} is not valid TOML ({exc}). Expected a file such as "
             f"levers9 writes; fix it, or delete it and run `levers9 workspace multi-gpu off` to write a fresh one."
         ) from exc
-    return _from_dict(data, path)
+    return _from_dict(data, path, repairing)
 
 
-def _from_dict(data: dict[str, Any], path: Path) -> Settings:
-    """Validate the parsed file: known keys with the right types; unknown keys are logged and ignored."""
+def _from_dict(data: dict[str, Any], path: Path, repairing: tuple[str, ...] = ()) -> Settings:
+    """Validate the parsed file: known keys with the right types; unknown keys are logged and ignored.
+    A bad value of a key in `repairing` (or of the table holding it) is passed over: it is being set."""
     values: dict[str, Any] = {}
+    tables = {table for table, _ in _KNOWN}
     for table, body in data.items():
         if table == "version":
             continue
         if not isinstance(body, dict):
-            log.warning("%s: ignoring unknown top-level key %r", path, table)
+            if table not in tables:
+                log.warning("%s: ignoring unknown top-level key %r", path, table)
+            elif not any(t == table and k in repairing for t, k in _KNOWN):
+                fix = _FIXES.get((table, ""), f"edit {path}")
+                raise SettingsError(
+                    f"{path}: {table} must be a table ([{table}] and its keys below it), got {body!r}. "
+                    f"Fix it with: {fix}"
+                )
             continue
         for key, value in body.items():
             if (table, key) not in _KNOWN:
                 log.warning("%s: ignoring unknown key %s.%s", path, table, key)
-                continue
-            values[key] = _check_value(path, table, key, value)
+            else:
+                try:
+                    values[key] = _check_value(path, table, key, value)
+                except SettingsError:
+                    if key not in repairing:
+                        raise
     return Settings(path=path, exists=True, **values)
 
 
@@ -145,10 +204,7 @@ def _check_value(path: Path, table: str, key: str, value: Any) -> Any:
         "simulate_gpus": isinstance(value, str),
     }[key]
     if not ok:
-        fix = {
-            "multi_gpu": "levers9 workspace multi-gpu on|off",
-            "max_gpu_count": "levers9 workspace max-gpu-count N",
-        }.get(key, f"edit {path}")
+        fix = _FIXES.get((table, key), f"edit {path}")
         raise SettingsError(
             f"{path}: {table}.{key} must be {_KNOWN[(table, key)]}, got {value!r}. Fix it with: {fix}"
         )
@@ -179,6 +235,9 @@ def render(settings: Settings, existing: str | None = None) -> str:
     for table, key in _KNOWN:
         value = getattr(settings, key)
         section = doc.get(table)
+        if section is not None and not isinstance(section, (tomlkit.items.Table, tomlkit.items.InlineTable)):
+            del doc[table]  # `workspace = 5`: the command that sets a key of it makes it a table again
+            section = None
         if section is None or key not in section:
             if value is None or value == getattr(Settings, key):
                 continue  # a default the file does not mention stays unmentioned
@@ -193,20 +252,40 @@ def render(settings: Settings, existing: str | None = None) -> str:
 
 
 def update_settings(path: Path | None = None, **changes: Any) -> tuple[Settings, Settings]:
-    """Change some settings atomically under a lock; returns (before, after). The rest of the file is kept as written."""
+    """Change some settings atomically under a lock; returns (before, after). The rest of the file is
+    kept as written; a bad value of a key being set (or of its table) is replaced, which is how the
+    fix an error names repairs the file."""
     path = settings_path() if path is None else path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock_fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    private_dir(path.parent, fix=CONFIG_FIX)
+    lock_fd = _open_lock(Path(str(path) + ".lock"))
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        before = load_settings(path)
+        before = _load(path, repairing=tuple(changes))
         after = dataclasses.replace(before, exists=True, **changes)
         _check_all(after)
-        existing = path.read_text(encoding="utf-8") if before.exists else None
+        existing = read_private(path, limit=_MAX_BYTES).decode("utf-8") if before.exists else None
         _atomic_write(path, render(after, existing))
         return before, after
     finally:
         os.close(lock_fd)
+
+
+def _open_lock(path: Path) -> int:
+    """The settings lock file, opened without following a symlink or blocking; SettingsError unless it
+    is a regular file of this user's."""
+    fix = f"Fix: remove it (rm {path}; levers9 makes a new one), or {CONFIG_FIX}."
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise SettingsError(f"Cannot open the settings lock {path} ({exc.strerror}). {fix}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        os.close(fd)
+        raise SettingsError(
+            f"Refusing the settings lock {path}: expected a regular file of yours (uid {os.getuid()}) that others "
+            f"cannot write, found mode {info.st_mode:o} owned by uid {info.st_uid}. {fix}"
+        )
+    return fd
 
 
 def _check_all(settings: Settings) -> None:

@@ -180,24 +180,29 @@ def _gpu(gpu: str | Sequence[str] | None, gpu_count: Any) -> tuple[tuple[str, ..
     return (() if types == [ANY] else tuple(types)), gpu_count
 
 
+_EXAMPLE = {"timeout": 3600, "queue_timeout": 600, "stop_grace": 10, "stall_timeout": 300}
+
+
 def _seconds(name: str, value: Any) -> float | None:
+    """A finite number of seconds: more than 0 (stop_grace: 0 or more), or None (stop_grace: none)."""
     if value is None:
         return None
+    least_ok = name == "stop_grace"
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or not math.isfinite(value)
-        or value <= 0
+        or value < 0
+        or (value == 0 and not least_ok)
     ):
-        if (
-            name == "stop_grace"
-            and isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and value == 0
-        ):
-            return 0.0
+        expected = (
+            "a finite number of seconds, 0 or more (0: SIGKILL at once)"
+            if least_ok
+            else "a positive number of seconds, or None for no limit"
+        )
         raise JobConfigError(
-            f"{name} must be a positive number of seconds, or None for no limit; got {value!r}."
+            f"{name} must be {expected}; got {value!r} ({type(value).__name__}). "
+            f"Use e.g. @job({name}={_EXAMPLE.get(name, 60)})."
         )
     return float(value)
 

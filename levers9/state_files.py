@@ -1,0 +1,268 @@
+"""Files levers9 keeps in its state folder, written so that a full disk costs only what could not be kept.
+
+- `write_atomic` writes a whole file or none (0600, never through a symlink, no partial file left).
+- `AppendLog` appends a job's log; once a write fails it counts what it could not write and never raises.
+- `Losses` collects what one run folder could not keep (output, results, its record) and says so in
+  one warning: at once when the run could not be recorded at all, else when the run closes.
+- `read_private` reads back a regular file of ours without following a symlink or blocking on a FIFO.
+
+A write that fails for lack of space (ENOSPC, EDQUOT) is reported as a full state folder; any other
+OSError by its own words. Neither ever fails a job: the state folder only records what jobs do.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import threading
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger("levers9.launch")
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+MOVE_IT = "Free space there, or set LEVERS9_STATE_DIR to a folder on a disk with room"
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class StateFileError(OSError):
+    """A file levers9 reads back is not a regular file of this user's (a symlink, a FIFO, someone else's)."""
+
+
+def why(exc: OSError) -> str:
+    """'is full (No space left on device)', or 'cannot be written (Permission denied)'."""
+    text = exc.strerror or str(exc)
+    return f"is full ({text})" if exc.errno in FULL else f"cannot be written ({text})"
+
+
+def write_atomic(path: Path, blob: bytes, *, pad: int = 0) -> None:
+    """Write `blob` (then `pad` spaces and a newline, room a later in-place rewrite may grow into) to
+    `path` so that readers see the old file or the new one, whole; readable by this user only. On
+    OSError nothing new is left behind (the old file stays) and the error is raised."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
+    data = blob + (b" " * pad + b"\n" if pad else b"")
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+    except FileExistsError:
+        os.unlink(partial)  # left by a crash of this very thread id; ours (the folder is private)
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+    try:
+        with open(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(partial, path)
+    except BaseException:
+        try:
+            os.unlink(partial)
+        except OSError:
+            pass
+        raise
+
+
+def overwrite_in_place(path: Path, blob: bytes) -> bool:
+    """Rewrite `path` in the space it already takes (blob, then spaces to its old size), which needs no
+    free block; False if `blob` does not fit or the write fails. Not atomic: only for a last word."""
+    try:
+        fd = os.open(path, os.O_WRONLY | _OPEN_FLAGS)
+    except OSError:
+        return False
+    try:
+        size = os.fstat(fd).st_size
+        if len(blob) + 1 > size:
+            return False
+        data = blob + b" " * (size - len(blob) - 1) + b"\n"
+        return os.pwrite(fd, data, 0) == len(data)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def read_private(path: Path, limit: int = 64 << 20) -> bytes:
+    """The bytes of `path`, a regular file owned by this user that others cannot write. FileNotFoundError
+    if it is missing; StateFileError if it is a symlink, a FIFO or device, someone else's, or over `limit`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _OPEN_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StateFileError(errno.ELOOP, f"{path} is a symlink; levers9 reads only real files") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise StateFileError(errno.EINVAL, f"{path} is not a regular file (it is {_kind(info.st_mode)})")
+        if info.st_uid != os.getuid():
+            raise StateFileError(errno.EPERM, f"{path} belongs to uid {info.st_uid}, not to you (uid {os.getuid()})")
+        if info.st_mode & 0o022:
+            raise StateFileError(errno.EPERM, f"{path} is writable by others (mode {stat.S_IMODE(info.st_mode):04o})")
+        if info.st_size > limit:
+            raise StateFileError(errno.EFBIG, f"{path} holds {info.st_size} bytes, more than {limit}")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+class Losses:
+    """What one run folder could not keep; `report()` says it in one warning (once)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._lock = threading.Lock()
+        self.error: OSError | None = None  # the first failed write
+        self.unrecorded = False  # the run has no record at all (already said, at its start)
+        self.output_bytes = 0
+        self.output_files: list[Path] = []
+        self.results: list[int] = []  # cell indexes
+        self.other: dict[str, int] = {}  # what else -> how many
+        self.end_lost = False
+
+    def _first(self, exc: OSError) -> None:
+        if self.error is None:
+            self.error = exc
+
+    def lost_output(self, path: Path, nbytes: int, exc: OSError) -> None:
+        with self._lock:
+            self._first(exc)
+            self.output_bytes += nbytes
+            if path not in self.output_files:
+                self.output_files.append(path)
+
+    def lost_result(self, index: int, exc: OSError) -> None:
+        with self._lock:
+            self._first(exc)
+            self.results.append(index)
+
+    def lost(self, what: str, exc: OSError) -> None:
+        """Something else of the record, named by a noun that takes an 's' ('meta.json file')."""
+        with self._lock:
+            self._first(exc)
+            self.other[what] = self.other.get(what, 0) + 1
+
+    def lost_end(self, exc: OSError) -> None:
+        with self._lock:
+            self._first(exc)
+            self.end_lost = True
+
+    def unrecorded_run(self, root: Path, run_id: str, exc: OSError) -> None:
+        """The run folder could not be made: say so now, in one line, and stay quiet after."""
+        with self._lock:
+            self._first(exc)
+            self.unrecorded = True
+        log.warning(
+            "the state folder %s %s: run %s is not recorded (no logs, and resume will not find its "
+            "results); its cells run anyway. %s.", root, why(exc), run_id, MOVE_IT,
+        )
+
+    def report(self) -> None:
+        """One warning naming what was lost and where, if anything was (and the run was recorded)."""
+        with self._lock:
+            if self.error is None or self.unrecorded:
+                return
+            parts = []
+            if self.output_bytes or self.output_files:
+                files = len(self.output_files)
+                parts.append(
+                    f"{_size(self.output_bytes)} of job output ({files} log file{'s' * (files != 1)}, "
+                    f"e.g. {self.output_files[0]}, cut short where the disk filled)"
+                )
+            if self.results:
+                cells = ", ".join(f"#{i}" for i in sorted(self.results))
+                parts.append(
+                    f"the result{'s' * (len(self.results) > 1)} of cell{'s' * (len(self.results) > 1)} {cells} "
+                    f"(returned to you, but resume will not find them)"
+                )
+            parts += [f"{n} {what}{'s' * (n > 1)}" for what, n in self.other.items()]
+            if self.end_lost:
+                parts.append("the run's end (levers9 runs shows it as interrupted)")
+            error, self.error = self.error, None
+        log.warning("the run folder %s %s; lost %s. %s.", self.folder, why(error), "; ".join(parts), MOVE_IT)
+
+
+# One Losses per open run: held by its RunRecord (and the log writers), gone with them.
+_registry: weakref.WeakValueDictionary[str, Losses] = weakref.WeakValueDictionary()
+_registry_lock = threading.Lock()
+
+
+def losses(folder: Path) -> Losses:
+    """The Losses of run folder `folder` (one per folder while its run is open)."""
+    with _registry_lock:
+        found = _registry.get(str(folder))
+        if found is None:
+            found = _registry[str(folder)] = Losses(folder)
+        return found
+
+
+def unrecorded(folder: Path) -> bool:
+    """True if the open run of `folder` could not be recorded at all (so nothing should be made there)."""
+    with _registry_lock:
+        found = _registry.get(str(folder))
+    return found is not None and found.unrecorded
+
+
+def report_losses(folder: Path) -> None:
+    """Say what `folder` lost (one warning) and forget it."""
+    with _registry_lock:
+        found = _registry.pop(str(folder), None)
+    if found is not None:
+        found.report()
+
+
+class AppendLog:
+    """An append-only log file (0600, never through a symlink) that never raises: once a write fails,
+    what is written after is handed to `lost` (path, bytes, the error) instead: by default counted
+    as job output lost by `losses`."""
+
+    def __init__(self, path: Path, lost: Losses | Callable[[Path, int, OSError], None]) -> None:
+        self.path = path
+        self.lost = lost.lost_output if isinstance(lost, Losses) else lost
+        self.fd: int | None = None
+        self.error: OSError | None = None
+        try:
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | _OPEN_FLAGS, 0o600)
+        except OSError as exc:
+            self.error = exc
+
+    def write(self, data: bytes) -> None:
+        """Append `data` (all of it, or count what could not be written)."""
+        if self.fd is not None and self.error is None:
+            view = memoryview(data)
+            try:
+                while view:
+                    view = view[os.write(self.fd, view) :]
+                return
+            except OSError as exc:
+                self.error = exc
+                data = bytes(view)
+        if self.error is not None:
+            self.lost(self.path, len(data), self.error)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> AppendLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a folder"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):  # fmt: skip
+        if test(mode):
+            return name
+    return f"mode {mode:o}"
