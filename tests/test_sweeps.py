@@ -265,7 +265,8 @@ def test_resume_after_the_caller_was_killed_mid_sweep(tmp_path: Path) -> None:
     )
     try:
         _wait_for(lambda: len(list(runs_dir().glob("*/results/*.pkl"))) == 4, "four stored results")
-        _wait_for(lambda: len(_runs_of(work)) == 8, "cells 4 to 7 to start")
+        # counted() makes its .runs file before it writes its line: wait for the lines, not the files
+        _wait_for(lambda: sum(1 for n in _runs_of(work).values() if n) == 8, "cells 4 to 7 to start")
     finally:
         driver.send_signal(signal.SIGKILL)
         driver.wait()
