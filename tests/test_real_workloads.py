@@ -91,3 +91,9 @@ def test_a_rank_returning_hundreds_of_megabytes() -> None:
 def test_a_job_cell_returning_hundreds_of_megabytes() -> None:
     result = cell(workloadfns.big_bytes).remote(SIZE)
     assert len(result) == SIZE
+
+
+@pytest.mark.timeout(240)
+def test_hugging_face_trainer_inside_fn_adopts_the_group(tmp_path: Path) -> None:
+    out = dist.run(workloadfns.hf_trainer_in_fn, str(tmp_path), nprocs=2)
+    assert out == {"group_before": True, "world": 2, "index": 0, "steps": 3, "same_group": True}

@@ -94,3 +94,22 @@ def print_a_lot(lines: int) -> int:
 def big_bytes(size: int) -> bytes:
     """A result of `size` bytes (a rank returns it from rank 0, a cell returns it)."""
     return os.urandom(1024) * (size // 1024)
+
+
+def hf_trainer_in_fn(output_dir: str) -> dict[str, Any]:
+    """Hugging Face's Trainer, as its examples use it, on a tiny randomly initialised BERT (nothing downloaded):
+    inside distributed.run its accelerate state adopts the group fn starts in."""
+    import torch.distributed as td
+    from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+    group_before = td.is_initialized()
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8)
+    rows = [{"input_ids": torch.tensor([1, i % 30 + 2, 3]), "attention_mask": torch.ones(3, dtype=torch.long),
+             "labels": torch.tensor(i % 2)} for i in range(16)]  # fmt: skip
+    args = TrainingArguments(output_dir=output_dir, max_steps=3, per_device_train_batch_size=2, use_cpu=True,
+                             report_to=[], save_strategy="no", logging_strategy="no", dataloader_num_workers=0)  # fmt: skip
+    trainer = Trainer(model=BertForSequenceClassification(config), args=args, train_dataset=rows)
+    trainer.train()
+    return {"group_before": group_before, "world": trainer.args.world_size, "index": trainer.args.process_index,
+            "steps": trainer.state.global_step, "same_group": td.get_world_size() == dist.world_size()}  # fmt: skip
