@@ -65,6 +65,13 @@ def job_runs_classic_main() -> Any:
     return dist.run(torchrun_main, init_group=False)
 
 
+def job_runs_classic_main_without_the_keyword() -> Any:
+    """A job body: a torchrun-style main handed to distributed.run without init_group=False."""
+    from levers9 import distributed as dist
+
+    return dist.run(torchrun_main)
+
+
 def what_fn_sees() -> dict[str, Any]:
     """What code that asks torch.distributed for its place sees at the top of fn (rank 0's answer comes back;
     each rank checks its own against levers9's helpers and fails if they differ)."""

@@ -78,6 +78,14 @@ def test_a_classic_main_fails_at_once_naming_init_group_false() -> None:
     assert time.monotonic() - began < 30  # at fn's first line, never a hang until some timeout
 
 
+@pytest.mark.timeout(180)
+def test_inside_a_job_too_a_classic_main_fails_at_once_naming_init_group_false(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LEVERS9_SIMULATE_GPUS", "RTXPro6000:2")
+    update_settings(multi_gpu=True)
+    with pytest.raises(ConfigError, match="init_group=False"):
+        job(gpu="RTXPro6000", gpu_count=2)(scriptfns.job_runs_classic_main_without_the_keyword).remote()
+
+
 @pytest.mark.timeout(120)
 def test_a_classic_main_with_init_group_false_makes_and_destroys_its_own_group() -> None:
     assert dist.run(scriptfns.torchrun_main, nprocs=2, init_group=False) == {"rank": 0, "world": 2, "sum": 3.0, "elastic": True}
