@@ -1,7 +1,6 @@
-"""Helper overhead on 2 gloo ranks: all_reduce_mean vs a hand-written all_reduce + divide, the stall
-tracking on every collective vs torch's own all_reduce, a DDP training step through `wrap` vs
-hand-written DistributedDataParallel, and what the thread that copies torch's flight-recorder counts
-for stall detection costs.
+"""Helper overhead on 2 gloo ranks: all_reduce_mean vs a hand-written all_reduce + divide, a DDP training
+step through `wrap` vs hand-written DistributedDataParallel (with stall detection on: levers9 wraps nothing
+of torch's, so the step is torch's own), and what one flight-recorder sample for stall detection costs.
 
     python benchmarks/bench_helpers.py --rounds 7
 
@@ -67,36 +66,12 @@ def bench(cfg: dict[str, int]) -> dict[str, Any]:
             lambda x=x, calls=calls: per_call(hand_mean, x, calls),
             cfg["rounds"],
         )
-    tracked = td.all_reduce  # inside distributed.run: wrapped so stalls can be seen
-    untracked = tracked.__wrapped__  # type: ignore[attr-defined]
-    one = torch.randn(1)
-    rows["all_reduce with stall tracking, 1 float"] = alternate(
-        lambda: per_call(tracked, one, 2000), lambda: per_call(untracked, one, 2000), cfg["rounds"]
-    )
     # Both models are built once, so the rounds compare steps, not allocator and GC states after a build.
     wrapped, hand_built = dist.wrap(model()), DistributedDataParallel(model())
     rows["DDP step (steps/s)"] = alternate(
         lambda: steps_per_second(wrapped, 100), lambda: steps_per_second(hand_built, 100), cfg["rounds"]
     )
-    rows["DDP step, stall tracking vs none (steps/s)"] = alternate(
-        lambda: steps_per_second(wrapped, 100), untracked_backward(lambda: steps_per_second(wrapped, 100)), cfg["rounds"]
-    )
     return {"rows": rows, "sample_us": recorder_sample_us()}
-
-
-def untracked_backward(measure: Any) -> Any:
-    """`measure` run with torch's own autograd.backward in place of the one that tracks DDP's wait."""
-    import torch.autograd
-
-    def run() -> float:
-        tracked = torch.autograd.backward
-        torch.autograd.backward = tracked.__wrapped__  # type: ignore[attr-defined]
-        try:
-            return float(measure())
-        finally:
-            torch.autograd.backward = tracked
-
-    return run
 
 
 def recorder_sample_us(samples: int = 2000) -> float:
@@ -125,22 +100,6 @@ def alternate(ours: Any, theirs: Any, rounds: int) -> tuple[float, float]:
     return statistics.median(a), statistics.median(b)
 
 
-def tracking_cost_us(calls: int = 200_000) -> float:
-    """What the stall tracking adds to one collective call, without the communication (microseconds)."""
-    import timeit
-
-    from levers9.distributed.stalls import board, instrument
-
-    folder = board.RunFolder(1)
-    try:
-        slot = board.RankSlot(str(folder.path), 0)
-        bare = lambda x: x  # noqa: E731
-        tracked = instrument.tracked_call(bare, "all_reduce", slot)
-        return (timeit.timeit(lambda: tracked(1), number=calls) - timeit.timeit(lambda: bare(1), number=calls)) / calls * 1e6
-    finally:
-        folder.remove()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=7)
@@ -159,10 +118,9 @@ def main() -> None:
         scale = 1 if "steps" in name else 1000
         print(f"| {name} | {ours * scale:.3f}{unit} | {theirs * scale:.3f}{unit} | {ours / theirs:.3f}x |")
     print()
-    print(f"Stall tracking adds {tracking_cost_us():.2f} us to each blocking collective call (measured without communication).")
     print(
-        f"A flight-recorder sample costs the rank {result['sample_us']:.1f} us; the caller asks for one at most every "
-        f"{board.QUIET_S:g} s, and only while no Python-level collective moved for that long."
+        f"A flight-recorder sample costs the rank {result['sample_us']:.1f} us; with stall_timeout= the caller asks "
+        f"each rank for one every {board.QUIET_S:g} s."
     )
 
 

@@ -149,7 +149,15 @@ class JobCrashed(JobError, RuntimeError):
 
 
 class JobTimeout(JobError, TimeoutError):
-    """The job outlived its timeout=; its whole process tree was killed."""
+    """The job outlived its timeout= (kind "timeout": its whole process tree was killed), or waited longer
+    than queue_timeout= for its cards (kind "queue": it never started)."""
+
+    def __init__(self, message: str, kind: str = "timeout") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+    def __reduce__(self) -> tuple[type[JobTimeout], tuple[str, str]]:
+        return type(self), (str(self), self.kind)
 
 
 class RunFormatError(JobError, RuntimeError):

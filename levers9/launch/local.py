@@ -119,7 +119,8 @@ class _Supervisor:
                 raise JobTimeout(
                     f"{self.label} waited {spec.queue_timeout:g} s (queue_timeout) for {spec.describe_cards()} "
                     f"at once; {free} of this machine's {len(self.pool.cards)} cards are free now "
-                    f"({self.pool.describe()}). Raise queue_timeout=, or leave it None to wait."
+                    f"({self.pool.describe()}). Raise queue_timeout=, or leave it None to wait.",
+                    kind="queue",
                 ) from None
             if lease is None:
                 raise Cancelled()

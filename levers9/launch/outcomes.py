@@ -39,7 +39,7 @@ class Cancelled(Exception):
 def failure_kind(exc: BaseException) -> str:
     """What retries= matches a failed attempt on: 'timeout', 'queue', 'crash' or 'exception'."""
     if isinstance(exc, JobTimeout):
-        return "timeout" if "exceeded timeout" in str(exc) else "queue"
+        return exc.kind
     if isinstance(exc, JobCrashed):
         return "crash"
     return "exception"

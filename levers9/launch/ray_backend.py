@@ -381,7 +381,8 @@ class _RayCell:
         return JobTimeout(
             f"{self.label} waited {spec.queue_timeout:g} s (queue_timeout) for {spec.describe_cards()} at once "
             f"on a Ray node; the cluster has {_free_gpus()} GPU(s) free now. Raise queue_timeout=, or leave it "
-            f"None to wait."
+            f"None to wait.",
+            kind="queue",
         )
 
     def _follow(self, current: _Attempt, attempt: int) -> Any:
