@@ -298,4 +298,5 @@ def test_levers9_run_max_restarts_restarts_a_torchrun_script_from_its_checkpoint
         [sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2", str(script), str(tmp_path / "again")],
         cwd=repo, capture_output=True, text=True, timeout=100, env={**os.environ, "PYTHONPATH": str(repo)},
     )  # fmt: skip
-    assert no_restart.returncode == 137, no_restart.stderr  # 128 + SIGKILL, torchrun's rule
+    assert no_restart.returncode == 1, no_restart.stderr  # torchrun's rule: 1 for any failed rank
+    assert "rank 1's exit status was 137" in no_restart.stderr  # 128 + SIGKILL, said
