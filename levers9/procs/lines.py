@@ -88,7 +88,9 @@ class WholeLines:
             self.on_line(child, stream, text[:-1])
         else:
             held.append(text[:-1])
-            self.on_line(child, stream, "".join(held))
+            line = "".join(held)
+            held.clear()  # the pieces go before the callback runs: a long line is held once, not twice
+            self.on_line(child, stream, line)
 
 
 class Forwarder:

@@ -242,9 +242,10 @@ class Watcher:
             os.close(fd)
 
     def drain(self, seconds: float = 0.5) -> None:
-        """Read what is left in the pipes (output written just before exiting), for at most `seconds`, not
-        counting time the caller's stream took nothing while children ended by themselves (their output
-        then waits for it, as a full pipe would)."""
+        """Read what is left in the pipes (output written just before exiting), for at most `seconds`, and
+        return once the callback has had all of it. Time the caller's stream takes nothing does not count
+        while children ended by themselves (their output waits for it, as a full pipe would); once stop()
+        had to stop children, output the stream has not taken for STUCK_S is dropped at close()."""
         end = time.monotonic() + seconds
         while self._open_pipes():
             now = time.monotonic()
@@ -253,6 +254,8 @@ class Watcher:
             if now >= end:
                 break
             self.pump(0.02)
+        self.forwarder.flush(STUCK_S if self._stopped_early else None)
+        self.forwarder.check()
 
     def _open_pipes(self) -> bool:
         return bool(self._paused) or any(
