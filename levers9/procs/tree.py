@@ -113,7 +113,7 @@ def end_descendants(seconds: float = 2.0) -> None:
     """In a subreaper: SIGKILL every descendant of this process and reap those that became its children,
     for at most `seconds` (re-parented grandchildren are found on the next round)."""
     me, end = os.getpid(), time.monotonic() + seconds
-    while time.monotonic() < end:
+    while _has_children() and time.monotonic() < end:  # in a subreaper, a descendant implies a child
         table = _table()
         live = descendants(me, table)
         mine = [pid for pid, (ppid, _, _) in table.items() if ppid == me]
@@ -122,6 +122,15 @@ def end_descendants(seconds: float = 2.0) -> None:
         kill_trees(_open(live))
         for pid in mine:
             _reap(pid, end)
+
+
+def _has_children() -> bool:
+    """True if this process has a child, live or not yet reaped (none of them is reaped here)."""
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True
 
 
 def _reap(pid: int, end: float) -> None:

@@ -313,4 +313,3 @@ class Watcher:
             self.selector.close()
             fds.close(self._wake_r)
             fds.close(self._wake_w)
-        self.forwarder.check()
