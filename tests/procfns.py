@@ -22,6 +22,16 @@ def long_line(size: int) -> None:
     print("after the long line", flush=True)
 
 
+def numbered_line(i: int) -> str:
+    return f"{i:06d} " + "x" * 1017
+
+
+def numbered_lines(count: int) -> None:
+    """Print `count` numbered 1 KB lines."""
+    for i in range(count):
+        print(numbered_line(i), flush=True)
+
+
 def print_forever() -> None:
     """Print 1 KB lines until stopped."""
     line = "x" * 1023

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,6 +75,42 @@ def test_the_watcher_hands_on_a_20_mb_line_whole_in_pieces_and_keeps_only_its_st
     assert child.tail[-1] == "after the long line"
     assert child.tail[-2].startswith(procfns.pattern(100).decode())
     assert len(child.tail[-2]) <= 4100 and child.tail[-2].endswith("characters]")
+
+
+@pytest.mark.timeout(90)
+def test_a_callback_that_takes_nothing_stops_the_reading_not_the_watcher(no_strays: list[int]) -> None:
+    """The child blocks on its full pipe (back-pressure, as under torchrun), the watcher keeps pumping and sees
+    the child end once stopped; nothing read is lost or reordered."""
+    from levers9.procs import lines
+
+    gate = threading.Event()
+    got: list[str] = []
+
+    def on_line(child: object, stream: str, line: str) -> None:
+        gate.wait()
+        got.append(line)
+
+    count = 20_000  # 20 MB: five times what the watcher holds for a callback
+    watcher = Watcher(on_line)
+    method = start.choose()
+    target = functools.partial(procfns.numbered_lines, count)
+    try:
+        child = watcher.add(start.start(target, method=method, shipped=None if method.forks else failure.ship(target)))
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            before = time.monotonic()
+            watcher.pump(0.05)
+            assert time.monotonic() - before < 1.0, "pump blocked on a callback that takes nothing"
+        assert not child.poll(), "the child wrote 20 MB although nobody took its output"
+        assert watcher.forwarder.waiting <= lines.QUEUE_BYTES + 2 * lines.PIECE_BYTES
+        gate.set()
+        assert watcher.wait([child], 60)
+        watcher.drain()
+    finally:
+        gate.set()
+        watcher.stop(0)
+        watcher.close()
+    assert got == [procfns.numbered_line(i) for i in range(count)]
 
 
 LONG_LINE = """

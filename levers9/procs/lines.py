@@ -121,6 +121,12 @@ class Forwarder:
             self._wanted_room = True
             return True
 
+    @property
+    def waiting(self) -> int:
+        """Characters put here and not yet handed to the sink."""
+        with self._cond:
+            return self._bytes
+
     def put(self, child: Any, stream: str, text: str) -> None:
         """Queue one piece (never blocks)."""
         self.check()
