@@ -1,15 +1,19 @@
 """Launch cost: a 2-rank job (join a group, one all_reduce, return) under each launcher, same run.
 
     python benchmarks/bench_launch.py --repeats 5
+    python benchmarks/bench_launch.py --repeats 3 --long-line-mb 100   # rank 0 also prints one 100 MB line
 
 Each launcher starts the whole job as a fresh process (`python ...`, `levers9 run ...`, `torchrun ...`,
 `accelerate launch ...`), interleaved round by round so machine noise hits all of them alike; the table gives
-the median and the fastest whole-process wall time, and each one's ratio to torchrun's median.
+the median and the fastest whole-process wall time, and each one's ratio to torchrun's median. With
+--long-line-mb, rank 0 also prints one line that long (the benchmark reads it all and checks its length),
+accelerate is left out, and the table adds the launcher's peak memory (the largest RSS of any of its processes).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -37,36 +41,60 @@ LAUNCHERS = {
 }
 
 
-def time_once(cmd: list[str]) -> float:
+# Runs argv[2:] and writes the largest RSS (KiB) of it and its descendants to argv[1].
+PEAK_RSS = (
+    "import resource, subprocess, sys; code = subprocess.call(sys.argv[2:]); "
+    "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); sys.exit(code)"
+)
+
+
+def time_once(cmd: list[str], line_bytes: int = 0) -> tuple[float, float]:
+    """Wall seconds of one whole run, and its peak RSS in MiB."""
     with tempfile.TemporaryDirectory() as tmp:  # torchrun's agent leaves torchelastic_* folders in $TMPDIR
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmp}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmp, "LAUNCH_JOB_LINE_BYTES": str(line_bytes)}
+        rss_file = os.path.join(tmp, "rss")
         start = time.perf_counter()
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-c", PEAK_RSS, rss_file, *cmd], env=env, capture_output=True)
         elapsed = time.perf_counter() - start
+        rss_mib = int(open(rss_file).read() or 0) / 1024 if os.path.exists(rss_file) else float("nan")
     if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}")
-    return elapsed
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout[-4000:]!r}\n{done.stderr[-4000:]!r}")
+    if line_bytes and b"x" * line_bytes + b"\n" not in done.stdout:
+        longest = max(map(len, done.stdout.split(b"\n")))
+        raise SystemExit(f"{' '.join(cmd)}: expected one {line_bytes}-byte line on stdout, the longest was {longest}")
+    return elapsed, rss_mib
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--long-line-mb", type=float, default=0, help="rank 0 also prints one line this long")
+    parser.add_argument("--json", help="also write every time measured to this file")
     args = parser.parse_args()
-    times: dict[str, list[float]] = {name: [] for name in LAUNCHERS}
-    for cmd in LAUNCHERS.values():  # warm the page cache once, untimed
+    line_bytes = int(args.long_line_mb * 1_000_000)
+    launchers = {k: v for k, v in LAUNCHERS.items() if not (line_bytes and k == "accelerate launch")}
+    times: dict[str, list[float]] = {name: [] for name in launchers}
+    peaks: dict[str, list[float]] = {name: [] for name in launchers}
+    for cmd in launchers.values():  # warm the page cache once, untimed
         time_once(cmd)
     for _ in range(args.repeats):
-        for name, cmd in LAUNCHERS.items():
-            times[name].append(time_once(cmd))
+        for name, cmd in launchers.items():
+            elapsed, rss = time_once(cmd, line_bytes)
+            times[name].append(elapsed)
+            peaks[name].append(rss)
     base = statistics.median(times["torchrun"])
-    print(f"2-rank job, one all_reduce, gloo on CPU; {args.repeats} runs each, interleaved; "
+    what = f"rank 0 prints one {args.long_line_mb:g} MB line" if line_bytes else "one all_reduce"
+    print(f"2-rank job, {what}, gloo on CPU; {args.repeats} runs each, interleaved; "
           f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
     print()
-    print("| launcher | median wall time (s) | fastest (s) | vs torchrun |")
-    print("| --- | --- | --- | --- |")
+    print("| launcher | median wall time (s) | fastest (s) | vs torchrun | peak RSS (MiB) |")
+    print("| --- | --- | --- | --- | --- |")
     for name, values in times.items():
         med = statistics.median(values)
-        print(f"| {name} | {med:.2f} | {min(values):.2f} | {med / base:.2f}x |")
+        print(f"| {name} | {med:.2f} | {min(values):.2f} | {med / base:.2f}x | {max(peaks[name]):.0f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"times": times, "peak_rss_mib": peaks, "line_bytes": line_bytes}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
     python benchmarks/launch_job.py levers9                       # distributed.run(nprocs=2)
     python benchmarks/launch_job.py mp-spawn                      # torch.multiprocessing.spawn
     torchrun --nproc-per-node 2 benchmarks/launch_job.py plain    # torchrun / accelerate launch
+
+With LAUNCH_JOB_LINE_BYTES=N, rank 0 also prints one line of N bytes after the all_reduce.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import torch.distributed as td
 def one_all_reduce() -> float:
     t = torch.ones(1)
     td.all_reduce(t)
+    size = int(os.environ.get("LAUNCH_JOB_LINE_BYTES", "0"))
+    if size and td.get_rank() == 0:
+        print("x" * size, flush=True)
     return t.item()
 
 

@@ -3,7 +3,10 @@
 The child leads its own session, dies with its parent (the kernel's parent-death signal for itself,
 and a watchdog process in its group that kills the whole group once the parent's lifeline pipe
 reads end of file, so what the target started dies too), writes its output to the parent's pipes,
-runs the target and sends back one message: ("result", value) or ("error", Failure). The target's
+runs the target and sends back one message: ("result", value) or ("error", Failure). It is a child
+subreaper, and when the target is done it kills every descendant it still has, daemons that left
+its group or session included (tree.py), so nothing it started outlives it. Descriptors it was handed
+(its message pipe, lifeline, lease locks) are never inherited by what it starts (fds.py). The target's
 value must already be bytes or None (the caller's target decides what is shipped back).
 
 `python -m levers9.procs.child` is the fresh-interpreter entry: everything arrives on stdin.
@@ -24,6 +27,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from levers9.procs import fds, tree
 from levers9.procs.failure import capture, exit_status, send, unship
 
 _PR_SET_PDEATHSIG = 1
@@ -38,6 +42,7 @@ class Ends:
     out_fd: int
     err_fd: int
     lifeline_fd: int
+    held: tuple[int, ...] = ()  # lease locks the child holds for as long as it lives
 
 
 def forked_main(target: Callable[[], Any], ends: Ends, env: dict[str, str]) -> NoReturn:
@@ -58,6 +63,8 @@ def fresh_main() -> NoReturn:
     """Entry point of a fresh interpreter: sys.path, cwd, ends, env and the shipped target come on stdin."""
     sys_path, cwd, ends, env, blob = pickle.loads(sys.stdin.buffer.read())
     die_with_parent(ends.parent_pid)
+    for fd in (ends.msg_fd, ends.lifeline_fd, *ends.held):
+        fds.adopt(fd)  # passed inheritable; what the target starts must not hold them
     sys.path[:] = sys_path
     with contextlib.suppress(OSError):
         os.chdir(cwd)
@@ -76,6 +83,7 @@ def run_target(target: Callable[[], Any] | bytes, ends: Ends, env: dict[str, str
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # kept ignored under nohup, as exec keeps it
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    tree.become_subreaper()
     watchdog = _start_watchdog(ends.lifeline_fd)
     status = 0
     try:
@@ -89,6 +97,7 @@ def run_target(target: Callable[[], Any] | bytes, ends: Ends, env: dict[str, str
     finally:
         flush_std_streams()
         _stop_watchdog(watchdog)
+        tree.end_descendants()
     return status
 
 
@@ -113,10 +122,12 @@ def _start_watchdog(lifeline_fd: int) -> int:
     """Fork a tiny process into this child's group that kills the whole group once the lifeline reads end
     of file (the parent died); its pid. A process, not a thread: it works while the target holds the
     GIL, and it outlives a child that is killed, so what the child started dies too."""
-    pid = os.fork()
-    if pid != 0:
-        os.close(lifeline_fd)
-        return pid
+    pid = fds.fork_child((lifeline_fd,), lambda: _watch_lifeline(lifeline_fd))
+    fds.close(lifeline_fd)
+    return pid
+
+
+def _watch_lifeline(lifeline_fd: int) -> None:
     try:
         os.closerange(0, lifeline_fd)
         os.closerange(lifeline_fd + 1, 4096)
@@ -149,7 +160,7 @@ def _redirect_stdio(out_fd: int, err_fd: int) -> None:
     os.dup2(out_fd, 1)
     os.dup2(err_fd, 2)
     for fd in {out_fd, err_fd} - {1, 2}:
-        os.close(fd)
+        fds.close(fd)
     _null_stdin()
     sys.stdout = _line_stream(1)
     sys.stderr = _line_stream(2)

@@ -3,8 +3,10 @@
 A flock is released only when every copy of its descriptor is closed, and a pipe reports end of
 file only when every copy of its write end is closed. A child forked while other children are being
 started would inherit their lease locks, tickets and pipes, and hold them for its own lifetime.
-Everything opened here is tracked under one lock, and `fork_child` forks under that lock so the
-child's snapshot is exact.
+Everything opened here is tracked under one lock, and every fork of this process happens under
+that lock, so the child's snapshot is exact. A child forked by anyone but `fork_child` (the
+caller's multiprocessing helper, a job's own daemon) gets none of them: they are closed in it right
+after the fork, so such a process never holds a card's lease, a lifeline or a pipe of levers9's.
 """
 
 from __future__ import annotations
@@ -16,6 +18,15 @@ from collections.abc import Callable, Iterable
 
 _lock = threading.Lock()
 _tracked: set[int] = set()
+_keep_next: tuple[int, frozenset[int]] | None = None  # (thread, descriptors) of the fork `fork_child` makes
+
+
+def adopt(fd: int) -> int:
+    """Track a descriptor this process was handed (made close-on-exec), as if it had been opened here."""
+    with _lock:
+        os.set_inheritable(fd, False)
+        _tracked.add(fd)
+        return fd
 
 
 def open_fd(path: str, flags: int, mode: int = 0o644) -> int:
@@ -50,18 +61,40 @@ def close(fd: int) -> None:
 
 def fork_child(keep: Iterable[int], child: Callable[[], None]) -> int:
     """Fork; in the child close every tracked descriptor not in `keep`, then run `child` (which must not return)."""
-    keep = set(keep)
+    global _keep_next
     with _lock:
-        pid = os.fork()
-        if pid == 0:
-            for fd in _tracked - keep:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            _tracked.clear()
-            _tracked.update(keep)
+        _keep_next = (threading.get_ident(), frozenset(keep))
+        try:
+            pid = os.fork()
+        finally:
+            _keep_next = None
     if pid == 0:
         try:
             child()
         finally:
             os._exit(70)
     return pid
+
+
+def _before_fork() -> None:
+    if _keep_next is None or _keep_next[0] != threading.get_ident():
+        _lock.acquire()  # no other thread is opening or closing one while the child's copy is made
+
+
+def _after_fork_in_parent() -> None:
+    if _keep_next is None or _keep_next[0] != threading.get_ident():
+        _lock.release()
+
+
+def _after_fork_in_child() -> None:
+    """Close every tracked descriptor the child was not asked to keep; a fresh lock (the parent's was held)."""
+    global _lock
+    keep = _keep_next[1] if _keep_next is not None and _keep_next[0] == threading.get_ident() else frozenset()
+    for fd in _tracked - keep:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _tracked.intersection_update(keep)
+    _lock = threading.Lock()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)

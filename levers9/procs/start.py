@@ -128,7 +128,8 @@ def _lifeline_read_end() -> int:
 
 
 def _after_fork_in_child() -> None:
-    """The forker thread and the lifeline are the parent's: a child makes its own on first use."""
+    """The forker thread and the lifeline are the parent's: a child makes its own on first use (fds.py has
+    closed the lifeline's ends in it, so a helper the caller forks never keeps the caller's children alive)."""
     global _lock, _forker, _lifeline
     _lock, _forker, _lifeline = threading.Lock(), None, None
 
@@ -157,7 +158,7 @@ def start(
     out_r, out_w = fds.pipe()
     err_r, err_w = fds.pipe()
     lifeline = _lifeline_read_end()
-    ends = child.Ends(os.getpid(), msg_w, out_w, err_w, lifeline)
+    ends = child.Ends(os.getpid(), msg_w, out_w, err_w, lifeline, keep)
     try:
         if method.forks:
             child.flush_std_streams()

@@ -2,8 +2,9 @@
 
 One Watcher holds any number of children on one selector: `distributed.run` watches all its ranks
 with one, a job supervisor one job. Each child's pidfd is on the selector too, so an exit wakes the
-watcher at once. Output is forwarded line by line through a callback and its last lines are kept
-for failure reports. `stop` is the one way children end early: SIGTERM to each child's process
+watcher at once. Output is forwarded line by line through a callback, called on a thread of its own
+(lines.py: the watcher never blocks on a caller's stream), and its last lines are kept for failure
+reports. `stop` is the one way children end early: SIGTERM to each child's process
 group, `grace` seconds to finish (a user's SIGTERM handler can save a checkpoint), then SIGKILL to
 the whole group, grandchildren that ignore SIGTERM included. `exit_on_terminate` makes a SIGTERM or
 SIGHUP sent to this process go the same way, instead of killing it before it could stop them.
@@ -22,10 +23,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 
-from levers9.procs import fds
+from levers9.procs import fds, lines, tree
 from levers9.procs.failure import Failure, FrameReader
 
 TAIL_LINES = 400  # kept per child for failure reports
+TAIL_LINE_CHARS = 4000  # of each of them; a longer line is kept cut, saying so
+STUCK_S = 1.0  # once children were stopped early, output the caller's stream has not taken for this long is dropped
 
 
 class Child:
@@ -35,8 +38,9 @@ class Child:
         self.pid, self.popen, self.name = pid, popen, name
         self.msg_fd, self.out_fd, self.err_fd = msg_fd, out_fd, err_fd
         self.reader = FrameReader()
-        self.partial: dict[int, bytes] = {}
+        self.cutters = {out_fd: lines.LineCutter(), err_fd: lines.LineCutter()}
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._tail_open: dict[int, bool] = {}  # the tail's last line is an unfinished one from this pipe
         self.status: tuple[int | None, int | None] | None = None  # (exit code, signal) once reaped
         self.reported = False  # a "result" or "error" message arrived
         self.result: bytes | None = None
@@ -45,6 +49,19 @@ class Child:
             self.pidfd: int | None = os.pidfd_open(pid)
         except (AttributeError, OSError):
             self.pidfd = None
+
+    def note(self, fd: int, text: str) -> None:
+        """Keep `text` (a line or a piece of one) in the tail, each line cut to TAIL_LINE_CHARS."""
+        finished = text.endswith("\n")
+        body = text[:-1] if finished else text
+        if self._tail_open.get(fd) and self.tail:
+            last = self.tail[-1]
+            if len(last) < TAIL_LINE_CHARS:
+                self.tail[-1] = _cut(last + body)
+        else:
+            self._tail_open.clear()
+            self.tail.append(_cut(body))
+        self._tail_open[fd] = not finished
 
     def poll(self) -> bool:
         """Reap the child if it has exited; True once it has."""
@@ -86,6 +103,12 @@ class Child:
                 os.kill(self.pid, signum)
 
 
+def _cut(line: str) -> str:
+    if len(line) <= TAIL_LINE_CHARS:
+        return line
+    return line[: TAIL_LINE_CHARS - 40] + f" [... cut: a line over {TAIL_LINE_CHARS} characters]"
+
+
 def pid_alive(pid: int) -> bool:
     """True if a process with this pid exists (one of another user's counts: it cannot be signalled, but it lives)."""
     if pid <= 0:
@@ -125,15 +148,27 @@ def _exit_for_signal(signum: int, frame: FrameType | None) -> None:
 
 
 LineSink = Callable[[Child, str, str], None]  # (child, "stdout" or "stderr", line without its newline)
+TextSink = lines.TextSink  # (child, stream, text): a line with its newline, or a piece of a long one without
 
 
 class Watcher:
-    """Children on one selector: their output goes to `on_line`, their messages to the Child."""
+    """Children on one selector: their output goes to `on_line` (whole lines) or `on_text` (lines and pieces
+    of long ones, so no line is ever held whole), called in order on a thread of the watcher's own; their
+    messages go to the Child. An exception from the callback is raised by the next `pump`."""
 
-    def __init__(self, on_line: LineSink) -> None:
-        self.on_line = on_line
+    def __init__(self, on_line: LineSink | None = None, *, on_text: TextSink | None = None) -> None:
+        if (on_line is None) == (on_text is None):
+            raise TypeError("Watcher takes exactly one of on_line and on_text")
         self.children: list[Child] = []
         self.selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = fds.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.selector.register(self._wake_r, selectors.EVENT_READ, None)
+        sink: TextSink = on_text if on_text is not None else lines.WholeLines(on_line)  # type: ignore[arg-type]
+        self.forwarder = lines.Forwarder(sink, self._wake_w)
+        self._paused: dict[int, Child] = {}  # output pipes not read while the forwarder is full
+        self._stopped_early = False  # stop() found children still running: output is not waited for
 
     def add(self, child: Child) -> Child:
         self.children.append(child)
@@ -145,12 +180,21 @@ class Watcher:
         return child
 
     def pump(self, wait: float) -> None:
-        """Wait up to `wait` s for anything to happen; read whatever is ready; reap children that ended."""
+        """Wait up to `wait` s for anything to happen; read whatever is ready; reap children that ended.
+        Never blocks longer: output the callback has not taken yet waits in the pipes."""
+        self.forwarder.check()
+        self._pause_or_resume()
         for key, _ in self.selector.select(wait):
-            child: Child = key.data
+            child: Child | None = key.data
+            if child is None:  # the forwarder made room
+                with contextlib.suppress(OSError):
+                    os.read(self._wake_r, 4096)
+                continue
             if key.fd == child.pidfd:
                 self._forget(key.fd)
                 child.pidfd = None
+                continue
+            if key.fd in self._paused:
                 continue
             try:
                 chunk = os.read(key.fd, 1 << 20)
@@ -159,47 +203,64 @@ class Watcher:
             if not chunk:
                 self._forget(key.fd)
                 if key.fd != child.msg_fd:
-                    self._emit(child, key.fd, child.partial.pop(key.fd, b""), final=True)
+                    self._forward(child, key.fd, child.cutters[key.fd].end())
             elif key.fd == child.msg_fd:
                 for kind, value in child.reader.feed(chunk):
                     child.reported = True
                     child.result, child.failure = (value, None) if kind == "result" else (None, value)
             else:
-                self._emit(child, key.fd, child.partial.pop(key.fd, b"") + chunk, final=False)
+                self._forward(child, key.fd, child.cutters[key.fd].feed(chunk))
+                self._pause_or_resume()
         for child in self.children:
             child.poll()
 
+    def _forward(self, child: Child, fd: int, pieces: list[str]) -> None:
+        stream = "stdout" if fd == child.out_fd else "stderr"
+        for text in pieces:
+            child.note(fd, text)
+            self.forwarder.put(child, stream, text)
+
+    def _pause_or_resume(self) -> None:
+        """Stop reading output pipes while the forwarder is full; read them again once it has room."""
+        if self.forwarder.full:
+            for key in list(self.selector.get_map().values()):
+                child = key.data
+                if child is not None and key.fd in (child.out_fd, child.err_fd):
+                    self.selector.unregister(key.fd)
+                    self._paused[key.fd] = child
+        elif self._paused:
+            for fd, child in self._paused.items():
+                self.selector.register(fd, selectors.EVENT_READ, child)
+            self._paused.clear()
+
     def _forget(self, fd: int) -> None:
-        self.selector.unregister(fd)
+        if self._paused.pop(fd, None) is None:
+            self.selector.unregister(fd)
         if fds.is_tracked(fd):
             fds.close(fd)
         else:
             os.close(fd)
 
-    def _emit(self, child: Child, fd: int, data: bytes, *, final: bool) -> None:
-        if not data:
-            return
-        lines = data.split(b"\n")
-        if not final:
-            rest = lines.pop()
-            if rest:
-                child.partial[fd] = rest
-        elif lines[-1] == b"":
-            lines.pop()
-        stream = "stdout" if fd == child.out_fd else "stderr"
-        for raw in lines:
-            line = raw.decode("utf-8", errors="replace")
-            child.tail.append(line)
-            self.on_line(child, stream, line)
-
     def drain(self, seconds: float = 0.5) -> None:
-        """Read what is left in the pipes (output written just before exiting), for at most `seconds`."""
+        """Read what is left in the pipes (output written just before exiting), for at most `seconds`, and
+        return once the callback has had all of it. Time the caller's stream takes nothing does not count
+        while children ended by themselves (their output waits for it, as a full pipe would); once stop()
+        had to stop children, output the stream has not taken for STUCK_S is dropped at close()."""
         end = time.monotonic() + seconds
-        while self._open_pipes() and time.monotonic() < end:
+        while self._open_pipes():
+            now = time.monotonic()
+            if self._paused and not self._stopped_early:
+                end = max(end, now + seconds)
+            if now >= end:
+                break
             self.pump(0.02)
+        self.forwarder.flush(STUCK_S if self._stopped_early else None)
+        self.forwarder.check()
 
     def _open_pipes(self) -> bool:
-        return any(key.fd != key.data.pidfd for key in self.selector.get_map().values())
+        return bool(self._paused) or any(
+            key.data is not None and key.fd != key.data.pidfd for key in self.selector.get_map().values()
+        )
 
     def wait(self, children: Iterable[Child], timeout: float | None) -> bool:
         """Pump until every child in `children` has ended; False if `timeout` s passed first."""
@@ -214,22 +275,41 @@ class Watcher:
         return True
 
     def stop(self, grace: float) -> None:
-        """SIGTERM every live child's process group, SIGKILL after `grace` s, reap them all, and SIGKILL
-        whatever is left in their groups (grandchildren that ignored SIGTERM)."""
+        """SIGTERM every live child's process group and its descendants outside it, SIGKILL them after
+        `grace` s, reap the children, and SIGKILL whatever is left in their groups (grandchildren that
+        ignored SIGTERM). Descendants outside a child's group are found while it lives (see tree.py)."""
         live = [c for c in self.children if not c.poll()]
-        for child in live:
-            child.signal_tree(signal.SIGTERM)
-        if not self.wait(live, grace):
+        self._stopped_early = self._stopped_early or bool(live)
+        strays = {c.pid: tree.outside_group(c.pid) for c in live}
+        try:
             for child in live:
-                if not child.poll():
-                    child.signal_tree(signal.SIGKILL)
-            self.wait(live, None)
-        for child in self.children:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(child.pid, signal.SIGKILL)
+                child.signal_tree(signal.SIGTERM)
+                tree.signal_all(strays[child.pid], signal.SIGTERM)
+            if not self.wait(live, grace):
+                for child in live:
+                    if not child.poll():
+                        strays[child.pid] += tree.outside_group(child.pid)
+                        child.signal_tree(signal.SIGKILL)
+                self.wait(live, None)
+        finally:
+            for child in self.children:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(child.pid, signal.SIGKILL)
+            for pidfds in strays.values():
+                tree.kill_trees(pidfds)
 
     def close(self) -> None:
-        """Close every pipe still open; the selector is unusable afterwards."""
-        for key in list(self.selector.get_map().values()):
-            self._forget(key.fd)
-        self.selector.close()
+        """Hand the callback what is left (all of it, unless stop() found children running: then only what
+        the caller's stream takes without stalling for STUCK_S), and close every pipe; the watcher is
+        unusable afterwards."""
+        try:
+            self.forwarder.close(STUCK_S if self._stopped_early else None)
+        finally:
+            for key in list(self.selector.get_map().values()):
+                if key.fd != self._wake_r:
+                    self._forget(key.fd)
+            for fd in list(self._paused):
+                self._forget(fd)
+            self.selector.close()
+            fds.close(self._wake_r)
+            fds.close(self._wake_w)

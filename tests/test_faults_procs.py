@@ -1,0 +1,276 @@
+"""Pipes and children under faults (issue 23), on real processes: a long line arrives whole at a cost linear in
+its length; a caller's stream that nobody reads never holds up a timeout; nothing a job or a rank started
+outlives it, daemons that left its session included, and none of them keeps its card; a helper the caller
+forked never keeps the caller's children alive."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from levers9 import distributed as dist
+from levers9.errors import JobTimeout, RunTimeout
+from levers9.launch import job
+from levers9.procs import failure, start
+from levers9.procs.watch import Watcher
+from tests import procfns
+from tests.proc_util import alive, children_of, left_behind, wait_gone
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.fixture
+def no_strays() -> Iterator[list[int]]:
+    """Pids a test learned of (daemons, helpers): SIGKILLed at the end whatever happened; and nothing the
+    test started may be left running."""
+    before = set(children_of(os.getpid()))
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert wait_gone(pids) == []
+    assert left_behind(before) == []
+
+
+def _pids(folder: Path, prefix: str) -> list[int]:
+    return [int(p.read_text()) for p in sorted(folder.glob(f"{prefix}*")) if not p.name.endswith(".tmp")]
+
+
+# ---- a long line ----
+
+
+@pytest.mark.timeout(120)
+def test_the_watcher_hands_on_a_20_mb_line_whole_in_pieces_and_keeps_only_its_start(no_strays: list[int]) -> None:
+    from levers9.procs import lines
+
+    size = 20 << 20
+    got: list[tuple[str, str]] = []
+    watcher = Watcher(on_text=lambda child, stream, text: got.append((stream, text)))
+    method = start.choose()
+    target = functools.partial(procfns.long_line, size)
+    try:
+        child = watcher.add(start.start(target, method=method, shipped=None if method.forks else failure.ship(target)))
+        assert watcher.wait([child], 100)
+        watcher.drain()
+    finally:
+        watcher.stop(0)
+        watcher.close()
+    out = "".join(text for stream, text in got if stream == "stdout")
+    assert out.encode() == procfns.pattern(size) + b"\nafter the long line\n"
+    assert max(len(text) for _, text in got) <= 2 * lines.PIECE_BYTES  # never held whole
+    assert child.tail[-1] == "after the long line"
+    assert child.tail[-2].startswith(procfns.pattern(100).decode())
+    assert len(child.tail[-2]) <= 4100 and child.tail[-2].endswith("characters]")
+
+
+@pytest.mark.timeout(90)
+def test_a_callback_that_takes_nothing_stops_the_reading_not_the_watcher(no_strays: list[int]) -> None:
+    """The child blocks on its full pipe (back-pressure, as under torchrun), the watcher keeps pumping and sees
+    the child end once stopped; nothing read is lost or reordered."""
+    from levers9.procs import lines
+
+    gate = threading.Event()
+    got: list[str] = []
+
+    def on_line(child: object, stream: str, line: str) -> None:
+        gate.wait()
+        got.append(line)
+
+    count = 20_000  # 20 MB: five times what the watcher holds for a callback
+    watcher = Watcher(on_line)
+    method = start.choose()
+    target = functools.partial(procfns.numbered_lines, count)
+    try:
+        child = watcher.add(start.start(target, method=method, shipped=None if method.forks else failure.ship(target)))
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            before = time.monotonic()
+            watcher.pump(0.05)
+            assert time.monotonic() - before < 1.0, "pump blocked on a callback that takes nothing"
+        assert not child.poll(), "the child wrote 20 MB although nobody took its output"
+        assert watcher.forwarder.waiting <= lines.QUEUE_BYTES + 2 * lines.PIECE_BYTES
+        gate.set()
+        assert watcher.wait([child], 60)
+        watcher.drain()
+    finally:
+        gate.set()
+        watcher.stop(0)
+        watcher.close()
+    assert got == [procfns.numbered_line(i) for i in range(count)]
+
+
+LONG_LINE = """
+import os, sys
+from levers9 import distributed as dist
+from tests import procfns
+
+def rank0_prints(size):
+    if os.environ["RANK"] == "0":
+        procfns.long_line(size)
+
+dist.run(rank0_prints, int(sys.argv[1]), nprocs=2)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_20_mb_line_of_a_rank_reaches_the_callers_stdout_intact() -> None:
+    size = 20 << 20
+    done = subprocess.run([sys.executable, "-c", LONG_LINE, str(size)], env=_env(), capture_output=True, timeout=110)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert procfns.pattern(size) + b"\nafter the long line\n" in done.stdout
+    assert done.stdout.count(b"\n") == 2
+
+
+# ---- a caller's stdout that nobody reads ----
+
+BLOCKED_RUN = """
+import os, sys, time
+import torch.distributed  # imported before the clock starts: timeout= counts from the start of the run
+from levers9 import distributed as dist
+from levers9.launch import job
+from tests import procfns
+
+started = time.monotonic()
+try:
+    if sys.argv[2] == "distributed.run":
+        dist.run(procfns.print_forever, nprocs=2, timeout=5)
+    else:
+        job(timeout=5)(procfns.print_forever).remote()
+    what = "returned"
+except BaseException as exc:
+    what = type(exc).__name__
+procfns.write_pid(sys.argv[1] + ".pid", os.getpid())
+with open(sys.argv[1], "w") as f:
+    f.write(f"{what} {time.monotonic() - started:.2f}")
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("how", "error"), [("distributed.run", RunTimeout), ("job", JobTimeout)])
+def test_timeout_5_holds_while_nobody_reads_the_callers_stdout(
+    tmp_path: Path, how: str, error: type[BaseException], no_strays: list[int]
+) -> None:
+    report = tmp_path / "report"
+    read_end, write_end = os.pipe()  # a pipe nobody reads: `python x.py | sleep 60`
+    caller = subprocess.Popen([sys.executable, "-c", BLOCKED_RUN, str(report), how], env=_env(),
+                              stdout=write_end, stderr=subprocess.DEVNULL)  # fmt: skip
+    os.close(write_end)
+    try:
+        end = time.monotonic() + 30
+        while not report.exists() and time.monotonic() < end and caller.poll() is None:
+            time.sleep(0.05)
+        assert report.exists(), f"{how} with timeout=5 had not returned or raised after 30 s"
+        what, seconds = report.read_text().split()
+        assert what == error.__name__
+        assert float(seconds) < 9.0, f"{error.__name__} after {seconds} s, expected about 5"
+        assert caller.wait(10) == 0
+    finally:
+        caller.kill()
+        caller.wait()
+        os.close(read_end)
+
+
+# ---- nothing of a job outlives it ----
+
+
+@pytest.mark.timeout(120)
+def test_a_cells_daemon_keeps_neither_its_card_nor_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_strays: list[int]
+) -> None:
+    monkeypatch.setenv("LEVERS9_SIMULATE_GPUS", "RTXPro6000:1")
+    one_card = job(gpu="RTXPro6000", queue_timeout=15, stream_output=False)
+    pidfile = tmp_path / "daemon"
+    try:
+        daemon = one_card(procfns.daemon_then_return).remote(str(pidfile))
+        no_strays.append(daemon)
+        assert one_card(procfns.add).remote(2, 3) == 5  # the only card is free as soon as the cell returned
+    finally:
+        no_strays.extend(_pids(tmp_path, "daemon"))
+    assert wait_gone([daemon], 5) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_of_a_job_that_times_out_is_stopped_with_it(tmp_path: Path, no_strays: list[int]) -> None:
+    try:
+        with pytest.raises(JobTimeout):
+            job(timeout=4, stop_grace=1, stream_output=False)(procfns.daemon_then_hang).remote(str(tmp_path / "daemon"))
+    finally:
+        no_strays.extend(_pids(tmp_path, "daemon"))
+    assert len(no_strays) == 1
+    assert wait_gone(no_strays, 5) == []
+
+
+def rank_daemon(folder: str, hang: bool) -> None:
+    """Start a daemon (its pid in folder/daemon<rank>), then return or sleep until stopped."""
+    procfns.start_daemon(os.path.join(folder, f"daemon{os.environ['RANK']}"))
+    if hang:
+        time.sleep(600)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ending", ["returns", "times out"])
+def test_a_ranks_daemon_does_not_outlive_distributed_run(tmp_path: Path, ending: str, no_strays: list[int]) -> None:
+    call = functools.partial(rank_daemon, str(tmp_path), ending == "times out")
+    try:
+        if ending == "returns":
+            dist.run(call, nprocs=2)
+        else:
+            with pytest.raises(RunTimeout):
+                dist.run(call, nprocs=2, timeout=6, stop_grace=1)
+    finally:
+        no_strays.extend(_pids(tmp_path, "daemon"))
+    assert len(no_strays) == 2
+    assert wait_gone(no_strays, 5) == []
+
+
+# ---- a helper the caller forked ----
+
+HELPER_CALLER = """
+import multiprocessing, sys, time
+from levers9.launch import job
+from tests import procfns
+
+folder = sys.argv[1]
+assert job(stream_output=False)(procfns.add).remote(1, 2) == 3  # the caller's first job: its lifeline exists now
+helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+helper.start()
+procfns.write_pid(folder + "/helper", helper.pid)
+job(stream_output=False)(procfns.grandchild_then_hang).remote(folder)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_helper_the_caller_forked_does_not_keep_its_jobs_alive_after_it_is_killed(
+    tmp_path: Path, no_strays: list[int]
+) -> None:
+    caller = subprocess.Popen([sys.executable, "-c", HELPER_CALLER, str(tmp_path)], env=_env())
+    try:
+        helper = procfns.wait_for(str(tmp_path / "helper"), 60)
+        grandchild = procfns.wait_for(str(tmp_path / "grandchild"), 60)
+        job_pid = procfns.wait_for(str(tmp_path / "job"), 60)
+        no_strays.extend([helper, grandchild, job_pid])
+        watchdogs = [p for p in children_of(job_pid) if p != grandchild]
+        assert len(watchdogs) == 1
+        no_strays.extend(watchdogs)
+        caller.send_signal(signal.SIGKILL)
+        caller.wait()
+        assert wait_gone([job_pid, grandchild, *watchdogs], 5) == []
+        assert alive(helper)  # it lives on, and holds nothing of the caller's children
+    finally:
+        caller.kill()
+        caller.wait()
