@@ -97,7 +97,7 @@ def run(
         start_method: "fork" or "spawn" (fresh interpreters); default: fork where that is safe.
         prefix_output: Put "[rank N] " before lines from ranks other than 0 (default on).
         disable_quirks: Quirk row ids to switch off (an unknown id is a ConfigError listing the known ones).
-        stop_grace: Seconds ranks get between SIGTERM and SIGKILL when a sibling failed, on timeout,
+        stop_grace: Seconds (default 5) ranks get between SIGTERM and SIGKILL when a sibling failed, on timeout,
             on Ctrl-C, or when this process gets SIGTERM or SIGHUP (then SystemExit(128 + signal)
             is raised here once they are stopped).
         max_restarts: How many times every rank is stopped and all are started again after a
