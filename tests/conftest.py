@@ -41,10 +41,82 @@ LAUNCHER_NAMES = (
 )
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked `ray` run last: the session's Ray starts with the first of them, so its dozen idle
-    processes do not share this machine's two cores with the rest of the suite."""
+# Test tiers (CONTRIBUTING.md): every test gets exactly one of these markers, by its module, so that
+# `pytest -m fast` runs the pure tests in seconds and `-m "not ray"` skips the session's Ray.
+#   fast       pure: no process started, no launcher, no Ray (detection, quirk plans on fake hardware,
+#              specs, settings, policy, world of one, failure-kind tables)
+#   procs      starts processes (ranks, jobs, forked children, the CLI as a subprocess)
+#   launchers  runs torchrun, accelerate launch or `levers9 run` as subprocesses, side by side
+#   notebook   runs a Jupyter kernel
+#   ray        uses the session's local Ray (tests/ray_cluster.py); these run last
+TIERS = ("fast", "procs", "launchers", "notebook", "ray")
+# A module not named here is "procs" (the safe guess for a new test file: it is not in the fast tier).
+TIER_BY_MODULE = {
+    "test_cards": "fast",
+    "test_detect": "fast",
+    "test_gpu_types": "fast",
+    "test_launch_settings": "fast",
+    "test_launch_spec": "fast",
+    "test_quirks": "fast",
+    "test_world_of_one": "fast",
+    "test_docs": "procs",
+    "test_nccl": "procs",  # each test reads the fake NCCL in a fresh interpreter
+    "test_examples": "launchers",
+    "test_run_everywhere": "launchers",
+    "test_run_script": "launchers",
+    "test_terminate": "launchers",
+    "test_transparent": "launchers",
+    "test_contract": "launchers",
+    "test_notebook": "notebook",
+    "test_ray_backend": "ray",
+}
+# Tests whose tier is not their module's: (module, test name prefix) -> tier. Pure tests in modules that
+# mostly start processes, and tests of "fast" modules that start a process.
+TIER_BY_TEST = {
+    ("test_restarts", "test_restart_count_reads_torchruns_variable"): "fast",
+    ("test_restarts", "test_job_max_restarts_is_checked_at_decoration"): "fast",
+    ("test_restarts", "test_each_failure_is_classified_by_what_a_restart_can_cure"): "fast",
+    ("test_stalls", "test_stall_rule"): "fast",
+    ("test_restarts", "test_bad_restart_arguments_are_refused_before_anything_starts"): "fast",
+    ("test_restarts", "test_restart_arguments_are_refused_under_a_launcher"): "fast",
+    ("test_run", "test_bad_arguments_are_refused_before_anything_starts"): "fast",
+    ("test_run", "test_not_a_function_is_refused"): "fast",
+    ("test_sweeps", "test_unknown_order_is_refused_before_anything_starts"): "fast",
+    ("test_sweeps", "test_retention_keeps_what_it_promises"): "fast",
+    ("test_oom", "test_the_cgroup_is_found_through_proc_and_the_mount_table"): "fast",
+    ("test_oom", "test_without_a_readable_counter_no_oom_claim_is_made"): "fast",
+    ("test_nccl", "test_decode_version_both_encodings"): "fast",
+    ("test_cards", "test_without_a_driver_pynvml_is_not_even_imported"): "procs",
+    ("test_launch_settings", "test_cli_"): "procs",
+    ("test_quirks", "test_apply_"): "procs",
+}
+
+
+def tier_of(item: pytest.Item) -> str:
+    """The tier of one collected test: `ray` if marked so, else by test name, else by module."""
+    if item.get_closest_marker("ray") is not None:
+        return "ray"
+    module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
+    for (mod, prefix), tier in TIER_BY_TEST.items():
+        if mod == module and item.name.startswith(prefix):
+            return tier
+    return TIER_BY_MODULE.get(module, "procs")
+
+
+def mark_tiers(items: list[pytest.Item], folder: Path) -> None:
+    """Give every test under `folder` its tier's marker, and put the `ray` ones last: the session's Ray
+    starts with the first of them, so its dozen idle processes do not share this machine's two cores
+    with the rest of the suite."""
+    for item in items:
+        if folder in item.path.parents:
+            tier = tier_of(item)
+            if item.get_closest_marker(tier) is None:
+                item.add_marker(getattr(pytest.mark, tier))
     items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    mark_tiers(items, Path(__file__).parent)
 
 
 def strip_launcher_env(env: dict[str, str] | os._Environ[str]) -> None:

@@ -34,7 +34,14 @@ def wrap(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
     """`DistributedDataParallel` on `device()` when there are several ranks, else the model moved to `device()`.
 
     Never DataParallel, and never a second wrap: a model that is already DDP comes back as it is.
-    Keyword arguments go to DistributedDataParallel unchanged.
+
+    Args:
+        model: The module to train.
+        **ddp_kwargs: Passed to DistributedDataParallel unchanged (`device_ids` and `output_device`
+            default to this rank's card).
+
+    Returns:
+        The DDP-wrapped model, or in a world of one the model itself on `device()`.
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -68,10 +75,17 @@ def _bounds(n: int, ranks: int, index: int) -> tuple[int, int]:
 def shard(rows: Sequence[T], *, pad: bool = False) -> Any:
     """This rank's contiguous slice of `rows`; together the slices cover every row exactly once.
 
-    Slice lengths differ by at most one. With `pad=True` every rank gets the same number of rows (so
-    every rank runs the same number of steps and DDP cannot hang on uneven data): short slices are
-    topped up with rows from the start of the sequence, and a `PaddedShard(rows, padding)` says how
-    many of this rank's rows are such repeats (padding rows come last). World of one: all rows.
+    Slice lengths differ by at most one. World of one: all rows.
+
+    Args:
+        rows: Any sequence (a list, a range, a dataset with `__len__` and slicing).
+        pad: Give every rank the same number of rows (so every rank runs the same number of steps
+            and DDP cannot hang on uneven data): short slices are topped up with rows from the
+            start of the sequence (padding rows come last).
+
+    Returns:
+        The slice; with `pad=True` a `PaddedShard(rows, padding)` saying how many of this rank's
+        rows are repeats.
     """
     ranks, index = world.world_size(), world.rank()
     start, end = _bounds(len(rows), ranks, index)
@@ -85,10 +99,16 @@ def shard(rows: Sequence[T], *, pad: bool = False) -> Any:
 
 
 def all_reduce_mean(x: Any) -> torch.Tensor:
-    """Mean of `x` (a tensor or a Python number) across ranks, as a new detached tensor; `x` is untouched.
+    """Mean of `x` across ranks, as a new detached tensor; `x` is untouched.
 
-    Integer and bool inputs come back as floating point. Works on gloo (which has no AVG: sum, then
-    divide) and on nccl (a CPU tensor goes to the card and the answer comes back to the CPU).
+    Works on gloo (which has no AVG: sum, then divide) and on nccl (a CPU tensor goes to the card
+    and the answer comes back to the CPU).
+
+    Args:
+        x: A tensor or a Python number; integer and bool inputs come back as floating point.
+
+    Returns:
+        The mean, on `x`'s device (a float64 tensor for a Python number); in a world of one a copy of `x`.
     """
     import torch
 
@@ -108,7 +128,12 @@ def all_reduce_mean(x: Any) -> torch.Tensor:
 
 
 def print0(*args: Any, **kwargs: Any) -> None:
-    """`print` on global rank 0 only, flushed."""
+    """`print` on global rank 0 only, flushed.
+
+    Args:
+        *args: As for `print`.
+        **kwargs: As for `print` (`flush` defaults to True).
+    """
     if world.rank() == 0:
         kwargs.setdefault("flush", True)
         builtins.print(*args, **kwargs)

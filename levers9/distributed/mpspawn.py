@@ -24,11 +24,28 @@ def spawn(
 ) -> Any:
     """Call `fn(i, *args)` in `nprocs` processes (i = 0 .. nprocs-1) and wait for all of them.
 
-    As torch.multiprocessing.spawn, except: a failing rank raises its own exception (or RankCrashed
-    for an exit code or signal) with the rank and its traceback, after the other ranks were stopped;
-    rank 0's return value is returned (torch returns None); ranks always end with the caller (`daemon`
-    is accepted for compatibility); `start_method` None (the default) forks where that is safe and
-    starts fresh interpreters otherwise ("forkserver" counts as "spawn"). `join=False` is refused.
+    As torch.multiprocessing.spawn: each process gets the caller's environment (no RANK / MASTER_*
+    variables, no store, no group; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME=lo when unset). Except: a
+    failing rank raises its own exception (or RankCrashed for an exit code or signal) with the rank
+    and its traceback, after the other ranks were stopped, and rank 0's return value is returned
+    (torch returns None).
+
+    Args:
+        fn: A function called as `fn(i, *args)` in each process.
+        args: The rest of fn's arguments, a tuple.
+        nprocs: How many processes, at least 1.
+        join: Must be True (levers9 waits so that a failure stops every rank); False is refused.
+        daemon: Accepted for compatibility; ranks always end with the caller.
+        start_method: None (the default) forks where that is safe and starts fresh interpreters
+            otherwise; "fork" or "spawn" insist ("forkserver" counts as "spawn").
+
+    Returns:
+        What fn returned in process 0.
+
+    Raises:
+        ConfigError: A bad argument (join=False included), before anything starts.
+        RankFailed: A process crashed (`RankCrashed`); a process's own exception is raised with its
+            own type instead, with the rank and its traceback in a note.
     """
     if not callable(fn):
         raise ConfigError(f"spawn: fn is {type(fn).__name__} {fn!r}; expected a function called as fn(i, *args).")

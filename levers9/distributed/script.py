@@ -65,15 +65,36 @@ def run_script(
     restart_on: Sequence[str] | None = None,
     restart_delay: float | None = None,
 ) -> None:
-    """Run the script `target` (or module, with `module=True`; or program, with `no_python=True`) with
-    arguments `argv` on every rank, each as `__main__` under torchrun's environment; return when all
-    ranks are done.
+    """Run a script, module or program on every rank, each as `__main__` under torchrun's environment.
 
-    `nprocs`: a number of ranks, "gpu" (one per card), "cpu" (one per CPU core), "auto" (cards if
-    any, else CPU cores) or None (one per visible card, else one). A rank that raises, exits non-zero or
-    dies makes this raise as `distributed.run` does (the other ranks are stopped); a rank that exits 0
-    early is not a failure. `max_restarts`, `restart_on`, `restart_delay`: as in `distributed.run`.
-    Bad arguments raise ConfigError before anything starts.
+    The ranks are `distributed.run`'s, with no process group: the script makes its own with
+    torch's env:// (as under torchrun). Returns when every rank is done; a rank that exits 0 early
+    is not a failure. The Python form of `levers9 run`.
+
+    Args:
+        target: A script path (a .py file, or a folder or zip with `__main__.py`), a module name
+            (`module=True`) or a program (`no_python=True`).
+        argv: The arguments every rank sees in `sys.argv[1:]`.
+        module: Run `target` as a module, as `python -m` does.
+        no_python: Run `target` as a program, not through Python (torchrun's `--no-python`).
+        nprocs: A number of ranks, "gpu" (one per card), "cpu" (one per CPU core), "auto" (cards if
+            any, else CPU cores) or None (one per visible card, else one).
+        backend: "nccl" or "gloo" for the ranks' default; None: nccl on cards, else gloo.
+        timeout: Seconds; as in `distributed.run`.
+        stall_timeout: Seconds; as in `distributed.run`.
+        start_method: "fork" or "spawn"; as in `distributed.run`.
+        prefix_output: Put "[rank N] " before lines from ranks other than 0 (default on).
+        log_dir: A folder that gets a copy of each rank's output in `<rank>/stdout.log` and `stderr.log`.
+        console_ranks: Local ranks whose output reaches the console (None: all); a failure report
+            still does.
+        max_restarts: As in `distributed.run`.
+        restart_on: As in `distributed.run`.
+        restart_delay: As in `distributed.run`.
+
+    Raises:
+        ConfigError: A bad argument, before anything starts (also when called inside a rank).
+        RankFailed: A rank raised, exited non-zero or died, as `distributed.run` raises it (the
+            other ranks are stopped).
     """
     script = prepare(
         target, argv, module=module, no_python=no_python, log_dir=log_dir, console_ranks=console_ranks

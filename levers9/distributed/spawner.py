@@ -77,28 +77,50 @@ def run(
 
     Not launched by anything: one process per visible card, or `nprocs` (no card and no `nprocs`:
     run in place as a world of one). Under torchrun / accelerate / SLURM / MPI / levers9: spawn
-    nothing; call fn in this rank. `fn()` is called without an argument when `cfg` is None and fn
-    takes no parameters. `timeout` (seconds) stops a run that takes longer, on every path;
-    `stall_timeout` (seconds) stops ranks levers9 started once none issued or completed a collective
-    for that long while one waited, naming where each one is; `start_method` ("fork" or "spawn")
-    overrides the automatic choice; `prefix_output` (default on) puts "[rank N] " before lines from
-    ranks other than 0; `disable_quirks` switches quirk rows off by id; `stop_grace` is the time
-    ranks get between SIGTERM and SIGKILL when a sibling failed, on timeout, on Ctrl-C, or when this
-    process gets SIGTERM or SIGHUP (then SystemExit(128 + signal) is raised here once they are stopped).
+    nothing; call fn in this rank. With several ranks, every rank is in the default process group
+    when fn starts (`torch.distributed.is_initialized()` is True): one levers9 made, destroyed after
+    fn, or one that already existed, left alone. A world of one run in place has no group.
 
-    With several ranks, every rank is in the default process group when fn starts
-    (`torch.distributed.is_initialized()` is True): one levers9 made, destroyed after fn, or one that
-    already existed, left alone. `init_group=False` makes no group: fn makes its own with
-    `init_process_group` (a classic torchrun `main()`); without it such a fn fails at once with a
-    ConfigError naming `init_group=False`. `timeout` and `stall_timeout` give the ranks levers9 starts
-    a stack dump on SIGUSR1 (and, for stalls, a flight-recorder sampler thread) for their reports;
-    without them levers9 installs nothing in a rank.
+    Args:
+        fn: A module-level function (ranks import it by name when they start as fresh interpreters),
+            called as `fn(cfg)` on every rank; `fn()` without an argument when `cfg` is None and fn
+            takes no parameters.
+        cfg: The one argument every rank's fn gets (pickled only when ranks start as fresh interpreters).
+        nprocs: How many ranks to start; default one per visible card, else run in place. Under a
+            launcher it must equal the launcher's world size (or be left out).
+        backend: "nccl" or "gloo"; default nccl when the ranks have cards, else gloo.
+        timeout: Seconds; a run (each attempt, with restarts) that takes longer is stopped with
+            `RunTimeout` and a report of where every rank was. Works on every path.
+        stall_timeout: Seconds; ranks levers9 started are stopped with `StallError` once none issued
+            or completed a collective for that long while one waited, naming where each one is.
+            Refused under a launcher and in place, and when torch's flight recorder is off.
+        start_method: "fork" or "spawn" (fresh interpreters); default: fork where that is safe.
+        prefix_output: Put "[rank N] " before lines from ranks other than 0 (default on).
+        disable_quirks: Quirk row ids to switch off (an unknown id is a ConfigError listing the known ones).
+        stop_grace: Seconds (default 5) ranks get between SIGTERM and SIGKILL when a sibling failed, on timeout,
+            on Ctrl-C, or when this process gets SIGTERM or SIGHUP (then SystemExit(128 + signal)
+            is raised here once they are stopped).
+        max_restarts: How many times every rank is stopped and all are started again after a
+            failure `restart_on` names (default 0, or what `@job(max_restarts=...)` set).
+            `restart_count()` tells fn which attempt it is in.
+        restart_on: Failure kinds that restart, from "crash", "comm", "stall", "timeout" and
+            "exception" (default the first three, see levers9.distributed.restarts).
+        restart_delay: Seconds between attempts, with no rank running (default 1).
+        init_group: True (the default): levers9 joins every rank into the group before fn. False:
+            no group; fn makes its own with `init_process_group` (a classic torchrun `main()`;
+            without False such a fn fails at once with a ConfigError naming `init_group=False`).
 
-    `max_restarts` (default 0, or what @job(max_restarts=...) set) stops every rank after a failure
-    that `restart_on` names and starts them all again, up to that many times, `restart_delay` s
-    apart (default 1); `restart_on` is drawn from "crash", "comm", "stall", "timeout" and
-    "exception" (default the first three, see levers9.distributed.restarts). `timeout` applies to
-    each attempt. `restart_count()` tells fn which attempt it is in.
+    Returns:
+        What fn returned on rank 0.
+
+    Raises:
+        ConfigError: A bad argument, before anything starts.
+        RankFailed: A rank failed (`RankCrashed`, `RunTimeout`, `StallError`); a rank's own exception
+            is raised with its own type instead, with the rank and its traceback in a note.
+
+    `timeout` and `stall_timeout` give the ranks levers9 starts a stack dump on SIGUSR1 (and, for
+    stalls, a flight-recorder sampler thread) for their reports; without them levers9 installs
+    nothing in a rank.
     """
     if not callable(fn):
         raise ConfigError(f"distributed.run needs a function to call on every rank; got {type(fn).__name__} {fn!r}.")

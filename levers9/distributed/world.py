@@ -93,8 +93,14 @@ def launcher() -> str:
 
 
 def restart_count() -> int:
-    """0 on a run's first attempt, then 1, 2, ... after each restart (distributed.run's max_restarts=, or
-    torchrun --max-restarts): both set TORCHELASTIC_RESTART_COUNT in every rank."""
+    """0 on a run's first attempt, then 1, 2, ... after each restart.
+
+    Reads TORCHELASTIC_RESTART_COUNT, which distributed.run's `max_restarts=` and
+    `torchrun --max-restarts` both set in every rank.
+
+    Raises:
+        LauncherEnvError: TORCHELASTIC_RESTART_COUNT is set but not a whole number.
+    """
     text = os.environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()
     if not text:
         return 0

@@ -67,7 +67,15 @@ class JobFunction(Generic[P, R]):
         return self.func(*args, **kwargs)
 
     def remote(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        """Run one job and return its result, or raise its exception; cancels the job if interrupted."""
+        """Run one job and return its result, or raise its exception; cancels the job if interrupted.
+
+        Args:
+            *args: The function's positional arguments.
+            **kwargs: The function's keyword arguments.
+
+        Returns:
+            What the function returned in the job.
+        """
         cell = Cell(0, tuple(args), dict(kwargs))
         check_cell(self.func, cell, label=f"{self.spec.name}{cell.describe()}")
         futures, cancel, _reporter, _record = self._submit([cell], label="")
@@ -79,7 +87,15 @@ class JobFunction(Generic[P, R]):
                 _done(futures[0]).exception()
 
     def spawn(self, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
-        """Start one job and return a concurrent.futures.Future for its result (cancel() works while it queues)."""
+        """Start one job and return a concurrent.futures.Future for its result (cancel() works while it queues).
+
+        Args:
+            *args: The function's positional arguments.
+            **kwargs: The function's keyword arguments.
+
+        Returns:
+            A `concurrent.futures.Future` that holds the function's value or exception.
+        """
         cell = Cell(0, tuple(args), dict(kwargs))
         check_cell(self.func, cell, label=f"{self.spec.name}{cell.describe()}")
         futures, _cancel, _reporter, _record = self._submit([cell], label="")
@@ -121,17 +137,28 @@ class JobFunction(Generic[P, R]):
     ) -> MapResults[Any]:
         """Run each cell as its own job, as many at once as there are cards; iterate the results.
 
-        A tuple is positional arguments, a dict keyword arguments, anything else one argument;
-        `kwargs` is added to every cell. Every cell is checked before any starts. The first failure
-        raises (with the cell's index and arguments in a note) and cancels the rest, unless
-        return_exceptions=True puts the exception in its slot. Leaving the loop early (break, close,
+        Every cell is checked before any starts. The first failure raises (with the cell's index
+        and arguments in a note) and cancels the rest. Leaving the loop early (break, close,
         garbage collection) cancels the cells not yet finished and kills the running ones.
 
-        order="input" (the default) yields values in input order; order="completed" yields
-        Completed(index, value) pairs as cells finish (`for i, value in ...`; i indexes the inputs).
-        resume=True reuses the stored result of every cell that succeeded before with the same
-        function source and the same arguments, and runs only the others. progress=False hides the
-        status table (or, when stderr is not a terminal, the line per state change).
+        Args:
+            cells: One entry per job: a tuple is positional arguments, a dict keyword arguments,
+                anything else one argument.
+            return_exceptions: Put a failed cell's exception in its slot instead of raising it.
+            kwargs: Keyword arguments added to every cell.
+            order: "input" (the default) yields values in input order; "completed" yields
+                `Completed(index, value)` pairs as cells finish (`for i, value in ...`; i indexes
+                the inputs).
+            resume: Reuse the stored result of every cell that succeeded before with the same
+                function source and the same arguments, and run only the others.
+            progress: False hides the status table (or, when stderr is not a terminal, the line
+                per state change).
+
+        Returns:
+            A `MapResults` to iterate (its `run_id` names the run folder for `levers9 runs show`).
+
+        Raises:
+            JobConfigError: A bad cell or argument, before any cell starts.
         """
         if order not in ORDERS:
             raise JobConfigError(
@@ -428,29 +455,40 @@ def job(
 ) -> JobFunction[P, R] | Callable[[Callable[P, R]], JobFunction[P, R]]:
     """Make `func` runnable as jobs. Arguments are checked now; JobConfigError names the bad one.
 
-    gpu: a type ('RTXPro6000', 'H100', 'A100-80', 'any'), a list in order of preference, or 'H100:8'
-        (type and count); None with gpu_count=0 (the default) is a CPU job, which gets no card.
-    gpu_count: cards held by one job at the same moment (default 1 when gpu is set).
-    timeout: seconds per attempt, from the job's start; None (the default) for no limit. The job's
-        whole process group is killed and its cards freed when it runs out.
-    retries: re-runs of a crashed or timed-out job (an int, or Retries(...) for backoff and which
-        failures count). Default 0: a local crash rarely goes away by itself, and re-running an
-        8-card training silently is expensive.
-    env: variables set in the job process (str values; CUDA_VISIBLE_DEVICES and LEVERS9_* are refused).
-    cpu, memory: advisory on this machine (cpu sets OMP_NUM_THREADS / MKL_NUM_THREADS); requests on a cluster.
-    name: for logs and messages (default: the function's qualified name).
-    queue_timeout: seconds a job may wait for free cards before JobTimeout, counted from when it is
-        next in line in its sweep; None waits as long as needed.
-    stop_grace: seconds between SIGTERM and SIGKILL when a job is timed out or cancelled (default 10):
-        time for its own SIGTERM handler to save a checkpoint. Its whole process tree is killed after.
-    stream_output: copy each job's output to this process, prefixed with its cell (it is logged to a
-        file under the run folder, and its last line shown in the status table, either way).
-    stall_timeout: seconds; distributed.run inside the job stops and names the stalled ranks when no
-        rank issued or completed a collective for that long while at least one waited for one.
-    max_restarts: how often distributed.run inside the job stops every rank and starts them all again
-        after a crash, a lost peer or a stall, on the same cards (fn resumes from its own checkpoint;
-        see dist.restart_count()). Distinct from retries=, which re-runs the whole job from scratch.
-    backend: 'local' (this machine; the default) or 'ray'; $LEVERS9_BACKEND sets the default.
+    Args:
+        func: The function (when used as `@job` without arguments).
+        gpu: A type ('RTXPro6000', 'H100', 'A100-80', 'any'), a list in order of preference, or 'H100:8'
+            (type and count); None with gpu_count=0 (the default) is a CPU job, which gets no card.
+        gpu_count: cards held by one job at the same moment (default 1 when gpu is set).
+        timeout: seconds per attempt, from the job's start; None (the default) for no limit. The job's
+            whole process group is killed and its cards freed when it runs out.
+        retries: re-runs of a crashed or timed-out job (an int, or Retries(...) for backoff and which
+            failures count). Default 0: a local crash rarely goes away by itself, and re-running an
+            8-card training silently is expensive.
+        env: variables set in the job process (str values; CUDA_VISIBLE_DEVICES and LEVERS9_* are refused).
+        cpu: CPU cores (a number, or '500m'); advisory on this machine (sets OMP_NUM_THREADS /
+            MKL_NUM_THREADS), a request on a cluster.
+        memory: MiB as an int, or a size such as '64Gi' or '512Mi'; advisory on this machine, a
+            request on a cluster.
+        name: for logs and messages (default: the function's qualified name).
+        queue_timeout: seconds a job may wait for free cards before JobTimeout, counted from when it is
+            next in line in its sweep; None waits as long as needed.
+        stop_grace: seconds between SIGTERM and SIGKILL when a job is timed out or cancelled (default 10):
+            time for its own SIGTERM handler to save a checkpoint. Its whole process tree is killed after.
+        stream_output: copy each job's output to this process, prefixed with its cell (it is logged to a
+            file under the run folder, and its last line shown in the status table, either way).
+        stall_timeout: seconds; distributed.run inside the job stops and names the stalled ranks when no
+            rank issued or completed a collective for that long while at least one waited for one.
+        max_restarts: how often distributed.run inside the job stops every rank and starts them all again
+            after a crash, a lost peer or a stall, on the same cards (fn resumes from its own checkpoint;
+            see dist.restart_count()). Distinct from retries=, which re-runs the whole job from scratch.
+        backend: 'local' (this machine; the default) or 'ray'; $LEVERS9_BACKEND sets the default.
+
+    Returns:
+        A `JobFunction`: calling it runs the function here; `.remote`, `.spawn` and `.map` run jobs.
+
+    Raises:
+        JobConfigError: A bad argument, at decoration time.
     """
 
     def decorate(fn: Callable[P, R]) -> JobFunction[P, R]:
