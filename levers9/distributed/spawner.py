@@ -357,7 +357,8 @@ class _Spawn:
     def __init__(self, plan: _Plan, attempt_env: dict[str, str]) -> None:
         self.plan = plan
         self.attempt_env = attempt_env  # TORCHELASTIC_RESTART_COUNT / _MAX_RESTARTS of this attempt
-        self.watcher = Watcher(self._forward)
+        self.watcher = Watcher(on_text=self._forward)  # pieces of long lines: never one held whole
+        self._mid_line: set[tuple[int, str]] = set()  # (pid, stream) whose last piece ended mid-line
         self.ranks: list[Child] = []
         self.started = time.monotonic()
         self.oom_before = oom.oom_kills()
@@ -383,10 +384,16 @@ class _Spawn:
                 folder.write_pids(os.getpid(), [p.pid for p in self.ranks])
             return self._watch(folder)
 
-    def _forward(self, child: Child, stream: str, line: str) -> None:
-        prefix = f"[{child.name}] " if self.plan.prefix_output and child is not self.ranks[0] else ""
+    def _forward(self, child: Child, stream: str, text: str) -> None:
+        """A line with its newline, or a piece of a long one without, to the caller's stream, prefixed once per line."""
+        key = (child.pid, stream)
+        prefix = "" if key in self._mid_line or not self.plan.prefix_output or child is self.ranks[0] else f"[{child.name}] "
+        if text.endswith("\n"):
+            self._mid_line.discard(key)
+        else:
+            self._mid_line.add(key)
         out = sys.stdout if stream == "stdout" else sys.stderr
-        out.write(f"{prefix}{line}\n")
+        out.write(prefix + text)
         out.flush()
 
     def _watch(self, folder: stalls.RunFolder | None) -> Any:

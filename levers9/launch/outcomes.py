@@ -27,7 +27,7 @@ from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.spec import JobSpec
 from levers9.procs.failure import Failure, rebuild, unship
-from levers9.procs.watch import Child, Watcher
+from levers9.procs.watch import Child, Watcher, cut_line
 
 TAIL_LINES = 40  # lines of a job's output kept for the message when it crashes
 
@@ -108,7 +108,8 @@ class OutputTail:
         self._lines: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
 
     def add(self, line: str) -> None:
-        self._lines.append(line if line.endswith("\n") else line + "\n")
+        """Keep `line`, cut as failure reports keep lines (a 100 MB line is never held here)."""
+        self._lines.append(cut_line(line.removesuffix("\n")) + "\n")
 
     @property
     def text(self) -> str:

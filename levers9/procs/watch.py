@@ -57,10 +57,10 @@ class Child:
         if self._tail_open.get(fd) and self.tail:
             last = self.tail[-1]
             if len(last) < TAIL_LINE_CHARS:
-                self.tail[-1] = _cut(last + body)
+                self.tail[-1] = cut_line(last + body)
         else:
             self._tail_open.clear()
-            self.tail.append(_cut(body))
+            self.tail.append(cut_line(body))
         self._tail_open[fd] = not finished
 
     def poll(self) -> bool:
@@ -103,7 +103,8 @@ class Child:
                 os.kill(self.pid, signum)
 
 
-def _cut(line: str) -> str:
+def cut_line(line: str) -> str:
+    """`line` as a failure report keeps it: at most TAIL_LINE_CHARS characters, saying so when cut."""
     if len(line) <= TAIL_LINE_CHARS:
         return line
     return line[: TAIL_LINE_CHARS - 40] + f" [... cut: a line over {TAIL_LINE_CHARS} characters]"
