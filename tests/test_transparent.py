@@ -202,3 +202,27 @@ def test_levers9_run_runs_a_folder_with_main_as_torchrun_does(tmp_path: Path) ->
 def test_spawn_gives_what_mp_spawn_gives_no_launcher_variables() -> None:
     seen = dist.spawn(scriptfns.spawned_sees, nprocs=2)
     assert seen == {"rank_var": None, "master_port": None, "torchelastic": False, "initialized": False, "index": 0}
+
+
+FULL_SHM = r"""
+set -e
+unset LEVERS9_STATE_DIR
+mount -t tmpfs -o size=256k tmpfs /dev/shm
+head -c 262144 /dev/zero > /dev/shm/fill 2>/dev/null || true
+"$PY" -c 'from levers9 import distributed as dist; from tests import rankfns; print("RUN", dist.run(rankfns.describe, None, nprocs=2)["world_size"])'
+"$PY" -c 'from levers9 import distributed as dist; from tests import rankfns; print("TIMED", dist.run(rankfns.describe, None, nprocs=2, timeout=60)["world_size"])'
+"$PY" -m levers9 run --nproc-per-node 2 "$SCRIPT" && echo "SCRIPT ok"
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_full_dev_shm_never_stops_distributed_run_or_levers9_run(tmp_path: Path) -> None:
+    """A 256 KB /dev/shm, full (in a mount namespace of the test's own): torchrun and mp.spawn run a 2-rank gloo
+    job there, and so must levers9 (its run folder, needed only with timeout=, moves to the temp dir)."""
+    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.fail("this test needs root and `unshare -m` (CI runs as root); run it as root")
+    script = tmp_path / "script.py"
+    script.write_text("import torch.distributed as td\ntd.init_process_group('gloo')\ntd.barrier()\ntd.destroy_process_group()\n")
+    done = _run(["unshare", "-m", "sh", "-c", FULL_SHM], timeout=200, PY=sys.executable, SCRIPT=str(script))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "RUN 2" in done.stdout and "TIMED 2" in done.stdout and "SCRIPT ok" in done.stdout
