@@ -127,13 +127,18 @@ def test_ray_scratch_refuses_a_planted_symlink(shared_tmp: Path, tmp_path: Path)
     assert list(target.iterdir()) == []
 
 
-def test_stall_boards_live_in_a_private_folder() -> None:
+@pytest.mark.parametrize("state_dir", [True, False], ids=["LEVERS9_STATE_DIR", "dev-shm"])
+def test_stall_boards_live_in_a_private_folder(monkeypatch: pytest.MonkeyPatch, state_dir: bool) -> None:
+    """In $LEVERS9_STATE_DIR/boards when that is set (the fix errors name must work), else /dev/shm/levers9-<uid>."""
     from levers9.distributed import stalls
 
+    if not state_dir:
+        monkeypatch.delenv("LEVERS9_STATE_DIR")
     folder = stalls.RunFolder(2)
     try:
         root = os.lstat(folder.path.parent)
-        assert folder.path.parent.name == f"levers9-{os.getuid()}"
+        expected = "boards" if state_dir else f"levers9-{os.getuid()}"
+        assert folder.path.parent.name == expected
         assert (root.st_uid, stat.S_IMODE(root.st_mode), stat.S_ISDIR(root.st_mode)) == (os.getuid(), 0o700, True)
     finally:
         folder.remove()
