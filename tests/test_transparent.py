@@ -226,3 +226,27 @@ def test_a_full_dev_shm_never_stops_distributed_run_or_levers9_run(tmp_path: Pat
     done = _run(["unshare", "-m", "sh", "-c", FULL_SHM], timeout=200, PY=sys.executable, SCRIPT=str(script))
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "RUN 2" in done.stdout and "TIMED 2" in done.stdout and "SCRIPT ok" in done.stdout
+
+
+SQUATTED_SHM = r"""
+set -e
+unset LEVERS9_STATE_DIR
+mount -t tmpfs -o size=64m tmpfs /dev/shm
+mkdir -m 0777 /dev/shm/levers9-$(id -u) && chown 12345:12345 /dev/shm/levers9-$(id -u)
+"$PY" -c 'from levers9 import distributed as dist; from tests import rankfns; print("RUN", dist.run(rankfns.describe, None, nprocs=2)["world_size"])'
+"$PY" -c 'from levers9 import distributed as dist; from tests import rankfns; print("TIMED", dist.run(rankfns.describe, None, nprocs=2, timeout=60)["world_size"])'
+LEVERS9_STATE_DIR="$STATE" "$PY" -c 'from levers9 import distributed as dist; from tests import rankfns; print("MOVED", dist.run(rankfns.describe, None, nprocs=2, timeout=60)["world_size"])'
+ls "$STATE/boards" >/dev/null && echo "BOARDS there"
+"""
+
+
+@pytest.mark.timeout(240)
+def test_another_users_folder_in_dev_shm_neither_blocks_nor_steers_a_run(tmp_path: Path) -> None:
+    """Another user made /dev/shm/levers9-<uid> first (in a mount namespace of the test's own): a run needs no
+    folder by default, one with timeout= uses the temp dir instead, and LEVERS9_STATE_DIR moves it."""
+    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.fail("this test needs root and `unshare -m` (CI runs as root); run it as root")
+    done = _run(["unshare", "-m", "sh", "-c", SQUATTED_SHM], timeout=200, PY=sys.executable, STATE=str(tmp_path / "state"))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    for word in ("RUN 2", "TIMED 2", "MOVED 2", "BOARDS there"):
+        assert word in done.stdout, done.stdout
