@@ -1,0 +1,231 @@
+"""One training across two Ray nodes (issue 25): planning, torchrun's world on every rank, failures named across nodes.
+
+A module-scoped cluster of two Ray nodes on this machine, each on its own loopback address (127.0.0.2 and
+127.0.0.3; Ray rewrites 127.0.0.1), each with 1 CPU and 2 logical GPUs declared as levers9_RTXPro6000 (no
+NVML card behind them: the job layer runs the ranks on gloo, on the CPU). The session's one-node Ray
+(tests/ray_cluster.py) is shut down first if an earlier module started it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from levers9.errors import InfeasibleJobError, NodeLost, RankCrashed
+from levers9.launch import job
+from levers9.launch.settings import update_settings
+from levers9.launch.spec import build_spec
+from tests import nodefns, ray_cluster
+
+pytestmark = pytest.mark.ray
+NODES = ("127.0.0.2", "127.0.0.3")
+TYPE = "RTXPro6000"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    """Two Ray nodes, 2 simulated cards each, short health checks; everything removed afterwards."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray_cluster.release()
+    root = tempfile.mkdtemp(prefix="l9nodes-", dir="/tmp")
+    saved = {k: v for k, v in os.environ.items() if k.startswith("LEVERS9_") or k == "TMPDIR"}
+    for key in saved:
+        del os.environ[key]
+    os.environ["TMPDIR"] = root
+    node_args = dict(num_cpus=1, num_gpus=2, resources={f"levers9_{TYPE}": 2}, object_store_memory=100 * 2**20)
+    made = None
+    try:
+        made = Cluster(initialize_head=True, head_node_args=dict(
+            node_ip_address=NODES[0], include_dashboard=False, _temp_dir=os.path.join(root, "r"),
+            _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 3}, **node_args))  # fmt: skip
+        made.add_node(node_ip_address=NODES[1], **node_args)
+        made.wait_for_nodes()
+        ray.init(address=made.address, _node_ip_address=NODES[0], log_to_driver=False)
+    except BaseException:
+        if made is not None:
+            made.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    finally:
+        os.environ.pop("TMPDIR", None)
+        os.environ.update(saved)
+    try:
+        yield made
+    finally:
+        ray.shutdown()
+        made.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def on_cluster(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The multi-GPU switch on, and a marker in every job's environment to find its processes by."""
+    update_settings(multi_gpu=True)
+    yield f"l9nodes-{os.getpid()}-{time.monotonic_ns()}"
+
+
+def processes_with(marker: str) -> list[int]:
+    """Pids of live processes whose environment holds L9_NODES_TEST=marker (the job's and its ranks')."""
+    found = []
+    needle = f"L9_NODES_TEST={marker}".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def nothing_left(marker: str, within: float = 15.0) -> None:
+    deadline = time.monotonic() + within
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_with(marker) == [], "processes of the job are left"
+
+
+def gang_job(marker: str, gpu_count: int = 4, **kwargs: Any) -> Any:
+    return job(gpu=TYPE, gpu_count=gpu_count, backend="ray", timeout=150, env={"L9_NODES_TEST": marker},
+               stop_grace=2.0, **kwargs)(nodefns.train)  # fmt: skip
+
+
+def wait_for(path: Path, within: float = 90.0) -> str:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text():
+            return path.read_text()
+        time.sleep(0.05)
+    raise AssertionError(f"{path} was never written")
+
+
+# ---- planning as a pure function -----------------------------------------------------------------------
+
+
+def node(address: str, gpus: int) -> Any:
+    from levers9.launch.ray_backend import Node
+
+    return Node(address, {"CPU": 8.0, "GPU": float(gpus), f"levers9_{TYPE}": float(gpus)})
+
+
+def test_split_takes_the_fewest_nodes_of_equal_shares() -> None:
+    from levers9.launch.ray_gang import split
+
+    assert split(4, [2, 2]) == (2, 2)
+    assert split(16, [8, 8, 8]) == (2, 8)
+    assert split(12, [8, 6, 6]) == (2, 6)  # two nodes of 6, never 8 + 4
+    assert split(12, [4, 4, 4, 3]) == (3, 4)
+    assert split(3, [2, 2]) is None  # 3 splits only into 3 x 1, and there are two nodes
+    assert split(6, [2, 2]) is None
+
+
+def test_an_uneven_split_is_refused_with_a_table_of_the_nodes() -> None:
+    from levers9.launch.ray_backend import plan_job
+    from levers9.launch.ray_gang import plan_gang
+
+    spec = build_spec(name="cell", gpu=TYPE, gpu_count=3, timeout=None, retries=0, env=None, cpu=None, memory=None,
+                      queue_timeout=None, stop_grace=10.0, stream_output=True)  # fmt: skip
+    nodes = [node("10.0.0.1", 2), node("10.0.0.2", 2)]
+    with pytest.raises(InfeasibleJobError) as single:
+        plan_job(spec, nodes)
+    with pytest.raises(InfeasibleJobError, match=r"(?s)split evenly.*10\.0\.0\.1 +2 .*10\.0\.0\.2 +2 ") as err:
+        plan_gang(spec, nodes, single.value, None)
+    assert "gpu_count=" in str(err.value)
+
+
+# ---- on the two-node cluster ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_four_cards_run_as_two_nodes_of_two(on_cluster: str) -> None:
+    ranks = gang_job(on_cluster).remote({"fn": "describe_rank"})
+    by_rank = {r["rank"]: r for r in ranks}
+    assert sorted(by_rank) == [0, 1, 2, 3]
+    assert {by_rank[0]["ray_node"], by_rank[1]["ray_node"]} != {by_rank[2]["ray_node"]}
+    assert by_rank[0]["ray_node"] == by_rank[1]["ray_node"] and by_rank[2]["ray_node"] == by_rank[3]["ray_node"]
+    assert {r["ray_node"] for r in ranks} == set(NODES)
+    for r in ranks:
+        node_rank = r["rank"] // 2
+        assert (r["RANK"], r["LOCAL_RANK"], r["WORLD_SIZE"], r["LOCAL_WORLD_SIZE"]) == (str(r["rank"]), str(r["rank"] % 2), "4", "2")
+        assert (r["GROUP_RANK"], r["NODE_RANK"], r["GROUP_WORLD_SIZE"]) == (str(node_rank), str(node_rank), "2")
+        assert (r["node_rank"], r["local_rank"], r["world"], r["td_rank"]) == (node_rank, r["rank"] % 2, 4, r["rank"])
+        assert r["MASTER_ADDR"] == by_rank[0]["ray_node"] and r["MASTER_PORT"] == by_rank[0]["MASTER_PORT"]
+        assert r["TORCHELASTIC_USE_AGENT_STORE"] == "True" and r["LEVERS9_STORE_PORT"] is None
+        assert len(r["CUDA_VISIBLE_DEVICES"].split(",")) == 2  # only its node's cards
+        assert r["GLOO_SOCKET_IFNAME"] == r["NCCL_SOCKET_IFNAME"] == "lo"  # the interface of 127.0.0.x
+        assert r["mean"] == 1.5
+    nothing_left(on_cluster)
+
+
+@pytest.mark.timeout(120)
+def test_two_cards_stay_on_one_node_on_loopback(on_cluster: str) -> None:
+    ranks = gang_job(on_cluster, gpu_count=2).remote({"fn": "describe_rank"})
+    assert len({r["ray_node"] for r in ranks}) == 1
+    assert all(r["MASTER_ADDR"] == "127.0.0.1" and r["GROUP_WORLD_SIZE"] == "1" and r["node_rank"] == 0 for r in ranks)
+    assert all(r["LEVERS9_STORE_PORT"] == r["MASTER_PORT"] for r in ranks)
+    assert [r["mean"] for r in ranks] == [0.5, 0.5]
+
+
+def test_three_cards_are_refused_at_once_with_the_table(on_cluster: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(InfeasibleJobError, match=r"(?s)split evenly.*127\.0\.0\.2 .*127\.0\.0\.3 "):
+        gang_job(on_cluster, gpu_count=3).remote({"fn": "describe_rank"})
+    assert time.monotonic() - started < 5
+    assert processes_with(on_cluster) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_raising_on_the_second_node_is_named(on_cluster: str, tmp_path: Path) -> None:
+    mark = tmp_path / "failed"
+    with pytest.raises(nodefns.NodeError, match="rank 3 fails on purpose") as err:
+        gang_job(on_cluster).remote({"fn": "fail_on", "rank": 3, "how": "raise", "mark": str(mark)})
+    seconds = time.time() - float(mark.read_text().split()[0])
+    note = "\n".join(getattr(err.value, "__notes__", []))
+    assert "rank 3 (pid" in note and "on node 1 (127.0.0.3)" in note
+    assert 'in fail_on\n    raise NodeError(f"rank {dist.rank()} fails on purpose")' in note
+    print(f"raise on node 1 named after {seconds:.2f} s")
+    assert seconds < 10
+    nothing_left(on_cluster)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_killed_on_the_second_node_is_named(on_cluster: str, tmp_path: Path) -> None:
+    mark = tmp_path / "failed"
+    with pytest.raises(RankCrashed, match=r"rank 2 \(pid \d+\) on node 1 \(127\.0\.0\.3\) was killed by SIGKILL") as err:
+        gang_job(on_cluster).remote({"fn": "fail_on", "rank": 2, "how": "kill", "mark": str(mark)})
+    seconds = time.time() - float(mark.read_text().split()[0])
+    assert err.value.failure is not None and err.value.failure.signal == signal.SIGKILL
+    print(f"SIGKILL on node 1 named after {seconds:.2f} s")
+    assert seconds < 10
+    nothing_left(on_cluster)
+
+
+@pytest.mark.timeout(180)
+def test_a_lost_agent_is_named_by_the_heartbeat(on_cluster: str, tmp_path: Path) -> None:
+    import concurrent.futures
+
+    mark = tmp_path / "parked"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(gang_job(on_cluster).remote, {"fn": "park", "mark": str(mark)})
+        agent = int(wait_for(Path(f"{mark}.2")).split()[1])  # rank 2's parent: node 1's agent
+        assert nodefns.ray_node_of_this_process.__name__  # (the agent is a Ray worker on 127.0.0.3)
+        os.kill(agent, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(NodeLost, match=r"lost node 1 \(127\.0\.0\.3, ranks 2-3\)") as err:
+            future.result(timeout=60)
+        seconds = time.monotonic() - killed
+    assert err.value.node == "127.0.0.3" and err.value.ranks == (2, 3)
+    print(f"agent killed on node 1, NodeLost after {seconds:.2f} s")
+    assert seconds < 10
+    nothing_left(on_cluster)
