@@ -18,13 +18,13 @@ class NodeError(Exception):
 
 
 def ray_node_of_this_process() -> str:
-    """The --node-ip-address of the nearest Ray worker among this process's ancestors (its Ray node)."""
+    """The node address of the nearest Ray worker or raylet among this process's ancestors (its Ray node)."""
     pid = os.getpid()
     while pid > 1:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             args = f.read().decode(errors="replace").split("\0")
         for arg in args:
-            if arg.startswith("--node-ip-address="):
+            if arg.startswith(("--node-ip-address=", "--node_ip_address=")):  # a Ray worker's or its raylet's
                 return arg.split("=", 1)[1]
         with open(f"/proc/{pid}/stat") as f:
             pid = int(f.read().rsplit(")", 1)[1].split()[1])

@@ -46,7 +46,7 @@ def cluster() -> Iterator[Any]:
     made = None
     try:
         made = Cluster(initialize_head=True, head_node_args=dict(
-            node_ip_address=NODES[0], include_dashboard=False, _temp_dir=os.path.join(root, "r"),
+            node_ip_address=NODES[0], include_dashboard=False,
             _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 3}, **node_args))  # fmt: skip
         made.add_node(node_ip_address=NODES[1], **node_args)
         made.wait_for_nodes()
