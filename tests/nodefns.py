@@ -58,7 +58,7 @@ def fail_on(cfg: dict[str, Any]) -> None:
 
     dist.all_reduce_mean(1.0)  # every rank is up
     if dist.rank() == cfg["rank"]:
-        Path(cfg["mark"]).write_text(f"{time.time()} {os.getpid()} {os.getppid()}")
+        Path(cfg["mark"]).write_text(f"{time.time()} {os.getpid()} {os.getppid()} {ray_node_of_this_process()}")
         if cfg["how"] == "raise":
             raise NodeError(f"rank {dist.rank()} fails on purpose")
         os.kill(os.getpid(), signal.SIGKILL)
@@ -72,7 +72,7 @@ def park(cfg: dict[str, Any]) -> None:
     from levers9 import distributed as dist
 
     dist.all_reduce_mean(1.0)
-    Path(cfg["mark"] + f".{dist.rank()}").write_text(f"{os.getpid()} {os.getppid()}")
+    Path(cfg["mark"] + f".{dist.rank()}").write_text(f"{os.getpid()} {os.getppid()} {ray_node_of_this_process()}")
     time.sleep(0.5)
     dist.all_reduce_mean(1.0)  # blocks: the test never lets rank 0 leave... until a node is lost
     time.sleep(120)

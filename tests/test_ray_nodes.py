@@ -9,6 +9,7 @@ NVML card behind them: the job layer runs the ranks on gloo, on the CPU). The se
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -179,8 +180,11 @@ def test_two_cards_stay_on_one_node_on_loopback(on_cluster: str) -> None:
 
 def test_three_cards_are_refused_at_once_with_the_table(on_cluster: str) -> None:
     started = time.monotonic()
-    with pytest.raises(InfeasibleJobError, match=r"(?s)split evenly.*127\.0\.0\.2 .*127\.0\.0\.3 "):
+    with pytest.raises(InfeasibleJobError, match=r"split evenly") as err:
         gang_job(on_cluster, gpu_count=3).remote({"fn": "describe_rank"})
+    for address in NODES:
+        assert re.search(rf"\n  {re.escape(address)} +2 \(2 free\) +1\n", str(err.value) + "\n"), str(err.value)
+    assert "gpu_count=2 or gpu_count=4" in str(err.value)
     assert time.monotonic() - started < 5
     assert processes_with(on_cluster) == []
 
@@ -190,9 +194,10 @@ def test_a_rank_raising_on_the_second_node_is_named(on_cluster: str, tmp_path: P
     mark = tmp_path / "failed"
     with pytest.raises(nodefns.NodeError, match="rank 3 fails on purpose") as err:
         gang_job(on_cluster).remote({"fn": "fail_on", "rank": 3, "how": "raise", "mark": str(mark)})
-    seconds = time.time() - float(mark.read_text().split()[0])
+    when, pid, _, ray_node = mark.read_text().split()
+    seconds = time.time() - float(when)
     note = "\n".join(getattr(err.value, "__notes__", []))
-    assert "rank 3 (pid" in note and "on node 1 (127.0.0.3)" in note
+    assert f"rank 3 (pid {pid}) on node 1 ({ray_node})" in note, note
     assert 'in fail_on\n    raise NodeError(f"rank {dist.rank()} fails on purpose")' in note
     print(f"raise on node 1 named after {seconds:.2f} s")
     assert seconds < 10
@@ -202,9 +207,11 @@ def test_a_rank_raising_on_the_second_node_is_named(on_cluster: str, tmp_path: P
 @pytest.mark.timeout(180)
 def test_a_rank_killed_on_the_second_node_is_named(on_cluster: str, tmp_path: Path) -> None:
     mark = tmp_path / "failed"
-    with pytest.raises(RankCrashed, match=r"rank 2 \(pid \d+\) on node 1 \(127\.0\.0\.3\) was killed by SIGKILL") as err:
+    with pytest.raises(RankCrashed) as err:
         gang_job(on_cluster).remote({"fn": "fail_on", "rank": 2, "how": "kill", "mark": str(mark)})
-    seconds = time.time() - float(mark.read_text().split()[0])
+    when, pid, _, ray_node = mark.read_text().split()
+    seconds = time.time() - float(when)
+    assert f"rank 2 (pid {pid}) on node 1 ({ray_node}) was killed by SIGKILL" in str(err.value), str(err.value)
     assert err.value.failure is not None and err.value.failure.signal == signal.SIGKILL
     print(f"SIGKILL on node 1 named after {seconds:.2f} s")
     assert seconds < 10
@@ -218,14 +225,13 @@ def test_a_lost_agent_is_named_by_the_heartbeat(on_cluster: str, tmp_path: Path)
     mark = tmp_path / "parked"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         future = pool.submit(gang_job(on_cluster).remote, {"fn": "park", "mark": str(mark)})
-        agent = int(wait_for(Path(f"{mark}.2")).split()[1])  # rank 2's parent: node 1's agent
-        assert nodefns.ray_node_of_this_process.__name__  # (the agent is a Ray worker on 127.0.0.3)
-        os.kill(agent, signal.SIGKILL)
+        _, agent, ray_node = wait_for(Path(f"{mark}.2")).split()  # rank 2's parent: node 1's agent, a Ray worker
+        os.kill(int(agent), signal.SIGKILL)
         killed = time.monotonic()
-        with pytest.raises(NodeLost, match=r"lost node 1 \(127\.0\.0\.3, ranks 2-3\)") as err:
+        with pytest.raises(NodeLost, match=rf"lost node 1 \({re.escape(ray_node)}, ranks 2-3\)") as err:
             future.result(timeout=60)
         seconds = time.monotonic() - killed
-    assert err.value.node == "127.0.0.3" and err.value.ranks == (2, 3)
+    assert err.value.node == ray_node and err.value.ranks == (2, 3)
     print(f"agent killed on node 1, NodeLost after {seconds:.2f} s")
     assert seconds < 10
     nothing_left(on_cluster)

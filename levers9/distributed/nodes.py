@@ -42,7 +42,6 @@ from levers9.errors import (
     RankFailure,
     RunTimeout,
     add_note,
-    signal_name,
 )
 from levers9.procs import start
 from levers9.procs.failure import Failure, rebuild, ship, unship
@@ -395,10 +394,7 @@ class _Attempt:
         head = full.splitlines()[0].replace(f"rank {failure.rank} (pid {failure.pid})",
                                             f"rank {failure.rank} (pid {failure.pid}) {where}", 1)  # fmt: skip
         report = root.failure
-        if report is None:
-            how = f"killed by {signal_name(failure.signal)}" if failure.signal is not None else f"exit code {failure.exitcode}"
-            raise RankCrashed(f"distributed.run: {head}{stopped}. ({how})\n\n{full}", failure)
-        if report.is_exit:
+        if report is None or report.is_exit:
             raise RankCrashed(f"distributed.run: {head}{stopped}.\n\n{full}", failure)
         wrapper = RankFailed(f"distributed.run: {head}{stopped}.\n\n{full}", failure)
         original = rebuild(report)

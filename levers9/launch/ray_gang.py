@@ -81,10 +81,16 @@ def plan_gang(spec: JobSpec, nodes: list[Node], single: InfeasibleJobError, free
     ) from None
 
 
-def _suggest(spec: JobSpec, nodes: list[Node]) -> int:
-    caps = sorted((_cards_of_type(nd, t) for nd in nodes for t in (spec.gpu_types or ("",))), reverse=True)
-    best = max((c * (i + 1) for i, c in enumerate(caps) if c), default=1)
-    return max(1, min(best, spec.gpu_count))
+def _suggest(spec: JobSpec, nodes: list[Node]) -> str:
+    """'2 or gpu_count=4': the nearest card counts below and above the asked one that one node or an even split holds."""
+    caps = [_cards_of_type(nd, spec.gpu_types[0] if spec.gpu_types else "") for nd in nodes]
+
+    def holds(m: int) -> bool:
+        return max(caps, default=0) >= m or split(m, caps) is not None
+
+    below = next((m for m in range(spec.gpu_count - 1, 0, -1) if holds(m)), None)
+    above = next((m for m in range(spec.gpu_count + 1, sum(caps) + 1) if holds(m)), None)
+    return " or gpu_count=".join(str(m) for m in (below, above) if m is not None) or "1"
 
 
 def node_table(nodes: list[Node], gpu_types: tuple[str, ...], free: dict[str, dict[str, float]] | None) -> str:
