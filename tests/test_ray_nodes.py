@@ -8,6 +8,7 @@ NVML card behind them: the job layer runs the ranks on gloo, on the CPU). The se
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -183,7 +184,7 @@ def test_three_cards_are_refused_at_once_with_the_table(on_cluster: str) -> None
     with pytest.raises(InfeasibleJobError, match=r"split evenly") as err:
         gang_job(on_cluster, gpu_count=3).remote({"fn": "describe_rank"})
     for address in NODES:
-        assert re.search(rf"\n  {re.escape(address)} +2 \(2 free\) +1\n", str(err.value) + "\n"), str(err.value)
+        assert re.search(rf"\n  {re.escape(address)} +2 \(\d free\) +1\n", str(err.value) + "\n"), str(err.value)
     assert "gpu_count=2 or gpu_count=4" in str(err.value)
     assert time.monotonic() - started < 5
     assert processes_with(on_cluster) == []
@@ -235,3 +236,77 @@ def test_a_lost_agent_is_named_by_the_heartbeat(on_cluster: str, tmp_path: Path)
     print(f"agent killed on node 1, NodeLost after {seconds:.2f} s")
     assert seconds < 10
     nothing_left(on_cluster)
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.timeout(180)
+def test_a_frozen_node_is_named_by_the_heartbeat(on_cluster: str, tmp_path: Path) -> None:
+    import concurrent.futures
+
+    mark = tmp_path / "parked"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(gang_job(on_cluster).remote, {"fn": "park", "mark": str(mark)})
+        rank2, agent, ray_node = wait_for(Path(f"{mark}.2")).split()
+        rank3 = wait_for(Path(f"{mark}.3")).split()[0]
+        frozen = [int(agent), int(rank2), int(rank3)]  # node 1's agent and ranks: no packet leaves them
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            with pytest.raises(NodeLost, match=rf"lost node 1 \({re.escape(ray_node)}, ranks 2-3\)"):
+                future.result(timeout=60)
+            seconds = time.monotonic() - stopped
+        finally:
+            for pid in frozen:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+    print(f"node 1 frozen with SIGSTOP, NodeLost after {seconds:.2f} s")
+    assert seconds < 10
+    nothing_left(on_cluster)
+
+
+@pytest.mark.timeout(180)
+def test_a_lost_node_with_restarts_left_fails_naming_it(on_cluster: str, tmp_path: Path) -> None:
+    import concurrent.futures
+
+    mark = tmp_path / "parked"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(gang_job(on_cluster, max_restarts=1).remote, {"fn": "park", "mark": str(mark)})
+        _, agent, ray_node = wait_for(Path(f"{mark}.2")).split()
+        os.kill(int(agent), signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(NodeLost, match=rf"lost node 1 \({re.escape(ray_node)}, ranks 2-3\)") as err:
+            future.result(timeout=60)
+        seconds = time.monotonic() - killed
+    notes = "\n".join(getattr(err.value, "__notes__", []))
+    assert "nothing replaces a lost node" in str(err.value)
+    assert "attempt 1" in notes and "attempt 2" in notes and f"lost node {ray_node}" in notes, notes
+    print(f"node 1 lost with max_restarts=1: failed naming it after {seconds:.2f} s")
+    assert seconds < 15
+    nothing_left(on_cluster)
+
+
+@pytest.mark.timeout(180)
+def test_losing_the_store_host_ends_every_node(on_cluster: str, tmp_path: Path) -> None:
+    import concurrent.futures
+
+    from levers9.errors import JobCrashed
+
+    mark = tmp_path / "parked"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(gang_job(on_cluster).remote, {"fn": "park", "mark": str(mark)})
+        _, job_process, _ = wait_for(Path(f"{mark}.0")).split()
+        wait_for(Path(f"{mark}.2"))
+        host = parent_of(int(job_process))  # node 0's Ray task: it hosts the control store
+        os.kill(host, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(JobCrashed, match="Ray task running it was lost"):
+            future.result(timeout=60)
+        seconds = time.monotonic() - killed
+    print(f"store host killed: the caller knew after {seconds:.2f} s")
+    nothing_left(on_cluster)
+    print(f"and nothing of the job was left on either node after {time.monotonic() - killed:.2f} s")

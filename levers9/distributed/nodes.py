@@ -14,6 +14,7 @@ Control store keys (all under the job's control store, hosted by node 0's Ray ta
     a<n>/start           attempt n's start request            a<n>/stop     stop attempt n's ranks now
     a<n>/fail/<i>        node i's first failure (shipped)     a<n>/done/<i> node i's ranks all returned
     a<n>/stopped/<i>     node i's ranks of attempt n are gone  end          the job is over: agents exit
+    lost/<i>             node 0 declared node i lost (its agent is cancelled without waiting)
 """
 
 from __future__ import annotations
@@ -345,6 +346,8 @@ class _Attempt:
             silent = self._silent(now)
             if silent is not None and not (first_real is not None and now - first_real >= ROOT_CAUSE_WINDOW_S):
                 self.zero.lost[silent] = f"its agent's heartbeat stopped for {LOST_AFTER_S:g} s"
+                with contextlib.suppress(Exception):
+                    self.store.set(f"lost/{silent}", "1")  # node 0's task cancels that agent at once
                 self._stop_everywhere()
                 raise self.zero._lost_error(silent, self.zero.lost[silent])
             if first_real is not None and now - first_real >= ROOT_CAUSE_WINDOW_S:

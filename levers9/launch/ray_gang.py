@@ -207,13 +207,23 @@ def host(payload: dict[str, Any], address: str, stop_grace: float) -> Iterator[G
     finally:
         with contextlib.suppress(Exception):
             store.set("end", "1")
-        if refs:
+        lost = [ref for i, ref in enumerate(refs, 1) if _declared_lost(store, i)]
+        waiting = [ref for ref in refs if ref not in lost]
+        if waiting:
             with contextlib.suppress(Exception):
-                ray.wait(refs, num_returns=len(refs), timeout=stop_grace + AGENT_EXIT_WAIT_S)
+                ray.wait(waiting, num_returns=len(waiting), timeout=stop_grace + AGENT_EXIT_WAIT_S)
+        if refs:
             for ref in refs:
                 with contextlib.suppress(Exception):
                     ray.cancel(ref, force=True)
         del store
+
+
+def _declared_lost(store: Any, node: int) -> bool:
+    try:
+        return bool(store.check([f"lost/{node}"]))
+    except Exception:
+        return True
 
 
 # ---- inside the agent's Ray task on node i ----------------------------------------------------------------
