@@ -49,7 +49,23 @@ def train(cfg: dict[str, Any]) -> Any:
     """A job body: dist.run on every card the job holds."""
     from levers9 import distributed as dist
 
-    return dist.run(globals()[cfg["fn"]], cfg)
+    return dist.run(globals()[cfg["fn"]], cfg, **cfg.get("run", {}))
+
+
+def train_twice(cfg: dict[str, Any]) -> Any:
+    """A job body that calls dist.run twice: both runs use every node."""
+    from levers9 import distributed as dist
+
+    return [dist.run(globals()[cfg["fn"]], cfg) for _ in range(2)]
+
+
+def fail_first(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Rank 3 raises in the first attempt only; later attempts return the mean of the ranks and the attempt."""
+    from levers9 import distributed as dist
+
+    if dist.restart_count() == 0 and dist.rank() == 3:
+        raise NodeError("rank 3 fails in the first attempt")
+    return {"mean": float(dist.all_reduce_mean(float(dist.rank()))), "restart": dist.restart_count(), "pid": os.getpid()}
 
 
 def fail_on(cfg: dict[str, Any]) -> None:

@@ -310,3 +310,22 @@ def test_losing_the_store_host_ends_every_node(on_cluster: str, tmp_path: Path) 
     print(f"store host killed: the caller knew after {seconds:.2f} s")
     nothing_left(on_cluster)
     print(f"and nothing of the job was left on either node after {time.monotonic() - killed:.2f} s")
+
+
+@pytest.mark.timeout(180)
+def test_a_restart_reforks_every_rank_on_every_node(on_cluster: str) -> None:
+    result = gang_job(on_cluster, max_restarts=1).remote(
+        {"fn": "fail_first", "run": {"restart_on": ("exception",), "restart_delay": 0}}
+    )
+    assert result["restart"] == 1 and result["mean"] == 1.5  # back in fn on all four ranks, in the second attempt
+    nothing_left(on_cluster)
+
+
+@pytest.mark.timeout(180)
+def test_two_runs_in_one_job_both_use_every_node(on_cluster: str) -> None:
+    fn = job(gpu=TYPE, gpu_count=4, backend="ray", timeout=150, env={"L9_NODES_TEST": on_cluster})(nodefns.train_twice)
+    first, second = fn.remote({"fn": "describe_rank"})
+    for ranks in (first, second):
+        assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3] and {r["ray_node"] for r in ranks} == set(NODES)
+    assert first[0]["MASTER_PORT"] != second[0]["MASTER_PORT"]  # each run hosts a fresh rendezvous store
+    nothing_left(on_cluster)

@@ -11,6 +11,7 @@ heartbeat counter stopped moving for LOST_AFTER_S. Nothing here imports Ray.
 
 Control store keys (all under the job's control store, hosted by node 0's Ray task):
     ready/<i>            agent i joined (its address)         hb/<i>        agent i's heartbeat counter
+    attempts             how many attempts node 0 started (each distributed.run call and restart is one)
     a<n>/start           attempt n's start request            a<n>/stop     stop attempt n's ranks now
     a<n>/fail/<i>        node i's first failure (shipped)     a<n>/done/<i> node i's ranks all returned
     a<n>/stopped/<i>     node i's ranks of attempt n are gone  end          the job is over: agents exit
@@ -52,7 +53,9 @@ HEARTBEAT_EVERY_S = 0.5  # an agent bumps its counter this often
 LOST_AFTER_S = 5.0  # a counter that did not move for this long: the node is lost
 JOIN_TIMEOUT_S = 120.0  # agents that have not joined by then are named
 POLL_EVERY_S = 0.1  # node 0 reads the control store this often
-ROOT_CAUSE_WINDOW_S = 0.15  # as on one node: after the first failure, wait for an earlier one still in flight
+ROOT_CAUSE_WINDOW_S = 0.15  # as on one node: an agent waits this long for an earlier failure of its own ranks
+# node 0 waits longer: an agent's report of an earlier failure is on its way (its window, then node 0's poll)
+ACROSS_NODES_WINDOW_S = ROOT_CAUSE_WINDOW_S + 2 * POLL_EVERY_S + 0.15
 REPORT_LINES = 40
 SOCKET_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
@@ -201,7 +204,6 @@ class _NodeZero:
     def __init__(self, run: GangRun, gang: GangContext, job: JobContext) -> None:
         self.run, self.gang, self.job = run, gang, job
         self.store: Any = None
-        self.number = 0  # the next attempt's number
         self.lost: dict[int, str] = {}  # node -> why, once declared lost
 
     def forget_store(self) -> None:
@@ -236,7 +238,10 @@ class _NodeZero:
             time.sleep(POLL_EVERY_S)
 
     def attempt(self, attempt_env: dict[str, str]) -> Any:
-        n, self.number = self.number, self.number + 1
+        n = int(self.store.add("attempts", 1)) - 1  # counted in the store: a job may call distributed.run again
+        for i in self.agents:
+            if i not in self.lost and self.store.check([f"lost/{i}"]):
+                self.lost[i] = "an earlier distributed.run of this job lost it"
         if self.lost:
             node, why = next(iter(self.lost.items()))
             raise self._lost_error(node, why + "; nothing replaces a lost node in this version, so no restart can run")
@@ -344,13 +349,13 @@ class _Attempt:
             if first_real is None and any(not r.peer_loss for r in reports):
                 first_real = now
             silent = self._silent(now)
-            if silent is not None and not (first_real is not None and now - first_real >= ROOT_CAUSE_WINDOW_S):
+            if silent is not None and not (first_real is not None and now - first_real >= ACROSS_NODES_WINDOW_S):
                 self.zero.lost[silent] = f"its agent's heartbeat stopped for {LOST_AFTER_S:g} s"
                 with contextlib.suppress(Exception):
                     self.store.set(f"lost/{silent}", "1")  # node 0's task cancels that agent at once
                 self._stop_everywhere()
                 raise self.zero._lost_error(silent, self.zero.lost[silent])
-            if first_real is not None and now - first_real >= ROOT_CAUSE_WINDOW_S:
+            if first_real is not None and now - first_real >= ACROSS_NODES_WINDOW_S:
                 self._raise_root()
             if first_any is not None and now - first_any >= LOST_AFTER_S + 1:
                 self._raise_root()  # only peer-loss errors, and every node still beats: the earliest one
