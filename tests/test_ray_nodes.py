@@ -9,6 +9,7 @@ NVML card behind them: the job layer runs the ranks on gloo, on the CPU). The se
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -23,7 +24,7 @@ import pytest
 
 from levers9.errors import InfeasibleJobError, NodeLost, RankCrashed
 from levers9.launch import job
-from levers9.launch.settings import update_settings
+from levers9.launch.settings import runs_dir, update_settings
 from levers9.launch.spec import build_spec
 from tests import nodefns, ray_cluster
 
@@ -167,6 +168,9 @@ def test_four_cards_run_as_two_nodes_of_two(on_cluster: str) -> None:
         assert len(r["CUDA_VISIBLE_DEVICES"].split(",")) == 2  # only its node's cards
         assert r["GLOO_SOCKET_IFNAME"] == r["NCCL_SOCKET_IFNAME"] == "lo"  # the interface of 127.0.0.x
         assert r["mean"] == 1.5
+    (meta,) = runs_dir().glob("*/0000-1/meta.json")  # what the status line and `levers9 runs` show
+    plan = f"4 x {TYPE} as 2 nodes x 2: {by_rank[0]['ray_node']}, {by_rank[2]['ray_node']}"
+    assert json.loads(meta.read_text())["node"] == plan
     nothing_left(on_cluster)
 
 
