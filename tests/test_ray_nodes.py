@@ -183,6 +183,18 @@ def test_two_cards_stay_on_one_node_on_loopback(on_cluster: str) -> None:
     assert [r["mean"] for r in ranks] == [0.5, 0.5]
 
 
+def test_doctor_shows_the_plan(on_cluster: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from levers9.cli import main as cli_main
+
+    assert cli_main(["doctor", "--ray-plan", f"{TYPE}:4"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"Ray plan\n  4 x {TYPE} as 2 nodes x 2: 127\.0\.0\.[23], 127\.0\.0\.[23] ", out), out
+    assert cli_main(["doctor", "--ray-plan", f"{TYPE}:2"]) == 0
+    assert f"Ray plan\n  2 x {TYPE} on one node" in capsys.readouterr().out
+    assert cli_main(["doctor", "--ray-plan", f"{TYPE}:3"]) == 0
+    assert "split evenly" in capsys.readouterr().out
+
+
 def test_three_cards_are_refused_at_once_with_the_table(on_cluster: str) -> None:
     started = time.monotonic()
     with pytest.raises(InfeasibleJobError, match=r"split evenly") as err:

@@ -122,6 +122,26 @@ def free_by_node() -> dict[str, dict[str, float]] | None:
         return None
 
 
+def plan_text(gpu: str, gpu_count: int) -> str:
+    """How a job of `gpu_count` cards of type `gpu` would be placed on the Ray cluster now, in one line
+    ('4 x RTXPro6000 as 2 nodes x 2: <ip>, <ip>'); the job's own InfeasibleJobError when it could not be."""
+    from levers9.launch import ray_backend
+    from levers9.launch.spec import build_spec
+
+    spec = build_spec(name="levers9 doctor", gpu=gpu, gpu_count=gpu_count, timeout=None, retries=0, env=None, cpu=None,
+                      memory=None, queue_timeout=None, stop_grace=10.0, stream_output=False)  # fmt: skip
+    ray_backend.connect()
+    nodes = ray_backend.alive_nodes()
+    try:
+        plan = ray_backend.plan_job(spec, nodes)
+    except InfeasibleJobError as single:
+        if gpu_count < 2:
+            raise
+        gang = plan_gang(spec, nodes, single, free_by_node())
+        return f"{gang.describe()} (Ray's placement group picks the nodes when the job starts)"
+    return f"{gpu_count} x {plan.gpu_type or 'GPU'} on one node ({len(nodes)} alive node(s)), on loopback as on one machine"
+
+
 def bundles(gang: GangPlan, num_cpus: float, memory: int | None) -> list[dict[str, float]]:
     """One bundle per node: the share of cards (GPU and the type's resource), the job's CPUs and memory."""
     bundle = {"GPU": float(gang.share), "CPU": float(num_cpus)}
