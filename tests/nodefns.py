@@ -37,6 +37,7 @@ def describe_rank(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
     from levers9 import distributed as dist
 
+    print(f"hello from rank {dist.rank()}", flush=True)
     mine = {name: os.environ.get(name) for name in VARS}
     mine.update(rank=dist.rank(), world=dist.world_size(), node_rank=dist.node_rank(), local_rank=dist.local_rank(),
                 ray_node=ray_node_of_this_process(), td_rank=td.get_rank(), mean=float(dist.all_reduce_mean(float(dist.rank()))))  # fmt: skip

@@ -171,6 +171,9 @@ def test_four_cards_run_as_two_nodes_of_two(on_cluster: str) -> None:
     (meta,) = runs_dir().glob("*/0000-1/meta.json")  # what the status line and `levers9 runs` show
     plan = f"4 x {TYPE} as 2 nodes x 2: {by_rank[0]['ray_node']}, {by_rank[2]['ray_node']}"
     assert json.loads(meta.read_text())["node"] == plan
+    printed = (meta.parent / "stdout.log").read_text().splitlines()  # every node's rank output reaches the caller
+    assert "hello from rank 0" in printed and {"[rank 1] hello from rank 1", "[rank 2] hello from rank 2",
+                                               "[rank 3] hello from rank 3"} <= set(printed), printed  # fmt: skip
     nothing_left(on_cluster)
 
 

@@ -15,6 +15,7 @@ Control store keys (all under the job's control store, hosted by node 0's Ray ta
     a<n>/start           attempt n's start request            a<n>/stop     stop attempt n's ranks now
     a<n>/fail/<i>        node i's first failure (shipped)     a<n>/done/<i> node i's ranks all returned
     a<n>/stopped/<i>     node i's ranks of attempt n are gone  end          the job is over: agents exit
+    a<n>/out/<i>/count   batches of node i's rank output       a<n>/out/<i>/<seq>  one batch (node 0 prints, deletes)
     lost/<i>             node 0 declared node i lost (its agent is cancelled without waiting)
 """
 
@@ -280,6 +281,7 @@ class _Attempt:
         self.done: set[int] = set()
         self.started = time.monotonic()
         self.beats: dict[int, tuple[int, float]] = {}  # node -> (last counter, when it last moved)
+        self.printed: dict[int, int] = {}  # node -> the last batch of its output printed here
 
     def _forward(self, child: Child, stream: str, line: str) -> None:
         prefix = f"[{child.name}] " if self.zero.run.prefix_output and child is not self.ranks[0] else ""
@@ -306,7 +308,7 @@ class _Attempt:
                 self.ranks.append(self.watcher.add(child))
             request = {"call": run.shipped, "backend": run.backend, "env": run.env, "master": (address, port),
                        "run_id": run_id, "attempt_env": self.attempt_env, "make_group": run.make_group,
-                       "stop_grace": run.stop_grace}  # fmt: skip
+                       "stop_grace": run.stop_grace, "prefix_output": run.prefix_output}  # fmt: skip
             self.store.set(f"a{self.n}/start", ship(request))
             try:
                 return self._watch()
@@ -320,10 +322,27 @@ class _Attempt:
                 self.remote[i] = unship(self.store.get(f"a{self.n}/fail/{i}"))
             if i not in self.done and self.store.check([f"a{self.n}/done/{i}"]):
                 self.done.add(i)
+            self._print_output_of(i)  # after the flags: a node posts its output before them
             count = int(self.store.add(f"hb/{i}", 0))
             last = self.beats.get(i)
             if last is None or last[0] != count:
                 self.beats[i] = (count, now)
+
+    def _print_output_of(self, node: int) -> None:
+        """Print the batches of node's rank output that arrived since the last poll, in order."""
+        key = f"a{self.n}/out/{node}"
+        count = int(self.store.add(f"{key}/count", 0))
+        while self.printed.get(node, 0) < count:
+            seq = self.printed.get(node, 0) + 1
+            if not self.store.check([f"{key}/{seq}"]):
+                return  # numbered but not written yet: the next poll reads it
+            for stream, line in unship(self.store.get(f"{key}/{seq}")):
+                out = sys.stdout if stream == "stdout" else sys.stderr
+                out.write(f"{line}\n")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            self.store.delete_key(f"{key}/{seq}")
+            self.printed[node] = seq
 
     def _silent(self, now: float) -> int | None:
         for i, (_, moved) in self.beats.items():
@@ -416,6 +435,24 @@ class _Attempt:
 # ---- nodes 1..k-1: the agent ---------------------------------------------------------------------------
 
 
+class _OutputSender:
+    """A node's rank output, sent to node 0 in batches through the control store (a<n>/out/<i>/<seq>)."""
+
+    def __init__(self, store: Any, attempt: int, node: int, prefix: bool) -> None:
+        self.store, self.key, self.prefix = store, f"a{attempt}/out/{node}", prefix
+        self.lines: list[tuple[str, str]] = []
+
+    def add(self, child: Child, stream: str, line: str) -> None:
+        self.lines.append((stream, f"[{child.name}] {line}" if self.prefix else line))
+
+    def send(self) -> None:
+        if not self.lines:
+            return
+        batch, self.lines = self.lines, []
+        seq = int(self.store.add(f"{self.key}/count", 1))
+        self.store.set(f"{self.key}/{seq}", ship(batch))
+
+
 class _Heartbeat:
     """A daemon thread that bumps hb/<node> every HEARTBEAT_EVERY_S on its own store client; `.gone` once the
     control store stopped answering (node 0's task ended or its node died)."""
@@ -473,7 +510,8 @@ def _serve_attempt(store: Any, beat: _Heartbeat, n: int, request: dict[str, Any]
     node = gang.node_index
     method = start.choose()
     call = unship(request["call"]) if method.forks else request["call"]
-    watcher = Watcher(lambda child, stream, line: print(f"[{child.name}] {line}", file=sys.stdout if stream == "stdout" else sys.stderr, flush=True))
+    out = _OutputSender(store, n, node, bool(request.get("prefix_output", True)))
+    watcher = Watcher(out.add)
     ranks: list[Child] = []
     first = gang.first_rank(node)
     user_env = {**os.environ, **base_env}
@@ -497,15 +535,18 @@ def _serve_attempt(store: Any, beat: _Heartbeat, n: int, request: dict[str, Any]
                 failed_at = now
             if failed_at is not None and now - failed_at >= ROOT_CAUSE_WINDOW_S:
                 watcher.drain(0.2)
+                out.send()  # output first: node 0 reads it before it acts on the failure
                 reports = [report_of(p, first + i, node, address) for i, p in enumerate(ranks) if p.failed]
                 store.set(f"a{n}/fail/{node}", ship(root_of(reports)))
                 return
             if failed_at is None and all(p.status is not None for p in ranks):
                 watcher.drain()
+                out.send()
                 store.set(f"a{n}/done/{node}", "1")
                 return
             if now >= next_poll:
                 next_poll = now + POLL_EVERY_S
+                out.send()
                 if beat.gone.is_set() or store.check([f"a{n}/stop"]) or store.check(["end"]):
                     return
     finally:
