@@ -147,7 +147,32 @@ def test_an_uneven_split_is_refused_with_a_table_of_the_nodes() -> None:
     assert "gpu_count=" in str(err.value)
 
 
+def test_ranks_talk_on_the_interface_that_carries_the_node_address() -> None:
+    import subprocess
+
+    from levers9.distributed.nodes import interface_of, socket_env
+
+    assert interface_of("127.0.0.3") == "lo"
+    listed = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, check=True).stdout
+    real = [(f[1], f[3].split("/")[0]) for f in (line.split() for line in listed.splitlines()) if not f[3].startswith("127.")]
+    assert real, listed  # this machine has a non-loopback address (eth0)
+    for name, address in real:  # as `ip addr` lists them
+        assert interface_of(address) == name
+        assert socket_env(address, {}) == {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}
+        assert socket_env(address, {"NCCL_SOCKET_IFNAME": "ib0"}) == {"GLOO_SOCKET_IFNAME": name}  # the user's stays
+    assert interface_of("203.0.113.77") is None and socket_env("203.0.113.77", {}) == {}
+
+
 # ---- on the two-node cluster ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_stall_timeout_across_nodes_is_refused_before_any_rank_starts(on_cluster: str) -> None:
+    from levers9.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"stall_timeout=30 is not supported yet for a run across several nodes"):
+        gang_job(on_cluster).remote({"fn": "describe_rank", "run": {"stall_timeout": 30}})
+    nothing_left(on_cluster)
 
 
 @pytest.mark.timeout(180)
