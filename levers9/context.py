@@ -13,6 +13,39 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
+class GangContext:
+    """A job that holds cards on several Ray nodes (issue 25): where its control store is, and each node's share.
+
+    The job process runs on node 0; `distributed.run` there starts ranks 0..shares[0]-1 and asks the
+    levers9 agent on each other node (through the control store node 0's Ray task hosts) to start its
+    share. `node_index` is the node the holder of this value runs on."""
+
+    control_addr: str
+    control_port: int
+    addresses: tuple[str, ...]  # the Ray node address of each node, node 0 first
+    shares: tuple[int, ...]  # cards (ranks) on each node
+    node_index: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.shares)
+
+    def first_rank(self, node: int) -> int:
+        """The global rank of node `node`'s local rank 0."""
+        return sum(self.shares[:node])
+
+    def describe(self) -> str:
+        """'4 as 2 nodes x 2: 127.0.0.2, 127.0.0.3'."""
+        return describe_split(self.world_size, self.shares, self.addresses)
+
+
+def describe_split(total: int, shares: tuple[int, ...], addresses: tuple[str, ...], gpu_type: str = "") -> str:
+    """'4 x RTXPro6000 as 2 nodes x 2: <ip>, <ip>' ('4 as ...' without a type), as the status line shows a plan."""
+    cards = f"{total} x {gpu_type}" if gpu_type else str(total)
+    return f"{cards} as {len(shares)} nodes x {shares[0]}: {', '.join(addresses)}"
+
+
+@dataclasses.dataclass(frozen=True)
 class JobContext:
     """One attempt of one cell: where it belongs, its cards, and the limits `distributed.run` inherits."""
 
@@ -25,6 +58,7 @@ class JobContext:
     simulated: bool = False  # the cards are LEVERS9_SIMULATE_GPUS's: ranks compute on the CPU with gloo
     stall_timeout: float | None = None
     max_restarts: int = 0
+    gang: GangContext | None = None  # set when the job holds cards on several Ray nodes
 
     @property
     def job_id(self) -> str:

@@ -54,6 +54,10 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--nprocs", type=int, default=None, help="ranks on this node to plan for (default: one per card)"
     )
+    p.add_argument(
+        "--ray-plan", default=None, metavar="GPU:N",
+        help="how a job of N cards of type GPU would be placed on the Ray cluster (RAY_ADDRESS, or a local Ray)",
+    )  # fmt: skip
     p.set_defaults(handler=main)
 
 
@@ -66,6 +70,8 @@ def main(args: argparse.Namespace) -> int:
         )
         return 2
     report = collect(nprocs=args.nprocs)
+    if getattr(args, "ray_plan", None):
+        report["ray_plan"] = _ray_plan(args.ray_plan)
     if args.probe:
         report["probe"] = probe(len(report["cards"]["cards"]), timeout=args.probe_timeout)
     if args.json:
@@ -77,6 +83,20 @@ def main(args: argparse.Namespace) -> int:
 
 
 # --- collecting ---------------------------------------------------------------------------------
+
+
+def _ray_plan(asked: str) -> dict[str, Any]:
+    """{'plan': '4 x RTXPro6000 as 2 nodes x 2: <ip>, <ip>'} for --ray-plan GPU:N, or {'error': why not}."""
+    gpu, _, count = asked.rpartition(":")
+    if not gpu or not count.isdigit() or int(count) < 1:
+        return {"error": f"--ray-plan {asked!r}; expected GPU:N, e.g. --ray-plan RTXPro6000:4 (or any:4)."}
+    from levers9.errors import Levers9Error
+    from levers9.launch import ray_gang  # imports Ray: only when asked for
+
+    try:
+        return {"plan": ray_gang.plan_text(gpu, int(count))}
+    except Levers9Error as exc:
+        return {"error": str(exc)}
 
 
 def collect(nprocs: int | None = None) -> dict[str, Any]:
@@ -287,6 +307,9 @@ def render(r: dict[str, Any]) -> str:
         out.append(f"  {t['version']} ({build}; NCCL headers {t['nccl_compiled'] or 'none'})")
     else:
         out.append(f"  {t.get('error')}")
+    if "ray_plan" in r:
+        out.append("Ray plan")
+        out.extend(f"  {line}" for line in r["ray_plan"].get("plan", r["ray_plan"].get("error", "")).splitlines())
     inv = r["cards"]
     out.append("Cards")
     if not inv["cards"]:

@@ -11,7 +11,8 @@ Classes also derive from the builtin a caller would naturally catch (ValueError,
     ├── RankFailed (RuntimeError)           a rank of distributed.run failed; .failure says which and how
     │   ├── RankCrashed                     it exited with a code or died by a signal, no Python exception
     │   ├── RunTimeout (TimeoutError)       the run outlived timeout=
-    │   └── StallError                      ranks stopped making progress in a collective
+    │   ├── StallError                      ranks stopped making progress in a collective
+    │   └── NodeLost                        a node of a multi-node run went silent (its agent died or froze)
     ├── QuirkError (RuntimeError)           this machine's cards / NCCL / shm cannot run the job as set up
     ├── PrivateDirError (PermissionError)   a folder levers9 keeps state in is another user's, a symlink, or open to others
     └── JobError                            the job layer (levers9.launch)
@@ -110,6 +111,16 @@ class RunTimeout(RankFailed, TimeoutError):
 
 class StallError(RankFailed):
     """Ranks waited in a collective with no progress for longer than stall_timeout=."""
+
+
+class NodeLost(RankFailed):
+    """A node of a run across several Ray nodes stopped answering levers9's heartbeat, or never joined;
+    `.node` is its address and `.ranks` the global ranks it held. A restart counts it as "comm"."""
+
+    def __init__(self, message: str, node: str = "", ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.node = node
+        self.ranks = ranks
 
 
 class QuirkError(Levers9Error, RuntimeError):

@@ -59,9 +59,18 @@ def address(config: pytest.Config) -> str:
     return _state["address"]
 
 
+def release() -> None:
+    """Shut the session's Ray down now if it runs (a module that needs a cluster of its own calls this);
+    the next `address` call starts it again."""
+    if "address" in _state:
+        _shutdown()
+
+
 def _shutdown() -> None:
     import ray
 
+    if "root" not in _state:
+        return
     ray.shutdown()
     shutil.rmtree(_state.pop("root"), ignore_errors=True)
     _state.pop("address", None)

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from levers9.errors import ConfigError, RankFailed, RankFailure, RunTimeout, StallError, add_note
+from levers9.errors import ConfigError, NodeLost, RankFailed, RankFailure, RunTimeout, StallError, add_note
 from levers9.procs.failure import PEER_LOSS_MARKERS
 
 log = logging.getLogger("levers9.distributed")
@@ -162,6 +162,8 @@ def classify(exc: BaseException, timeout: float | None, stall_timeout: float | N
     if isinstance(exc, StallError):
         seconds = f" for {stall_timeout:g} s (stall_timeout={stall_timeout:g})" if stall_timeout else ""
         return "stall", f"no rank issued or completed a collective{seconds} while one waited"
+    if isinstance(exc, NodeLost):
+        return "comm", f"lost node {exc.node} (ranks {', '.join(map(str, exc.ranks))})"
     wrapper = exc if isinstance(exc, RankFailed) else exc.__cause__
     if not isinstance(wrapper, RankFailed) or wrapper.failure is None:
         return None, f"{type(exc).__name__}: {_first_line(str(exc))}"

@@ -149,16 +149,34 @@ def run(
     job = current_job()
     if max_restarts is None and job is not None:
         policy = dataclasses.replace(policy, max_restarts=job.max_restarts)  # @job(max_restarts=...)
-    if layout.nprocs == 1 and not policy.max_restarts:  # a restartable world of one runs as a started rank
+    if layout.nprocs == 1 and not policy.max_restarts and (job is None or job.gang is None):  # a restartable world of one runs as a started rank
         _refuse_spawn_only("in place", stall_timeout=stall_timeout, start_method=start_method)
         return _run_in_place(call, layout.backend, timeout, disable_quirks)
     if stall_timeout is None and job is not None:
         stall_timeout = job.stall_timeout  # @job(stall_timeout=...)
     method = start.choose(start_method)
+    if job is not None and job.gang is not None:  # a job holding cards on several Ray nodes (issue 25)
+        return _run_across_nodes(fn, cfg, call, layout, method, nprocs, timeout, stall_timeout, prefix_output,
+                                 disable_quirks, stop_grace, init_group, policy)  # fmt: skip
     plan = _Plan(call, None if method.forks else _shipped(fn, cfg, call, method), layout, _ranks_env(layout, disable_quirks),
                  method, timeout, stall_timeout, prefix_output is None or bool(prefix_output), stop_grace,
                  make_group=init_group)  # fmt: skip
     return _run_spawned(plan, policy)
+
+
+def _run_across_nodes(fn: Callable[..., Any], cfg: Any, call: Callable[..., Any], layout: Layout, method: start.StartMethod,
+                      nprocs: int | None, timeout: float | None, stall_timeout: float | None, prefix_output: bool | None,
+                      disabled: tuple[str, ...], stop_grace: float, init_group: bool, policy: restarts.RestartPolicy) -> Any:  # fmt: skip
+    """distributed.run inside a job that holds cards on several Ray nodes: see levers9.distributed.nodes."""
+    from levers9.distributed import nodes
+
+    gang = current_job().gang  # type: ignore[union-attr]
+    assert gang is not None
+    nodes.refuse_across_nodes(stall_timeout, nprocs, gang)
+    env = {k: v for k, v in _ranks_env(layout, disabled).items() if k not in nodes.SOCKET_VARS}
+    run = nodes.GangRun(call, _shipped(fn, cfg, call, method), layout.backend, env, method, timeout, stop_grace,
+                        init_group, prefix_output is None or bool(prefix_output))  # fmt: skip
+    return nodes.run_across_nodes(run, policy, gang)
 
 
 def _run_spawned(plan: _Plan, policy: restarts.RestartPolicy) -> Any:
@@ -502,16 +520,17 @@ def output_excerpt(lines: list[str]) -> str:
 
 
 @contextlib.contextmanager
-def hosted_store() -> Iterator[int]:
+def hosted_store(host: str = "127.0.0.1") -> Iterator[int]:
     """A rendezvous store on a loopback port this process bound itself (port 0: nothing collides, nothing
-    reachable from other hosts), for as long as the block runs; yields its port."""
+    reachable from other hosts), for as long as the block runs; yields its port. A run across nodes passes
+    node 0's address as `host` instead."""
     import torch.distributed as td
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind(("127.0.0.1", 0))
+        listener.bind((host, 0))
         listener.listen(128)
         port = listener.getsockname()[1]
-        store = td.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=60),
+        store = td.TCPStore(host, port, None, True, datetime.timedelta(seconds=60),
                             wait_for_workers=False, master_listen_fd=os.dup(listener.fileno()))  # fmt: skip
     try:
         yield port

@@ -43,10 +43,10 @@ from typing import Any
 import ray
 
 from levers9 import state_files
-from levers9.context import JobContext
+from levers9.context import JobContext, describe_split
 from levers9.distributed.hardware import oom
 from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, NotShippableError, RankFailure
-from levers9.launch import job_child, outcomes, runs
+from levers9.launch import job_child, outcomes, ray_gang, runs
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.lanes import dispatch
@@ -84,7 +84,12 @@ class RayBackend:
             return LocalBackend().submit(batch)
         connect()
         nodes = alive_nodes()
-        plan = plan_job(batch.spec, nodes)
+        try:
+            plan = plan_job(batch.spec, nodes)
+        except InfeasibleJobError as single:  # larger than any node: split across nodes, or refuse (issue 25)
+            if batch.spec.gpu_count < 2:
+                raise
+            plan = _gang_plan(batch.spec, nodes, single)
         try:
             func_blob = ship(batch.func)
         except Exception as exc:
@@ -111,6 +116,7 @@ class RayBackend:
                 "run_id": batch.run_id,
                 "index": cell.index,
                 "gpu_type": plan.gpu_type,
+                "gang": None,
             }
             cells.append(_RayCell(self, batch, cell, plan, payload, run_dir))
         dispatch(batch, cells, 2 * plan.capacity(nodes))
@@ -178,10 +184,11 @@ class Plan:
     resources: dict[str, float]
     memory: int | None
     gpu_type: str  # the type chosen from the job's list ('' for any type or a CPU job)
+    gang: ray_gang.GangPlan | None = None  # across several nodes: num_gpus and resources are one node's share
 
     @property
     def shape(self) -> tuple[Any, ...]:
-        return (self.num_gpus, self.num_cpus, self.memory, tuple(sorted(self.resources.items())))
+        return (self.num_gpus, self.num_cpus, self.memory, tuple(sorted(self.resources.items())), self.gang)
 
     def capacity(self, nodes: list[Node]) -> int:
         """How many tasks of this plan the alive `nodes` could run at once (at least 1)."""
@@ -189,6 +196,8 @@ class Plan:
         if self.memory is not None:
             need["memory"] = float(self.memory)
         need = {k: v for k, v in need.items() if v}
+        if self.gang is not None:
+            return max(1, sum(int(min(nd.resources.get(k, 0.0) // v for k, v in need.items())) for nd in nodes) // self.gang.nodes)
         if not need:
             return max(1, sum(int(node.resources.get("CPU", 1)) for node in nodes))
         return max(1, sum(int(min(node.resources.get(k, 0.0) // v for k, v in need.items())) for node in nodes))
@@ -247,6 +256,16 @@ def plan_job(spec: JobSpec, nodes: list[Node]) -> Plan:
         f"(gpu=, gpu_count=), or add a node with such cards: "
         f"ray start --address=HEAD:6379 $(levers9 ray node-args --unquoted)"
     )
+
+
+def _gang_plan(spec: JobSpec, nodes: list[Node], single: InfeasibleJobError) -> Plan:
+    """The plan of a job split across nodes (ray_gang.py), or InfeasibleJobError with a table of the nodes."""
+    gang = ray_gang.plan_gang(spec, nodes, single, ray_gang.free_by_node())
+    num_cpus = spec.cpu if spec.cpu is not None else 0.0
+    resources = {resource_name(gang.gpu_type): float(gang.share)} if gang.gpu_type else {}
+    memory = spec.memory_mib * 2**20 if spec.memory_mib is not None else None
+    log.info("%s: %s", spec.name, gang.describe())
+    return Plan(gang.share, num_cpus, resources, memory, gang.gpu_type, gang)
 
 
 def _mem(memory: int | None) -> str:
@@ -357,7 +376,20 @@ class _RayCell:
             if self.stopped():
                 raise Cancelled()
             raise self._queue_timeout()
-        gen = _node_task.options(**self.plan.options(self.label)).remote({**self.payload, "attempt": attempt})
+        options, payload, pg = self.plan.options(self.label), {**self.payload, "attempt": attempt}, None
+        if self.plan.gang is not None:  # gang-allocate one bundle per node first, within queue_timeout
+            pg = ray_gang.reserve(self.plan.gang, self.plan.num_cpus, self.plan.memory, deadline, self.stopped)
+            if pg is None:
+                raise Cancelled() if self.stopped() else self._queue_timeout()
+            options.update(ray_gang.in_bundle(pg, 0))
+            payload["gang"] = {"pg": pg, "share": self.plan.gang.share, "nodes": self.plan.gang.nodes,
+                               "gpu_type": self.plan.gang.gpu_type}  # fmt: skip
+        try:
+            gen = _node_task.options(**options).remote(payload)
+        except BaseException:
+            if pg is not None:
+                ray_gang.release(pg)
+            raise
         current = self.current = _Attempt(gen)
         unregister = self.batch.cancel.on_cancel(lambda: current.kill("cancel"))
         if self.future.cancelled():
@@ -374,6 +406,8 @@ class _RayCell:
             unregister()
             if timer is not None:
                 timer.cancel()
+            if pg is not None:
+                ray_gang.release(pg)
             self.current = None
 
     def _queue_timeout(self) -> JobTimeout:
@@ -406,7 +440,8 @@ class _RayCell:
                             current.kill("cancel")
                             raise Cancelled()
                         cards = item["cards"] or "no card"
-                        self.batch.events.started(cell, f"{cards} on {item['node']}", attempt)
+                        where = f"{cards} on {item['node']}" if self.plan.gang is None else item["node"]
+                        self.batch.events.started(cell, where, attempt)
                     elif item["kind"] == "output":
                         for stream, line in item["lines"]:
                             (out_log if stream == "stdout" else err_log).write(line.encode())  # never raises
@@ -481,7 +516,10 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
     job_dir = _scratch_dir(index, attempt)
     lines: collections.deque[tuple[str, str]] = collections.deque()
     watcher = Watcher(lambda child, stream, line: lines.append((stream, line + "\n")))
+    node = ray.util.get_node_ip_address()
+    hosting = contextlib.ExitStack()  # a job across nodes: its control store and agents (ray_gang.host)
     try:
+        gang = hosting.enter_context(ray_gang.host(payload, node, spec.stop_grace)) if payload.get("gang") else None
         env = job_child.job_env(spec, [])
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)  # Ray's ids for this task; "" for a CPU job
         context = JobContext(
@@ -494,6 +532,7 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
             simulated=simulated,
             stall_timeout=spec.stall_timeout,
             max_restarts=spec.max_restarts,
+            gang=gang,
         )
         target = job_child.JobTarget(func, args, kwargs, context)
         method = start.choose()
@@ -503,8 +542,8 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield {
             "kind": "started",
             "pid": child.pid,
-            "cards": env["CUDA_VISIBLE_DEVICES"],
-            "node": ray.util.get_node_ip_address(),
+            "cards": env["CUDA_VISIBLE_DEVICES"] if gang is None else "",
+            "node": node if gang is None else describe_split(gang.world_size, gang.shares, gang.addresses, gpu_type or "GPU"),
             "node_id": ray.get_runtime_context().get_node_id(),
             "time": time.time(),
         }
@@ -527,6 +566,7 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
     finally:
         watcher.stop(spec.stop_grace)
         watcher.close()
+        hosting.close()
         shutil.rmtree(job_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             job_dir.parent.rmdir()  # only if no other job uses it

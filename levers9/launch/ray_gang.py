@@ -1,0 +1,286 @@
+"""A job larger than any Ray node: one placement group, one bundle per node, levers9's agent on each node but the first.
+
+Planning is a pure function of the alive nodes (`split`, `plan_gang`): the fewest nodes k such that
+gpu_count splits into k equal shares and k nodes each could hold one share of the job's card type.
+It is asked only when no single node could ever hold the job, so a job that fits one node runs as
+before. An uneven or impossible split is refused before anything starts, with a table of what each
+node has. The cards are gang-allocated with one STRICT_SPREAD placement group (`reserve`), waited
+for at most queue_timeout. The job's own Ray task runs in bundle 0 and hosts the job's control store
+(`host`); it starts one agent task in every other bundle (`_agent`), which runs
+levers9.distributed.nodes.serve. `distributed.run` inside the job does the rest (see nodes.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from levers9.context import GangContext, JobContext, describe_split
+from levers9.errors import InfeasibleJobError
+from levers9.launch.ray_cli import resource_name
+from levers9.launch.spec import JobSpec
+
+if TYPE_CHECKING:
+    from levers9.launch.ray_backend import Node
+
+PG_POLL_S = 0.2  # how often a waiting placement group is checked against the deadline and cancellation
+AGENT_EXIT_WAIT_S = 5.0  # after the job, how long the agents get to stop their ranks before they are cancelled
+
+
+@dataclasses.dataclass(frozen=True)
+class GangPlan:
+    """A job split over `nodes` nodes of `share` cards of `gpu_type` each."""
+
+    gpu_type: str
+    nodes: int
+    share: int
+    candidates: tuple[str, ...]  # the addresses of the nodes that could hold a share, for messages
+
+    def describe(self, addresses: tuple[str, ...] | None = None) -> str:
+        """'4 x RTXPro6000 as 2 nodes x 2: 127.0.0.2, 127.0.0.3'."""
+        where = addresses or self.candidates[: self.nodes]
+        return describe_split(self.nodes * self.share, (self.share,) * self.nodes, where, self.gpu_type or "GPU")
+
+
+def split(gpu_count: int, capacities: list[int]) -> tuple[int, int] | None:
+    """(k, share): the fewest nodes k >= 2 with gpu_count % k == 0 and k nodes holding gpu_count / k each; None if none."""
+    for k in range(2, min(gpu_count, len(capacities)) + 1):
+        if gpu_count % k == 0 and sum(1 for c in capacities if c >= gpu_count // k) >= k:
+            return k, gpu_count // k
+    return None
+
+
+def _cards_of_type(node: Node, gpu_type: str) -> int:
+    gpus = int(node.resources.get("GPU", 0))
+    return min(gpus, int(node.resources.get(resource_name(gpu_type), 0))) if gpu_type else gpus
+
+
+def plan_gang(spec: JobSpec, nodes: list[Node], single: InfeasibleJobError, free: dict[str, dict[str, float]] | None = None) -> GangPlan:
+    """The split for a job no single node could hold (`single` says why); InfeasibleJobError with a table of the
+    nodes when no even split exists."""
+    n = spec.gpu_count
+    for gpu_type in spec.gpu_types or ("",):
+        capacities = [_cards_of_type(nd, gpu_type) for nd in nodes]
+        found = split(n, capacities) if n > 1 else None
+        if found is not None:
+            k, share = found
+            holders = tuple(nd.address for nd, c in zip(nodes, capacities, strict=True) if c >= share)
+            return GangPlan(gpu_type, k, share, holders)
+    raise InfeasibleJobError(
+        f"{single}\nNor can it be split evenly across nodes: {spec.describe_cards()} needs k nodes holding "
+        f"gpu_count/k cards each (k dividing {n}), and these are the alive nodes:\n{node_table(nodes, spec.gpu_types, free)}\n"
+        f"Ask for a gpu_count that is a multiple of what nodes hold (e.g. gpu_count={_suggest(spec, nodes)}), or add nodes."
+    ) from None
+
+
+def _suggest(spec: JobSpec, nodes: list[Node]) -> str:
+    """'2 or gpu_count=4': the nearest card counts below and above the asked one that one node or an even split holds."""
+    caps = [_cards_of_type(nd, spec.gpu_types[0] if spec.gpu_types else "") for nd in nodes]
+
+    def holds(m: int) -> bool:
+        return max(caps, default=0) >= m or split(m, caps) is not None
+
+    below = next((m for m in range(spec.gpu_count - 1, 0, -1) if holds(m)), None)
+    above = next((m for m in range(spec.gpu_count + 1, sum(caps) + 1) if holds(m)), None)
+    return " or gpu_count=".join(str(m) for m in (below, above) if m is not None) or "1"
+
+
+def node_table(nodes: list[Node], gpu_types: tuple[str, ...], free: dict[str, dict[str, float]] | None) -> str:
+    """One line per alive node: its address, cards of each asked-for type (total and free now), CPUs."""
+    types = gpu_types or ("",)
+    header = "  node             " + "  ".join(f"{t or 'GPU':>16}" for t in types) + "    CPU"
+    lines = [header]
+    for nd in nodes:
+        avail = (free or {}).get(nd.address, {})
+        cells = []
+        for t in types:
+            total = _cards_of_type(nd, t)
+            now = min(avail.get("GPU", 0.0), avail.get(resource_name(t), 0.0)) if t else avail.get("GPU", 0.0)
+            cells.append(f"{total:>4} ({int(now)} free)".rjust(16) if free is not None else f"{total:>16}")
+        lines.append(f"  {nd.address:<16} " + "  ".join(cells) + f"  {nd.resources.get('CPU', 0):5g}")
+    if not nodes:
+        lines.append("  (no alive node)")
+    return "\n".join(lines)
+
+
+def free_by_node() -> dict[str, dict[str, float]] | None:
+    """What each alive node has free now, by address (None if Ray does not say)."""
+    import ray
+
+    try:
+        per_id = ray._private.state.available_resources_per_node()
+        return {str(n["NodeManagerAddress"]): dict(per_id.get(n["NodeID"], {})) for n in ray.nodes() if n.get("Alive")}
+    except Exception:
+        return None
+
+
+def plan_text(gpu: str, gpu_count: int) -> str:
+    """How a job of `gpu_count` cards of type `gpu` would be placed on the Ray cluster now, in one line
+    ('4 x RTXPro6000 as 2 nodes x 2: <ip>, <ip>'); the job's own InfeasibleJobError when it could not be."""
+    from levers9.launch import ray_backend
+    from levers9.launch.spec import build_spec
+
+    spec = build_spec(name="levers9 doctor", gpu=gpu, gpu_count=gpu_count, timeout=None, retries=0, env=None, cpu=None,
+                      memory=None, queue_timeout=None, stop_grace=10.0, stream_output=False)  # fmt: skip
+    ray_backend.connect()
+    nodes = ray_backend.alive_nodes()
+    try:
+        plan = ray_backend.plan_job(spec, nodes)
+    except InfeasibleJobError as single:
+        if gpu_count < 2:
+            raise
+        gang = plan_gang(spec, nodes, single, free_by_node())
+        return f"{gang.describe()} (Ray's placement group picks the nodes when the job starts)"
+    return f"{gpu_count} x {plan.gpu_type or 'GPU'} on one node ({len(nodes)} alive node(s)), on loopback as on one machine"
+
+
+def bundles(gang: GangPlan, num_cpus: float, memory: int | None) -> list[dict[str, float]]:
+    """One bundle per node: the share of cards (GPU and the type's resource), the job's CPUs and memory."""
+    bundle = {"GPU": float(gang.share), "CPU": float(num_cpus)}
+    if gang.gpu_type:
+        bundle[resource_name(gang.gpu_type)] = float(gang.share)
+    if memory is not None:
+        bundle["memory"] = float(memory)
+    return [{k: v for k, v in bundle.items() if v} for _ in range(gang.nodes)]
+
+
+def reserve(gang: GangPlan, num_cpus: float, memory: int | None, deadline: float | None, stopped: Callable[[], bool]) -> Any:
+    """A ready STRICT_SPREAD placement group for the job, or None if `stopped()` or the deadline came first
+    (then nothing is left reserved)."""
+    from ray.util import placement_group, remove_placement_group
+
+    pg = placement_group(bundles(gang, num_cpus, memory), strategy="STRICT_SPREAD")
+    ready = pg.ready()
+    import ray
+
+    while True:
+        done, _ = ray.wait([ready], timeout=PG_POLL_S)
+        if done:
+            return pg
+        if stopped() or (deadline is not None and time.monotonic() >= deadline):
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+            return None
+
+
+def release(pg: Any) -> None:
+    from ray.util import remove_placement_group
+
+    with contextlib.suppress(Exception):
+        remove_placement_group(pg)
+
+
+def in_bundle(pg: Any, index: int) -> dict[str, Any]:
+    """Task options that place a task in bundle `index` of `pg`."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
+
+
+def bundle_addresses(pg: Any) -> tuple[str, ...]:
+    """The address of the node each bundle of a ready placement group is on, bundle 0 first."""
+    import ray
+    from ray.util import placement_group_table
+
+    table = placement_group_table(pg)
+    by_id = {n["NodeID"]: str(n["NodeManagerAddress"]) for n in ray.nodes()}
+    placed = table["bundles_to_node_id"]
+    return tuple(by_id.get(placed[i], "?") for i in sorted(placed))
+
+
+# ---- inside node 0's Ray task -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def host(payload: dict[str, Any], address: str, stop_grace: float) -> Iterator[GangContext]:
+    """Host the job's control store on this node's address and start the agents of nodes 1..k-1; yields the
+    GangContext the job process gets. At the end the agents are told the job is over, then cancelled."""
+    import ray
+    import torch.distributed as td
+
+    gang: dict[str, Any] = payload["gang"]
+    pg, share, k = gang["pg"], int(gang["share"]), int(gang["nodes"])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind((address, 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        store = td.TCPStore(address, port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False,
+                            master_listen_fd=os.dup(listener.fileno()))  # fmt: skip
+    placed = bundle_addresses(pg)
+    context = GangContext(address, port, (address, *placed[1:]), (share,) * k, 0)
+    refs = []
+    try:
+        for i in range(1, k):
+            opts = {"num_gpus": share, "num_cpus": 0, "max_retries": 0, "retry_exceptions": False, "name": "levers9-agent",
+                    "resources": {resource_name(gang["gpu_type"]): float(share)} if gang["gpu_type"] else {}, **in_bundle(pg, i)}  # fmt: skip
+            agent_payload = {**payload, "gang": None, "gang_context": dataclasses.replace(context, node_index=i)}
+            refs.append(_agent_task.options(**opts).remote(agent_payload))
+        yield context
+    finally:
+        with contextlib.suppress(Exception):
+            store.set("end", "1")
+        lost = [ref for i, ref in enumerate(refs, 1) if _declared_lost(store, i)]
+        waiting = [ref for ref in refs if ref not in lost]
+        if waiting:
+            with contextlib.suppress(Exception):
+                ray.wait(waiting, num_returns=len(waiting), timeout=stop_grace + AGENT_EXIT_WAIT_S)
+        if refs:
+            for ref in refs:
+                with contextlib.suppress(Exception):
+                    ray.cancel(ref, force=True)
+        del store
+
+
+def _declared_lost(store: Any, node: int) -> bool:
+    try:
+        return bool(store.check([f"lost/{node}"]))
+    except Exception:
+        return True
+
+
+# ---- inside the agent's Ray task on node i ----------------------------------------------------------------
+
+
+def _agent(payload: dict[str, Any]) -> None:
+    """Node i's agent: this bundle's cards, a scratch folder, then nodes.serve until the job ends."""
+    import ray
+
+    from levers9.distributed import nodes
+    from levers9.launch import job_child
+    from levers9.launch.ray_backend import _cards_of_task, _scratch_dir
+
+    for entry in reversed(payload["sys_path"]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    spec: JobSpec = payload["spec"]
+    gang: GangContext = payload["gang_context"]
+    ids = [str(i) for i in ray.get_gpu_ids()]
+    simulated, gpu_type = _cards_of_task(ids, payload["gpu_type"])
+    index, attempt = int(payload["index"]), int(payload["attempt"])
+    job_dir = _scratch_dir(index, attempt)
+    try:
+        env = job_child.job_env(spec, [])
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+        context = JobContext(run_id=payload["run_id"], cell_index=index, attempt=attempt, job_dir=str(job_dir),
+                             gpu_count=len(ids), gpu_type=gpu_type, simulated=simulated, stall_timeout=spec.stall_timeout,
+                             max_restarts=spec.max_restarts, gang=gang)  # fmt: skip
+        nodes.serve(gang, ray.util.get_node_ip_address(), context, env)
+    finally:
+        shutil.rmtree(job_dir, ignore_errors=True)
+
+
+def _make_agent_task() -> Any:
+    import ray
+
+    return ray.remote(_agent)
+
+
+_agent_task = _make_agent_task()

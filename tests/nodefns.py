@@ -1,0 +1,95 @@
+"""Importable functions for the multi-node Ray tests (tests/test_ray_nodes.py): job bodies and their ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "GROUP_WORLD_SIZE",
+        "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME",
+        "NCCL_SOCKET_IFNAME", "LEVERS9_STORE_PORT")  # fmt: skip
+
+
+class NodeError(Exception):
+    """Raised by a rank on purpose; pickles, so the caller gets this type back."""
+
+
+def ray_node_of_this_process() -> str:
+    """The node address of the nearest Ray worker or raylet among this process's ancestors (its Ray node)."""
+    pid = os.getpid()
+    while pid > 1:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().decode(errors="replace").split("\0")
+        for arg in args:
+            if arg.startswith(("--node-ip-address=", "--node_ip_address=")):  # a Ray worker's or its raylet's
+                return arg.split("=", 1)[1]
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    return "?"
+
+
+def describe_rank(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's variables, helpers and Ray node, gathered; the mean of the ranks (needs every rank)."""
+    import torch.distributed as td
+
+    from levers9 import distributed as dist
+
+    print(f"hello from rank {dist.rank()}", flush=True)
+    mine = {name: os.environ.get(name) for name in VARS}
+    mine.update(rank=dist.rank(), world=dist.world_size(), node_rank=dist.node_rank(), local_rank=dist.local_rank(),
+                ray_node=ray_node_of_this_process(), td_rank=td.get_rank(), mean=float(dist.all_reduce_mean(float(dist.rank()))))  # fmt: skip
+    gathered: list[Any] = [None] * td.get_world_size()
+    td.all_gather_object(gathered, mine)
+    return gathered
+
+
+def train(cfg: dict[str, Any]) -> Any:
+    """A job body: dist.run on every card the job holds."""
+    from levers9 import distributed as dist
+
+    return dist.run(globals()[cfg["fn"]], cfg, **cfg.get("run", {}))
+
+
+def train_twice(cfg: dict[str, Any]) -> Any:
+    """A job body that calls dist.run twice: both runs use every node."""
+    from levers9 import distributed as dist
+
+    return [dist.run(globals()[cfg["fn"]], cfg) for _ in range(2)]
+
+
+def fail_first(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Rank 3 raises in the first attempt only; later attempts return the mean of the ranks and the attempt."""
+    from levers9 import distributed as dist
+
+    if dist.restart_count() == 0 and dist.rank() == 3:
+        raise NodeError("rank 3 fails in the first attempt")
+    return {"mean": float(dist.all_reduce_mean(float(dist.rank()))), "restart": dist.restart_count(), "pid": os.getpid()}
+
+
+def fail_on(cfg: dict[str, Any]) -> None:
+    """Every rank joins a collective; rank cfg['rank'] instead writes when it fails to cfg['mark'] and fails."""
+    from levers9 import distributed as dist
+
+    dist.all_reduce_mean(1.0)  # every rank is up
+    if dist.rank() == cfg["rank"]:
+        Path(cfg["mark"]).write_text(f"{time.time()} {os.getpid()} {os.getppid()} {ray_node_of_this_process()}")
+        if cfg["how"] == "raise":
+            raise NodeError(f"rank {dist.rank()} fails on purpose")
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    dist.all_reduce_mean(1.0)  # the others wait here for the failed rank
+    time.sleep(120)
+
+
+def park(cfg: dict[str, Any]) -> None:
+    """Every rank writes its pid and parent's pid, then waits in a collective (for the test to break a node)."""
+    from levers9 import distributed as dist
+
+    dist.all_reduce_mean(1.0)
+    Path(cfg["mark"] + f".{dist.rank()}").write_text(f"{os.getpid()} {os.getppid()} {ray_node_of_this_process()}")
+    time.sleep(0.5)
+    dist.all_reduce_mean(1.0)  # blocks: the test never lets rank 0 leave... until a node is lost
+    time.sleep(120)

@@ -1,0 +1,375 @@
+"""One training across two Ray nodes (issue 25): planning, torchrun's world on every rank, failures named across nodes.
+
+A module-scoped cluster of two Ray nodes on this machine, each on its own loopback address (127.0.0.2 and
+127.0.0.3; Ray rewrites 127.0.0.1), each with 1 CPU and 2 logical GPUs declared as levers9_RTXPro6000 (no
+NVML card behind them: the job layer runs the ranks on gloo, on the CPU). The session's one-node Ray
+(tests/ray_cluster.py) is shut down first if an earlier module started it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from levers9.errors import InfeasibleJobError, NodeLost, RankCrashed
+from levers9.launch import job
+from levers9.launch.settings import runs_dir, update_settings
+from levers9.launch.spec import build_spec
+from tests import nodefns, ray_cluster
+
+pytestmark = pytest.mark.ray
+NODES = ("127.0.0.2", "127.0.0.3")
+TYPE = "RTXPro6000"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    """Two Ray nodes, 2 simulated cards each, short health checks; everything removed afterwards."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray_cluster.release()
+    root = tempfile.mkdtemp(prefix="l9nodes-", dir="/tmp")
+    saved = {k: v for k, v in os.environ.items() if k.startswith("LEVERS9_") or k == "TMPDIR"}
+    for key in saved:
+        del os.environ[key]
+    os.environ["TMPDIR"] = root
+    node_args = dict(num_cpus=1, num_gpus=2, resources={f"levers9_{TYPE}": 2}, object_store_memory=100 * 2**20)
+    made = None
+    try:
+        made = Cluster(initialize_head=True, head_node_args=dict(
+            node_ip_address=NODES[0], include_dashboard=False,
+            _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 3}, **node_args))  # fmt: skip
+        made.add_node(node_ip_address=NODES[1], **node_args)
+        made.wait_for_nodes()
+        ray.init(address=made.address, _node_ip_address=NODES[0], log_to_driver=False)
+    except BaseException:
+        if made is not None:
+            made.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    finally:
+        os.environ.pop("TMPDIR", None)
+        os.environ.update(saved)
+    try:
+        yield made
+    finally:
+        ray.shutdown()
+        made.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def on_cluster(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The multi-GPU switch on, and a marker in every job's environment to find its processes by."""
+    update_settings(multi_gpu=True)
+    yield f"l9nodes-{os.getpid()}-{time.monotonic_ns()}"
+
+
+def processes_with(marker: str) -> list[int]:
+    """Pids of live processes whose environment holds L9_NODES_TEST=marker (the job's and its ranks')."""
+    found = []
+    needle = f"L9_NODES_TEST={marker}".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def nothing_left(marker: str, within: float = 15.0) -> None:
+    deadline = time.monotonic() + within
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_with(marker) == [], "processes of the job are left"
+
+
+def gang_job(marker: str, gpu_count: int = 4, **kwargs: Any) -> Any:
+    return job(gpu=TYPE, gpu_count=gpu_count, backend="ray", timeout=150, env={"L9_NODES_TEST": marker},
+               stop_grace=2.0, **kwargs)(nodefns.train)  # fmt: skip
+
+
+def wait_for(path: Path, within: float = 90.0) -> str:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text():
+            return path.read_text()
+        time.sleep(0.05)
+    raise AssertionError(f"{path} was never written")
+
+
+# ---- planning as a pure function -----------------------------------------------------------------------
+
+
+def node(address: str, gpus: int) -> Any:
+    from levers9.launch.ray_backend import Node
+
+    return Node(address, {"CPU": 8.0, "GPU": float(gpus), f"levers9_{TYPE}": float(gpus)})
+
+
+def test_split_takes_the_fewest_nodes_of_equal_shares() -> None:
+    from levers9.launch.ray_gang import split
+
+    assert split(4, [2, 2]) == (2, 2)
+    assert split(16, [8, 8, 8]) == (2, 8)
+    assert split(12, [8, 6, 6]) == (2, 6)  # two nodes of 6, never 8 + 4
+    assert split(12, [4, 4, 4, 3]) == (3, 4)
+    assert split(3, [2, 2]) is None  # 3 splits only into 3 x 1, and there are two nodes
+    assert split(6, [2, 2]) is None
+
+
+def test_an_uneven_split_is_refused_with_a_table_of_the_nodes() -> None:
+    from levers9.launch.ray_backend import plan_job
+    from levers9.launch.ray_gang import plan_gang
+
+    spec = build_spec(name="cell", gpu=TYPE, gpu_count=3, timeout=None, retries=0, env=None, cpu=None, memory=None,
+                      queue_timeout=None, stop_grace=10.0, stream_output=True)  # fmt: skip
+    nodes = [node("10.0.0.1", 2), node("10.0.0.2", 2)]
+    with pytest.raises(InfeasibleJobError) as single:
+        plan_job(spec, nodes)
+    with pytest.raises(InfeasibleJobError, match=r"(?s)split evenly.*10\.0\.0\.1 +2 .*10\.0\.0\.2 +2 ") as err:
+        plan_gang(spec, nodes, single.value, None)
+    assert "gpu_count=" in str(err.value)
+
+
+def test_ranks_talk_on_the_interface_that_carries_the_node_address() -> None:
+    import subprocess
+
+    from levers9.distributed.nodes import interface_of, socket_env
+
+    assert interface_of("127.0.0.3") == "lo"
+    listed = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, check=True).stdout
+    real = [(f[1], f[3].split("/")[0]) for f in (line.split() for line in listed.splitlines()) if not f[3].startswith("127.")]
+    assert real, listed  # this machine has a non-loopback address (eth0)
+    for name, address in real:  # as `ip addr` lists them
+        assert interface_of(address) == name
+        assert socket_env(address, {}) == {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}
+        assert socket_env(address, {"NCCL_SOCKET_IFNAME": "ib0"}) == {"GLOO_SOCKET_IFNAME": name}  # the user's stays
+    assert interface_of("203.0.113.77") is None and socket_env("203.0.113.77", {}) == {}
+
+
+# ---- on the two-node cluster ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_stall_timeout_across_nodes_is_refused_before_any_rank_starts(on_cluster: str) -> None:
+    from levers9.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"stall_timeout=30 is not supported yet for a run across several nodes"):
+        gang_job(on_cluster).remote({"fn": "describe_rank", "run": {"stall_timeout": 30}})
+    nothing_left(on_cluster)
+
+
+@pytest.mark.timeout(180)
+def test_four_cards_run_as_two_nodes_of_two(on_cluster: str) -> None:
+    ranks = gang_job(on_cluster).remote({"fn": "describe_rank"})
+    by_rank = {r["rank"]: r for r in ranks}
+    assert sorted(by_rank) == [0, 1, 2, 3]
+    assert {by_rank[0]["ray_node"], by_rank[1]["ray_node"]} != {by_rank[2]["ray_node"]}
+    assert by_rank[0]["ray_node"] == by_rank[1]["ray_node"] and by_rank[2]["ray_node"] == by_rank[3]["ray_node"]
+    assert {r["ray_node"] for r in ranks} == set(NODES)
+    for r in ranks:
+        node_rank = r["rank"] // 2
+        assert (r["RANK"], r["LOCAL_RANK"], r["WORLD_SIZE"], r["LOCAL_WORLD_SIZE"]) == (str(r["rank"]), str(r["rank"] % 2), "4", "2")
+        assert (r["GROUP_RANK"], r["NODE_RANK"], r["GROUP_WORLD_SIZE"]) == (str(node_rank), str(node_rank), "2")
+        assert (r["node_rank"], r["local_rank"], r["world"], r["td_rank"]) == (node_rank, r["rank"] % 2, 4, r["rank"])
+        assert r["MASTER_ADDR"] == by_rank[0]["ray_node"] and r["MASTER_PORT"] == by_rank[0]["MASTER_PORT"]
+        assert r["TORCHELASTIC_USE_AGENT_STORE"] == "True" and r["LEVERS9_STORE_PORT"] is None
+        assert len(r["CUDA_VISIBLE_DEVICES"].split(",")) == 2  # only its node's cards
+        assert r["GLOO_SOCKET_IFNAME"] == r["NCCL_SOCKET_IFNAME"] == "lo"  # the interface of 127.0.0.x
+        assert r["mean"] == 1.5
+    (meta,) = runs_dir().glob("*/0000-1/meta.json")  # what the status line and `levers9 runs` show
+    plan = f"4 x {TYPE} as 2 nodes x 2: {by_rank[0]['ray_node']}, {by_rank[2]['ray_node']}"
+    assert json.loads(meta.read_text())["node"] == plan
+    printed = (meta.parent / "stdout.log").read_text().splitlines()  # every node's rank output reaches the caller
+    assert "hello from rank 0" in printed and {"[rank 1] hello from rank 1", "[rank 2] hello from rank 2",
+                                               "[rank 3] hello from rank 3"} <= set(printed), printed  # fmt: skip
+    nothing_left(on_cluster)
+
+
+@pytest.mark.timeout(120)
+def test_two_cards_stay_on_one_node_on_loopback(on_cluster: str) -> None:
+    ranks = gang_job(on_cluster, gpu_count=2).remote({"fn": "describe_rank"})
+    assert len({r["ray_node"] for r in ranks}) == 1
+    assert all(r["MASTER_ADDR"] == "127.0.0.1" and r["GROUP_WORLD_SIZE"] == "1" and r["node_rank"] == 0 for r in ranks)
+    assert all(r["LEVERS9_STORE_PORT"] == r["MASTER_PORT"] for r in ranks)
+    assert [r["mean"] for r in ranks] == [0.5, 0.5]
+
+
+def test_doctor_shows_the_plan(on_cluster: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from levers9.cli import main as cli_main
+
+    assert cli_main(["doctor", "--ray-plan", f"{TYPE}:4"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"Ray plan\n  4 x {TYPE} as 2 nodes x 2: 127\.0\.0\.[23], 127\.0\.0\.[23] ", out), out
+    assert cli_main(["doctor", "--ray-plan", f"{TYPE}:2"]) == 0
+    assert f"Ray plan\n  2 x {TYPE} on one node" in capsys.readouterr().out
+    assert cli_main(["doctor", "--ray-plan", f"{TYPE}:3"]) == 0
+    assert "split evenly" in capsys.readouterr().out
+
+
+def test_three_cards_are_refused_at_once_with_the_table(on_cluster: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(InfeasibleJobError, match=r"split evenly") as err:
+        gang_job(on_cluster, gpu_count=3).remote({"fn": "describe_rank"})
+    for address in NODES:
+        assert re.search(rf"\n  {re.escape(address)} +2 \(\d free\) +1\n", str(err.value) + "\n"), str(err.value)
+    assert "gpu_count=2 or gpu_count=4" in str(err.value)
+    assert time.monotonic() - started < 5
+    assert processes_with(on_cluster) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_raising_on_the_second_node_is_named(on_cluster: str, tmp_path: Path) -> None:
+    mark = tmp_path / "failed"
+    with pytest.raises(nodefns.NodeError, match="rank 3 fails on purpose") as err:
+        gang_job(on_cluster).remote({"fn": "fail_on", "rank": 3, "how": "raise", "mark": str(mark)})
+    when, pid, _, ray_node = mark.read_text().split()
+    seconds = time.time() - float(when)
+    note = "\n".join(getattr(err.value, "__notes__", []))
+    assert f"rank 3 (pid {pid}) on node 1 ({ray_node})" in note, note
+    assert 'in fail_on\n    raise NodeError(f"rank {dist.rank()} fails on purpose")' in note
+    print(f"raise on node 1 named after {seconds:.2f} s")
+    assert seconds < 10
+    nothing_left(on_cluster)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_killed_on_the_second_node_is_named(on_cluster: str, tmp_path: Path) -> None:
+    mark = tmp_path / "failed"
+    with pytest.raises(RankCrashed) as err:
+        gang_job(on_cluster).remote({"fn": "fail_on", "rank": 2, "how": "kill", "mark": str(mark)})
+    when, pid, _, ray_node = mark.read_text().split()
+    seconds = time.time() - float(when)
+    assert f"rank 2 (pid {pid}) on node 1 ({ray_node}) was killed by SIGKILL" in str(err.value), str(err.value)
+    assert err.value.failure is not None and err.value.failure.signal == signal.SIGKILL
+    print(f"SIGKILL on node 1 named after {seconds:.2f} s")
+    assert seconds < 10
+    nothing_left(on_cluster)
+
+
+@pytest.mark.timeout(180)
+def test_a_lost_agent_is_named_by_the_heartbeat(on_cluster: str, tmp_path: Path) -> None:
+    import concurrent.futures
+
+    mark = tmp_path / "parked"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(gang_job(on_cluster).remote, {"fn": "park", "mark": str(mark)})
+        _, agent, ray_node = wait_for(Path(f"{mark}.2")).split()  # rank 2's parent: node 1's agent, a Ray worker
+        os.kill(int(agent), signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(NodeLost, match=rf"lost node 1 \({re.escape(ray_node)}, ranks 2-3\)") as err:
+            future.result(timeout=60)
+        seconds = time.monotonic() - killed
+    assert err.value.node == ray_node and err.value.ranks == (2, 3)
+    print(f"agent killed on node 1, NodeLost after {seconds:.2f} s")
+    assert seconds < 10
+    nothing_left(on_cluster)
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.timeout(180)
+def test_a_frozen_node_is_named_by_the_heartbeat(on_cluster: str, tmp_path: Path) -> None:
+    import concurrent.futures
+
+    mark = tmp_path / "parked"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(gang_job(on_cluster).remote, {"fn": "park", "mark": str(mark)})
+        rank2, agent, ray_node = wait_for(Path(f"{mark}.2")).split()
+        rank3 = wait_for(Path(f"{mark}.3")).split()[0]
+        frozen = [int(agent), int(rank2), int(rank3)]  # node 1's agent and ranks: no packet leaves them
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            with pytest.raises(NodeLost, match=rf"lost node 1 \({re.escape(ray_node)}, ranks 2-3\)"):
+                future.result(timeout=60)
+            seconds = time.monotonic() - stopped
+        finally:
+            for pid in frozen:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+    print(f"node 1 frozen with SIGSTOP, NodeLost after {seconds:.2f} s")
+    assert seconds < 10
+    nothing_left(on_cluster)
+
+
+@pytest.mark.timeout(180)
+def test_a_lost_node_with_restarts_left_fails_naming_it(on_cluster: str, tmp_path: Path) -> None:
+    import concurrent.futures
+
+    mark = tmp_path / "parked"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(gang_job(on_cluster, max_restarts=1).remote, {"fn": "park", "mark": str(mark)})
+        _, agent, ray_node = wait_for(Path(f"{mark}.2")).split()
+        os.kill(int(agent), signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(NodeLost, match=rf"lost node 1 \({re.escape(ray_node)}, ranks 2-3\)") as err:
+            future.result(timeout=60)
+        seconds = time.monotonic() - killed
+    notes = "\n".join(getattr(err.value, "__notes__", []))
+    assert "nothing replaces a lost node" in str(err.value)
+    assert "attempt 1" in notes and "attempt 2" in notes and f"lost node {ray_node}" in notes, notes
+    print(f"node 1 lost with max_restarts=1: failed naming it after {seconds:.2f} s")
+    assert seconds < 15
+    nothing_left(on_cluster)
+
+
+@pytest.mark.timeout(180)
+def test_losing_the_store_host_ends_every_node(on_cluster: str, tmp_path: Path) -> None:
+    import concurrent.futures
+
+    from levers9.errors import JobCrashed
+
+    mark = tmp_path / "parked"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(gang_job(on_cluster).remote, {"fn": "park", "mark": str(mark)})
+        _, job_process, _ = wait_for(Path(f"{mark}.0")).split()
+        wait_for(Path(f"{mark}.2"))
+        host = parent_of(int(job_process))  # node 0's Ray task: it hosts the control store
+        os.kill(host, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(JobCrashed, match="Ray task running it was lost"):
+            future.result(timeout=60)
+        seconds = time.monotonic() - killed
+    print(f"store host killed: the caller knew after {seconds:.2f} s")
+    nothing_left(on_cluster)
+    print(f"and nothing of the job was left on either node after {time.monotonic() - killed:.2f} s")
+
+
+@pytest.mark.timeout(180)
+def test_a_restart_reforks_every_rank_on_every_node(on_cluster: str) -> None:
+    result = gang_job(on_cluster, max_restarts=1).remote(
+        {"fn": "fail_first", "run": {"restart_on": ("exception",), "restart_delay": 0}}
+    )
+    assert result["restart"] == 1 and result["mean"] == 1.5  # back in fn on all four ranks, in the second attempt
+    nothing_left(on_cluster)
+
+
+@pytest.mark.timeout(180)
+def test_two_runs_in_one_job_both_use_every_node(on_cluster: str) -> None:
+    fn = job(gpu=TYPE, gpu_count=4, backend="ray", timeout=150, env={"L9_NODES_TEST": on_cluster})(nodefns.train_twice)
+    first, second = fn.remote({"fn": "describe_rank"})
+    for ranks in (first, second):
+        assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3] and {r["ray_node"] for r in ranks} == set(NODES)
+    assert first[0]["MASTER_PORT"] != second[0]["MASTER_PORT"]  # each run hosts a fresh rendezvous store
+    nothing_left(on_cluster)
