@@ -158,7 +158,8 @@ def run(
     if job is not None and job.gang is not None:  # a job holding cards on several Ray nodes (issue 25)
         return _run_across_nodes(fn, cfg, call, layout, method, nprocs, timeout, stall_timeout, prefix_output,
                                  disable_quirks, stop_grace, init_group, policy)  # fmt: skip
-    plan = _Plan(call, None if method.forks else _shipped(fn, cfg, call, method), layout, _ranks_env(layout, disable_quirks),
+    env = {**_ranks_env(layout, disable_quirks), **(flight_recorder.env_for_ranks() if stall_timeout is not None else {})}
+    plan = _Plan(call, None if method.forks else _shipped(fn, cfg, call, method), layout, env,
                  method, timeout, stall_timeout, prefix_output is None or bool(prefix_output), stop_grace,
                  make_group=init_group)  # fmt: skip
     return _run_spawned(plan, policy)

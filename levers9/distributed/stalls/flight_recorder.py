@@ -63,9 +63,20 @@ def _dump(dump: Callable[..., bytes], with_entries: bool) -> dict[str, Any]:
     return dict(pickle.loads(raw))
 
 
-# The first torch release whose flight recorder records gloo groups (earlier ones record NCCL only).
-GLOO_RECORDED_SINCE = (2, 9)
-_OFF_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+# The first torch release whose flight recorder records gloo groups at all (2.3 to 2.7 record NCCL only);
+# 2.8 to 2.10 record them only with TORCH_FR_BUFFER_SIZE set, 2.11 and later by default.
+GLOO_RECORDED_SINCE = (2, 8)
+BUFFER_VAR = "TORCH_FR_BUFFER_SIZE"
+_OFF_VARS = (BUFFER_VAR, "TORCH_NCCL_TRACE_BUFFER_SIZE")
+
+
+def env_for_ranks() -> dict[str, str]:
+    """What ranks with stall_timeout= get on top of the caller's environment: a recorder buffer (torch's own
+    default size, 2000) where the user set none, since torch before 2.11 records gloo groups only then.
+    An environment default for processes levers9 starts, read by torch when a group is made; nothing patched."""
+    if any(name in os.environ for name in _OFF_VARS):
+        return {}
+    return {BUFFER_VAR: "2000"}
 
 
 def require(backend: str) -> None:
