@@ -59,6 +59,7 @@ TIER_BY_MODULE = {
     "test_launch_spec": "fast",
     "test_quirks": "fast",
     "test_world_of_one": "fast",
+    "test_failure_kinds": "fast",
     "test_docs": "procs",
     "test_nccl": "procs",  # each test reads the fake NCCL in a fresh interpreter
     "test_examples": "launchers",
@@ -69,6 +70,7 @@ TIER_BY_MODULE = {
     "test_contract": "launchers",
     "test_notebook": "notebook",
     "test_ray_backend": "ray",
+    "test_ray_nodes": "ray",
 }
 # Tests whose tier is not their module's: (module, test name prefix) -> tier. Pure tests in modules that
 # mostly start processes, and tests of "fast" modules that start a process.
