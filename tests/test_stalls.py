@@ -219,9 +219,9 @@ def test_a_rank_stuck_before_a_ddp_step_is_named_and_the_other_waits_in_backward
     with pytest.raises(StallError) as info:
         dist.run(rankfns.rank1_stalls_before_a_ddp_step, None, nprocs=2, stall_timeout=2)
     text = str(info.value)
-    assert "rank 0: waiting for gloo:all_reduce #" in text
+    assert "rank 0: waiting for gloo:all_reduce #" in text, text
     assert f"at {RANKFNS}:{_line_of('DDP-BACKWARD-LINE')} in rank1_stalls_before_a_ddp_step" in text
-    assert "rank 1: not in a collective" in text and f"{RANKFNS}:{_line_of('DDP-SLEEP-LINE')}" in text
+    assert "rank 1: not in a collective" in text and f"{RANKFNS}:{_line_of('DDP-SLEEP-LINE')}" in text, text
 
 
 def _state(finished: int = 0, issued: int = -1, completed: int = -1, moved_at: float = 0.0, inside: bool = False) -> board.SlotState:

@@ -45,9 +45,10 @@ def request_samples(folder: Path, ranks: Iterable[int]) -> None:
 
 
 def fresh_states(
-    folder: Path, ranks: list[int], read: Callable[[], Sequence[State]], rounds: int = 2, wait_s: float = 1.0
+    folder: Path, ranks: list[int], read: Callable[[], Sequence[State]], rounds: int = 2, wait_s: float = 3.0
 ) -> list[State]:
-    """The board after `rounds` answered requests (two: a rank still waiting on the same counts gets named)."""
+    """The board after `rounds` answered requests (two: a rank still waiting on the same counts gets named); each
+    round waits up to `wait_s` for every rank's answer (a loaded machine can delay a rank's sampler thread)."""
     for _ in range(rounds):
         asked = time.monotonic()
         request_samples(folder, ranks)
