@@ -41,13 +41,11 @@ from levers9.errors import (
     ConfigError,
     NodeLost,
     RankCrashed,
-    RankFailed,
     RankFailure,
     RunTimeout,
-    add_note,
 )
 from levers9.procs import start
-from levers9.procs.failure import Failure, rebuild, ship, unship
+from levers9.procs.failure import Failure, raise_rank_exception, ship, unship
 from levers9.procs.watch import Child, Watcher, exit_on_terminate
 
 HEARTBEAT_EVERY_S = 0.5  # an agent bumps its counter this often
@@ -423,13 +421,9 @@ class _Attempt:
         report = root.failure
         if report is None or report.is_exit:
             raise RankCrashed(f"distributed.run: {head}{stopped}.\n\n{full}", failure)
-        wrapper = RankFailed(f"distributed.run: {head}{stopped}.\n\n{full}", failure)
-        original = rebuild(report)
-        if original is None:
-            raise wrapper
-        add_note(original, f"levers9: raised on rank {failure.rank} (pid {failure.pid}) {where} of "
-                           f"{self.gang.world_size}{stopped}. Its traceback:\n{report.traceback.rstrip()}")  # fmt: skip
-        raise original from wrapper
+        raise_rank_exception(f"distributed.run: {head}{stopped}.\n\n{full}", failure, report,
+                             f"levers9: raised on rank {failure.rank} (pid {failure.pid}) {where} of "
+                             f"{self.gang.world_size}{stopped}. Its traceback:\n{report.traceback.rstrip()}")  # fmt: skip
 
 
 # ---- nodes 1..k-1: the agent ---------------------------------------------------------------------------

@@ -37,11 +37,10 @@ from levers9.errors import (
     RankFailure,
     RunTimeout,
     StallError,
-    add_note,
     signal_name,
 )
 from levers9.procs import start
-from levers9.procs.failure import rebuild, ship, unpicklable_part, unship
+from levers9.procs.failure import raise_rank_exception, ship, unpicklable_part, unship
 from levers9.procs.watch import Child, Watcher, exit_on_terminate
 
 STOP_GRACE_S = 5.0  # default stop_grace: SIGTERM, then SIGKILL after this long
@@ -475,13 +474,9 @@ class _Spawn:
                 how = oom.killed_by(root.signal, self.oom_before, oom_after)
                 hint = "" if how == f"killed by {signal_name(root.signal)}" else f"\nrank {failure.rank} was {how}."
             raise RankCrashed(f"distributed.run: {full.splitlines()[0]}{stopped}.{hint}\n\n{full}", failure)
-        wrapper = RankFailed(f"distributed.run: {full.splitlines()[0]}{stopped}.\n\n{full}", failure)
-        original = rebuild(report)
-        if original is None:
-            raise wrapper
-        add_note(original, f"levers9: raised on rank {failure.rank} (pid {root.pid}) of {len(self.ranks)}{stopped}. "
-                           f"Its traceback:\n{report.traceback.rstrip()}")  # fmt: skip
-        raise original from wrapper
+        raise_rank_exception(f"distributed.run: {full.splitlines()[0]}{stopped}.\n\n{full}", failure, report,
+                             f"levers9: raised on rank {failure.rank} (pid {root.pid}) of {len(self.ranks)}{stopped}. "
+                             f"Its traceback:\n{report.traceback.rstrip()}")  # fmt: skip
 
     def _raise_stopped(self, folder: stalls.RunFolder | None, error: type[RankFailed], headline: str) -> NoReturn:
         """Ask every rank where it is, stop them all, and raise `error` with that report and their last output."""

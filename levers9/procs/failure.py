@@ -18,7 +18,7 @@ import struct
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
 _HEADER = struct.Struct("!Q")
 
@@ -90,6 +90,19 @@ def rebuild(failure: Failure) -> BaseException | None:
     except Exception:
         return None
     return exc if isinstance(exc, BaseException) else None
+
+
+def raise_rank_exception(message: str, failure: Any, report: Failure, note: str) -> NoReturn:
+    """Raise the rank's own exception, rebuilt here, with `note` added and a RankFailed(`message`, `failure`) as
+    its cause; that RankFailed itself where the exception's type cannot be rebuilt in this process."""
+    from levers9.errors import RankFailed, add_note
+
+    wrapper = RankFailed(message, failure)
+    original = rebuild(report)
+    if original is None:
+        raise wrapper
+    add_note(original, note)
+    raise original from wrapper
 
 
 def send(fd: int, message: tuple[Any, ...]) -> None:
