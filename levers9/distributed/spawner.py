@@ -157,7 +157,18 @@ def run(
     if job is not None and job.gang is not None:  # a job holding cards on several Ray nodes (issue 25)
         return _run_across_nodes(fn, cfg, call, layout, method, nprocs, timeout, stall_timeout, prefix_output,
                                  disable_quirks, stop_grace, init_group, policy)  # fmt: skip
-    env = {**_ranks_env(layout, disable_quirks), **(flight_recorder.env_for_ranks() if stall_timeout is not None else {})}
+    if stall_timeout is not None and method.forks and flight_recorder.forked_ranks_cannot_record(layout.backend):
+        if start_method == "fork":
+            raise ConfigError(
+                "stall_timeout= with start_method='fork' on torch before 2.11: forked ranks inherit this process's "
+                "flight recorder, which has no buffer for gloo unless TORCH_FR_BUFFER_SIZE was set before its first "
+                "process group, and would see no collective. Expected ranks that can record; drop start_method= "
+                "(fresh interpreters are then used), or export TORCH_FR_BUFFER_SIZE=2000 before Python starts."
+            )
+        method = start.StartMethod("spawn", "on torch < 2.11 forked ranks could inherit a flight recorder without a "
+                                   "buffer (TORCH_FR_BUFFER_SIZE unset), and stall_timeout= needs one that records")  # fmt: skip
+    diagnostics = timeout is not None or stall_timeout is not None  # their reports read the flight recorder
+    env = {**_ranks_env(layout, disable_quirks), **(flight_recorder.env_for_ranks() if diagnostics else {})}
     plan = _Plan(call, None if method.forks else _shipped(fn, cfg, call, method), layout, env,
                  method, timeout, stall_timeout, prefix_output is None or bool(prefix_output), stop_grace,
                  make_group=init_group)  # fmt: skip

@@ -49,10 +49,14 @@ def watch_this_rank(folder: str, rank: int) -> RankSlot:
 
 def stalled_now(folder: RunFolder, stall_timeout: float, now: float) -> bool:
     """In the parent: True once the ranks' slots show a stall of `stall_timeout` s (asking for recorder
-    samples while the ranks are quiet)."""
+    samples while the ranks are quiet), confirmed on a fresh sample from every rank."""
     states = folder.states()
     folder.sample_when_quiet(states, now)
-    return stalled(states, stall_timeout, now)
+    if not stalled(states, stall_timeout, now):
+        return False
+    # Confirmed on fresh samples only: on a loaded machine a sample can be answered late, and a count read
+    # before the collective completed must not stand for a wait that has since ended.
+    return stalled(folder.fresh_states(list(range(folder.nprocs))), stall_timeout, time.monotonic())
 
 
 def where_ranks_are(folder: RunFolder, live: dict[int, int]) -> str:

@@ -79,6 +79,23 @@ def env_for_ranks() -> dict[str, str]:
     return {BUFFER_VAR: "2000"}
 
 
+DEFAULT_BUFFER_SINCE = (2, 11)  # the first release that records gloo without TORCH_FR_BUFFER_SIZE set
+
+
+def _torch_version() -> tuple[int, ...]:
+    import torch
+
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2] if part.isdigit())
+
+
+def forked_ranks_cannot_record(backend: str) -> bool:
+    """True where ranks forked from this process might inherit a flight recorder without a buffer: torch before
+    2.11 sizes it once per process, from TORCH_FR_BUFFER_SIZE (unset: none for gloo), when its first process
+    group is made, and that may have happened in this process already (a group made and destroyed leaves no
+    trace levers9 can read). Fresh interpreters read the variable anew."""
+    return backend == "gloo" and _torch_version() < DEFAULT_BUFFER_SINCE and not os.environ.get(BUFFER_VAR)
+
+
 def require(backend: str) -> None:
     """ConfigError unless torch's flight recorder can see this backend's collectives here (stall_timeout= needs it)."""
     import torch
@@ -90,7 +107,7 @@ def require(backend: str) -> None:
             f"stall_timeout= needs torch's flight recorder, which {off}=0 turns off. Expected it on (the default); "
             f"unset {off}, or {fix}."
         )
-    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2] if part.isdigit())
+    version = _torch_version()
     names = [label for label, _ in _dumpers()]
     seen = ("generic" in names and version >= GLOO_RECORDED_SINCE) if backend == "gloo" else bool(names)
     if not seen:
