@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.proc_util import is_torch_chatter
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -111,4 +113,5 @@ def test_cells_and_ranks_that_end_leave_no_zombie_with_a_reaper_that_never_reaps
     }  # fmt: skip
     done = subprocess.run([sys.executable, "-c", REAPER], cwd=REPO, env=env, capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["[0, 1, 2, 3, 4, 5]", "2", "zombies []"], done.stdout + done.stderr
+    seen = [line for line in done.stdout.splitlines() if not is_torch_chatter(line)]
+    assert seen == ["[0, 1, 2, 3, 4, 5]", "2", "zombies []"], done.stdout + done.stderr
