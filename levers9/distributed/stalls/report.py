@@ -65,8 +65,8 @@ def _is_library(file: str) -> bool:
     Decided by where those packages really are, never by a name in the path: a project checked out
     as ~/levers9 or ~/torch/ is the user's code.
     """
-    if file.startswith("<"):
-        return True
+    if file.startswith("<"):  # "<frozen runpy>" is the library's; "<dynamic-code>" is a function shipped by value
+        return not file.startswith("<dynamic-code")
     real = os.path.realpath(file)
     return real == os.path.realpath(threading.__file__) or real.startswith(_library_dirs())
 
