@@ -78,7 +78,7 @@ def test_accelerate_test_scripts_pass_as_under_torchrun(script: str, marker: str
     mine, torchruns = _lines(ours.stdout, marker), _lines(theirs.stdout, marker)
     # Under torchrun both ranks share one stdout, so a piece can carry the other rank's unmarked text after it.
     assert mine and len(mine) == len(torchruns), (mine, torchruns)
-    assert all(t.startswith(m) for m, t in zip(mine, torchruns)), (mine, torchruns)
+    assert all(t.startswith(m) for m, t in zip(mine, torchruns, strict=True)), (mine, torchruns)
 
 
 @pytest.mark.timeout(180)
