@@ -29,7 +29,23 @@ Classes also derive from the builtin a caller would naturally catch (ValueError,
 from __future__ import annotations
 
 import dataclasses
+import enum
 import signal as _signal
+
+
+class FailureKind(str, enum.Enum):
+    """What went wrong with one rank or job process, one word each for both layers, decided from how it
+    ended (levers9.procs.outcome.kind_of), never from a message. Every failure error has one as `.kind`;
+    `restart_on=` and `retries=` name sets of them (levers9.retries). A `str`: `FailureKind.CRASH == "crash"`."""
+
+    CRASH = "crash"  # killed by a signal (the out-of-memory killer included), or its card failed
+    EXIT = "exit"  # left with a non-zero exit code of its own accord, raising nothing (sys.exit(3), os._exit(3))
+    EXCEPTION = "exception"  # the function raised
+    COMM = "comm"  # a collective or the rendezvous failed: a lost peer, a closed socket, a gloo/NCCL error
+    LOST = "lost"  # its node (or the Ray task watching it) went away: how the process itself ended is unknown
+    STALL = "stall"  # stopped: no rank issued or completed a collective for stall_timeout= seconds
+    TIMEOUT = "timeout"  # stopped: it outlived timeout=
+    QUEUE = "queue"  # never started: its cards were not free within queue_timeout=
 
 
 class Levers9Error(Exception):
@@ -66,6 +82,7 @@ class RankFailure:
     traceback: str = ""
     output_tail: str = ""
     oom_killed: bool = False  # killed by a signal while this cgroup's out-of-memory kill count rose
+    kind: FailureKind | None = None  # decided from how the process ended (levers9.procs.outcome.kind_of)
 
     def how(self) -> str:
         """'raised ValueError', 'exited with code 3' or 'was killed by SIGKILL'."""
@@ -100,6 +117,11 @@ class RankFailed(Levers9Error, RuntimeError):
         super().__init__(message)
         self.failure = failure
 
+    @property
+    def kind(self) -> FailureKind | None:
+        """The root cause's kind of failure (None: no rank's failure is known)."""
+        return None if self.failure is None else self.failure.kind
+
 
 class RankCrashed(RankFailed):
     """A rank exited non-zero or died by a signal without a Python exception to report."""
@@ -108,14 +130,20 @@ class RankCrashed(RankFailed):
 class RunTimeout(RankFailed, TimeoutError):
     """distributed.run outlived its timeout=; every rank was stopped."""
 
+    kind = FailureKind.TIMEOUT
+
 
 class StallError(RankFailed):
     """Ranks waited in a collective with no progress for longer than stall_timeout=."""
+
+    kind = FailureKind.STALL
 
 
 class NodeLost(RankFailed):
     """A node of a run across several Ray nodes stopped answering levers9's heartbeat, or never joined;
     `.node` is its address and `.ranks` the global ranks it held. A restart counts it as "comm"."""
+
+    kind = FailureKind.LOST
 
     def __init__(self, message: str, node: str = "", ranks: tuple[int, ...] = ()) -> None:
         super().__init__(message)
@@ -154,21 +182,25 @@ class InfeasibleJobError(JobError, RuntimeError):
 class JobCrashed(JobError, RuntimeError):
     """The job process exited or died without a Python exception; names the code/signal and last output."""
 
-    def __init__(self, message: str, failure: RankFailure | None = None) -> None:
+    def __init__(self, message: str, failure: RankFailure | None = None, kind: FailureKind | str = FailureKind.CRASH) -> None:
         super().__init__(message)
         self.failure = failure
+        self.kind = FailureKind(kind)  # CRASH (a signal), EXIT (an exit code of its own) or LOST (its Ray task)
+
+    def __reduce__(self) -> tuple[type[JobCrashed], tuple[str, RankFailure | None, str]]:
+        return type(self), (str(self), self.failure, self.kind.value)
 
 
 class JobTimeout(JobError, TimeoutError):
     """The job outlived its timeout= (kind "timeout": its whole process tree was killed), or waited longer
     than queue_timeout= for its cards (kind "queue": it never started)."""
 
-    def __init__(self, message: str, kind: str = "timeout") -> None:
+    def __init__(self, message: str, kind: FailureKind | str = FailureKind.TIMEOUT) -> None:
         super().__init__(message)
-        self.kind = kind
+        self.kind = FailureKind(kind)
 
     def __reduce__(self) -> tuple[type[JobTimeout], tuple[str, str]]:
-        return type(self), (str(self), self.kind)
+        return type(self), (str(self), self.kind.value)
 
 
 class RunFormatError(JobError, RuntimeError):

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from levers9 import distributed as dist
-from levers9.distributed.hardware import oom
 from levers9.errors import JobCrashed, RankCrashed
 from levers9.launch import job
+from levers9.procs import oom
 from tests import jobfns, rankfns
 
 V2_EVENTS = "low 0\nhigh 0\nmax 3\noom 1\noom_kill {n}\noom_group_kill 0\n"

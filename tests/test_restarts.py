@@ -19,7 +19,6 @@ import pytest
 
 from levers9 import distributed as dist
 from levers9 import job
-from levers9.distributed import restarts
 from levers9.distributed.stalls import board
 from levers9.errors import (
     ConfigError,
@@ -27,7 +26,6 @@ from levers9.errors import (
     LauncherEnvError,
     RankCrashed,
     RankFailed,
-    RankFailure,
     StallError,
 )
 from levers9.launch.settings import update_settings
@@ -238,25 +236,6 @@ def test_restart_count_reads_torchruns_variable(monkeypatch: pytest.MonkeyPatch)
 def test_job_max_restarts_is_checked_at_decoration(value: Any) -> None:
     with pytest.raises(JobConfigError, match="max_restarts must be a whole number >= 0.*retries= is the other knob"):
         job(gpu="RTXPro6000", max_restarts=value)(restartfns.job_trains_with_checkpoints)
-
-
-@pytest.mark.parametrize(
-    ("failure", "kind"),
-    [
-        (RankFailure(rank=1, pid=5, signal=signal.SIGKILL), "crash"),
-        (RankFailure(rank=1, pid=5, exitcode=3), "exception"),
-        (RankFailure(rank=1, pid=5, exc_type="KeyError", message="'lr'"), "exception"),
-        (RankFailure(rank=0, pid=5, exc_type="torch.distributed.DistBackendError", message="NCCL error: remote"), "comm"),
-        (RankFailure(rank=0, pid=5, exc_type="RuntimeError", message="[pair.cc:553] Connection closed by peer [::1]"), "comm"),
-        (RankFailure(rank=0, pid=5, exc_type="RuntimeError", message="CUDA error: uncorrectable ECC error encountered"), "crash"),
-    ],
-)
-def test_each_failure_is_classified_by_what_a_restart_can_cure(failure: RankFailure, kind: str) -> None:
-    wrapper = RankFailed("report", failure)
-    assert restarts.classify(wrapper, None, None)[0] == kind
-    original = KeyError("x")
-    original.__cause__ = wrapper  # how run raises a rank's own exception type
-    assert restarts.classify(original, None, None)[0] == kind
 
 
 RESTARTING_SCRIPT = """

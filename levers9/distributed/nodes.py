@@ -46,7 +46,9 @@ from levers9.errors import (
 )
 from levers9.procs import start
 from levers9.procs.failure import Failure, raise_rank_exception, ship, unship
+from levers9.procs.outcome import Outcome, kind_of
 from levers9.procs.watch import Child, Watcher, exit_on_terminate
+from levers9.retries import RetryPolicy
 
 HEARTBEAT_EVERY_S = 0.5  # an agent bumps its counter this often
 LOST_AFTER_S = 5.0  # a counter that did not move for this long: the node is lost
@@ -132,7 +134,8 @@ class Report:
         return RankFailure(rank=self.rank, pid=self.pid, exitcode=self.exitcode if f is None else f.exitcode,
                            signal=self.signal if f is None else None,
                            exc_type=None if f is None or f.is_exit else f.exc_type, message="" if f is None else f.message,
-                           traceback="" if f is None else f.traceback, output_tail=_excerpt(list(self.tail)))  # fmt: skip
+                           traceback="" if f is None else f.traceback, output_tail=_excerpt(list(self.tail)),
+                           kind=kind_of(Outcome(self.pid, self.exitcode, self.signal, failure=f, reported=True)))  # fmt: skip
 
 
 def _excerpt(lines: list[str]) -> str:
@@ -171,7 +174,7 @@ class GangRun:
     prefix_output: bool
 
 
-def run_across_nodes(run: GangRun, policy: restarts.RestartPolicy, gang: GangContext) -> Any:
+def run_across_nodes(run: GangRun, policy: RetryPolicy, gang: GangContext) -> Any:
     """Rank 0's value of fn run on every rank of every node the job holds; the root failure raised otherwise."""
     job = current_job()
     assert job is not None

@@ -23,9 +23,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
-from levers9.context import current_job
+from levers9.context import JobContext, current_job
 from levers9.distributed import detect, group, restarts, stalls, world
-from levers9.distributed.hardware import oom
 from levers9.distributed.rank_child import RankSpec, RankTarget, to_cpu
 from levers9.distributed.self_timer import SelfTimer
 from levers9.distributed.stalls import flight_recorder
@@ -39,12 +38,14 @@ from levers9.errors import (
     StallError,
     signal_name,
 )
-from levers9.procs import start
+from levers9.procs import oom, start
 from levers9.procs.failure import raise_rank_exception, ship, unpicklable_part, unship
+from levers9.procs.outcome import Outcome, StopReason, kind_of
+from levers9.procs.supervise import Supervisor
 from levers9.procs.watch import Child, Watcher, exit_on_terminate
+from levers9.retries import RetryPolicy, restart_policy
 
 STOP_GRACE_S = 5.0  # default stop_grace: SIGTERM, then SIGKILL after this long
-ROOT_CAUSE_WINDOW_S = 0.15  # after the first failure, wait this long for an earlier one still in flight
 REPORT_LINES = 40  # of a rank's output, shown in a failure report
 # What to do instead of each argument that only ranks started here use, under a launcher.
 _INSTEAD_UNDER_LAUNCHER = {
@@ -121,44 +122,110 @@ def run(
     stalls, a flight-recorder sampler thread) for their reports; without them levers9 installs
     nothing in a rank.
     """
+    options = RunOptions(nprocs=nprocs, backend=backend, timeout=timeout, stall_timeout=stall_timeout,
+                         start_method=start_method, prefix_output=prefix_output, disable_quirks=disable_quirks,
+                         stop_grace=stop_grace, max_restarts=max_restarts, restart_on=restart_on,
+                         restart_delay=restart_delay, init_group=init_group)  # fmt: skip
+    return run_with(fn, cfg, options)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """`run`'s keywords as one value, the way the caller gave them (None: the default); `run_with` checks
+    them once, and each path reads what it needs from here."""
+
+    nprocs: int | None = None
+    backend: str | None = None
+    timeout: float | None = None
+    stall_timeout: float | None = None
+    start_method: str | None = None
+    prefix_output: bool | None = None
+    disable_quirks: tuple[str, ...] = ()
+    stop_grace: float = STOP_GRACE_S
+    max_restarts: int | None = None
+    restart_on: Sequence[str] | None = None
+    restart_delay: float | None = None
+    init_group: bool = True
+
+    def check(self) -> RetryPolicy:
+        """ConfigError for the first bad keyword, before anything starts; the restart policy they make."""
+        for name in ("timeout", "stall_timeout", "stop_grace"):
+            _check_seconds(name, getattr(self, name), allow_zero=name == "stop_grace")
+        if not isinstance(self.init_group, bool):
+            raise ConfigError(f"init_group={self.init_group!r}; expected True (levers9 joins the group before fn) or "
+                              f"False (fn calls init_process_group itself).")  # fmt: skip
+        from levers9.distributed.hardware import quirks  # imported on use: `import levers9` stays light
+
+        quirks.check_quirk_ids(self.disable_quirks)
+        return restart_policy(self.max_restarts, self.restart_on, self.restart_delay)
+
+    def spawn_only(self) -> dict[str, Any]:
+        """The keywords that mean something only for ranks this call starts itself."""
+        names = ("stall_timeout", "start_method", "prefix_output", "max_restarts", "restart_on", "restart_delay")
+        return {name: getattr(self, name) for name in names}
+
+    @property
+    def prefix(self) -> bool:
+        return self.prefix_output is None or bool(self.prefix_output)
+
+
+def run_with(fn: Callable[..., Any], cfg: Any, options: RunOptions) -> Any:
+    """`run(fn, cfg, ...)` with its keywords given as one value: the path (under a launcher, in place,
+    spawned, across nodes) is chosen here, and each is one function."""
     if not callable(fn):
         raise ConfigError(f"distributed.run needs a function to call on every rank; got {type(fn).__name__} {fn!r}.")
-    for name, value in (("timeout", timeout), ("stall_timeout", stall_timeout), ("stop_grace", stop_grace)):
-        _check_seconds(name, value, allow_zero=name == "stop_grace")
-    if not isinstance(init_group, bool):
-        raise ConfigError(f"init_group={init_group!r}; expected True (levers9 joins the group before fn) or False "
-                          f"(fn calls init_process_group itself).")
-    from levers9.distributed.hardware import quirks  # imported on use: `import levers9` stays light
-
-    quirks.check_quirk_ids(disable_quirks)
-    policy = restarts.check_restart_args(max_restarts, restart_on, restart_delay)
+    policy = options.check()
     call = fn if cfg is None and _takes_no_arguments(fn) else functools.partial(fn, cfg)
     info = world.launch_info()
     if info.launcher != "single" or world.live_group() is not None:
-        if nprocs is not None and nprocs != info.world_size:
-            raise ConfigError(
-                f"nprocs={nprocs} but this process is already one of {info.world_size} rank(s) under {info.launcher}; the "
-                f"launcher decides how many ranks run. Drop nprocs=, or launch {nprocs} ranks (e.g. --nproc-per-node {nprocs})."
-            )
-        _refuse_spawn_only(f"under {info.launcher}", stall_timeout=stall_timeout, start_method=start_method,
-                           prefix_output=prefix_output, max_restarts=max_restarts, restart_on=restart_on,
-                           restart_delay=restart_delay)  # fmt: skip
-        return _run_under_launcher(call, backend or group.default_backend(), timeout, disable_quirks, init_group)
-    layout = plan_layout(nprocs, backend)
+        return _run_under_launcher(call, info, options)
+    layout = plan_layout(options.nprocs, options.backend)
     job = current_job()
-    if max_restarts is None and job is not None:
-        policy = dataclasses.replace(policy, max_restarts=job.max_restarts)  # @job(max_restarts=...)
-    if layout.nprocs == 1 and not policy.max_restarts and (job is None or job.gang is None):  # a restartable world of one runs as a started rank
-        _refuse_spawn_only("in place", stall_timeout=stall_timeout, start_method=start_method)
-        return _run_in_place(call, layout.backend, timeout, disable_quirks)
-    if stall_timeout is None and job is not None:
-        stall_timeout = job.stall_timeout  # @job(stall_timeout=...)
-    method = start.choose(start_method)
+    if options.max_restarts is None and job is not None:
+        policy = dataclasses.replace(policy, max_retries=job.max_restarts)  # @job(max_restarts=...)
+    if layout.nprocs == 1 and not policy.max_retries and (job is None or job.gang is None):  # a restartable world of one runs as a started rank
+        return _run_in_place(call, layout, options)
+    if options.stall_timeout is None and job is not None:
+        options = dataclasses.replace(options, stall_timeout=job.stall_timeout)  # @job(stall_timeout=...)
     if job is not None and job.gang is not None:  # a job holding cards on several Ray nodes (issue 25)
-        return _run_across_nodes(fn, cfg, call, layout, method, nprocs, timeout, stall_timeout, prefix_output,
-                                 disable_quirks, stop_grace, init_group, policy)  # fmt: skip
-    if stall_timeout is not None and method.forks and flight_recorder.forked_ranks_cannot_record(layout.backend):
-        if start_method == "fork":
+        return _run_across_nodes(fn, cfg, call, layout, options, policy, job)
+    return _run_spawned(fn, cfg, call, layout, options, policy)
+
+
+def _run_under_launcher(call: Callable[[], Any], info: detect.LaunchInfo, options: RunOptions) -> Any:
+    """fn in this rank of a launcher's world (or of a group the user made), quirks applied, in the group
+    (joined now unless `init_group` is False); rank 0's value, on every rank."""
+    if options.nprocs is not None and options.nprocs != info.world_size:
+        raise ConfigError(
+            f"nprocs={options.nprocs} but this process is already one of {info.world_size} rank(s) under {info.launcher}; "
+            f"the launcher decides how many ranks run. Drop nprocs=, or launch {options.nprocs} ranks "
+            f"(e.g. --nproc-per-node {options.nprocs})."
+        )
+    _refuse_spawn_only(f"under {info.launcher}", **options.spawn_only())
+    backend = options.backend or group.default_backend()
+    group.apply_quirks_here(info.local_world_size, backend, options.disable_quirks)
+    with SelfTimer(options.timeout, f"rank {world.rank()} of distributed.run", under_launcher=True):
+        with group.joined(backend) if options.init_group else contextlib.nullcontext():
+            result = call()
+            if world.live_group() is not None:
+                return _from_rank0(result)
+        return _from_rank0_without_group(result, backend)
+
+
+def _run_in_place(call: Callable[[], Any], layout: Layout, options: RunOptions) -> Any:
+    """fn in this process as a world of one, quirks applied; its value."""
+    _refuse_spawn_only("in place", stall_timeout=options.stall_timeout, start_method=options.start_method)
+    group.apply_quirks_here(1, layout.backend, options.disable_quirks)
+    with SelfTimer(options.timeout, "distributed.run (in place, a world of one)", under_launcher=False):
+        return call()
+
+
+def _run_spawned(fn: Callable[..., Any], cfg: Any, call: Callable[..., Any], layout: Layout, options: RunOptions,
+                 policy: RetryPolicy) -> Any:  # fmt: skip
+    """One process per rank, started here (again after each failure the policy restarts); rank 0's value."""
+    method = start.choose(options.start_method)
+    if options.stall_timeout is not None and method.forks and flight_recorder.forked_ranks_cannot_record(layout.backend):
+        if options.start_method == "fork":
             raise ConfigError(
                 "stall_timeout= with start_method='fork' on torch before 2.11: forked ranks inherit this process's "
                 "flight recorder, which has no buffer for gloo unless TORCH_FR_BUFFER_SIZE was set before its first "
@@ -167,36 +234,36 @@ def run(
             )
         method = start.StartMethod("spawn", "on torch < 2.11 forked ranks could inherit a flight recorder without a "
                                    "buffer (TORCH_FR_BUFFER_SIZE unset), and stall_timeout= needs one that records")  # fmt: skip
-    diagnostics = timeout is not None or stall_timeout is not None  # their reports read the flight recorder
-    env = {**_ranks_env(layout, disable_quirks), **(flight_recorder.env_for_ranks() if diagnostics else {})}
-    plan = _Plan(call, None if method.forks else _shipped(fn, cfg, call, method), layout, env,
-                 method, timeout, stall_timeout, prefix_output is None or bool(prefix_output), stop_grace,
-                 make_group=init_group)  # fmt: skip
-    return _run_spawned(plan, policy)
+    diagnostics = options.timeout is not None or options.stall_timeout is not None  # their reports read the flight recorder
+    env = {**_ranks_env(layout, options.disable_quirks), **(flight_recorder.env_for_ranks() if diagnostics else {})}
+    ranks = SpawnedRanks(call, None if method.forks else _shipped(fn, cfg, call, method), layout, env, method,
+                         options.timeout, options.stall_timeout, options.prefix, options.stop_grace,
+                         make_group=options.init_group)  # fmt: skip
+    return _start_attempts(ranks, policy)
 
 
-def _run_across_nodes(fn: Callable[..., Any], cfg: Any, call: Callable[..., Any], layout: Layout, method: start.StartMethod,
-                      nprocs: int | None, timeout: float | None, stall_timeout: float | None, prefix_output: bool | None,
-                      disabled: tuple[str, ...], stop_grace: float, init_group: bool, policy: restarts.RestartPolicy) -> Any:  # fmt: skip
+def _run_across_nodes(fn: Callable[..., Any], cfg: Any, call: Callable[..., Any], layout: Layout, options: RunOptions,
+                      policy: RetryPolicy, job: JobContext) -> Any:  # fmt: skip
     """distributed.run inside a job that holds cards on several Ray nodes: see levers9.distributed.nodes."""
     from levers9.distributed import nodes
 
-    gang = current_job().gang  # type: ignore[union-attr]
+    gang = job.gang
     assert gang is not None
-    nodes.refuse_across_nodes(stall_timeout, nprocs, gang)
-    env = {k: v for k, v in _ranks_env(layout, disabled).items() if k not in nodes.SOCKET_VARS}
-    run = nodes.GangRun(call, _shipped(fn, cfg, call, method), layout.backend, env, method, timeout, stop_grace,
-                        init_group, prefix_output is None or bool(prefix_output))  # fmt: skip
+    nodes.refuse_across_nodes(options.stall_timeout, options.nprocs, gang)
+    method = start.choose(options.start_method)
+    env = {k: v for k, v in _ranks_env(layout, options.disable_quirks).items() if k not in nodes.SOCKET_VARS}
+    run = nodes.GangRun(call, _shipped(fn, cfg, call, method), layout.backend, env, method, options.timeout,
+                        options.stop_grace, options.init_group, options.prefix)  # fmt: skip
     return nodes.run_across_nodes(run, policy, gang)
 
 
-def _run_spawned(plan: _Plan, policy: restarts.RestartPolicy) -> Any:
-    """Start the plan's ranks (again after each failure the policy restarts) and return rank 0's value."""
-    if plan.stall_timeout is not None:
-        flight_recorder.require(plan.layout.backend)
+def _start_attempts(ranks: SpawnedRanks, policy: RetryPolicy) -> Any:
+    """Start the ranks (again after each failure the policy restarts) and return rank 0's value."""
+    if ranks.stall_timeout is not None:
+        flight_recorder.require(ranks.layout.backend)
     with exit_on_terminate():  # SIGTERM to this process stops the ranks with stop_grace, as Ctrl-C does
-        return restarts.run_attempts(policy, lambda attempt_env: _Spawn(plan, attempt_env).run(), ranks=plan.layout.nprocs,
-                                     timeout=plan.timeout, stall_timeout=plan.stall_timeout)  # fmt: skip
+        return restarts.run_attempts(policy, lambda attempt_env: _Spawn(ranks, attempt_env).run(), ranks=ranks.layout.nprocs,
+                                     timeout=ranks.timeout, stall_timeout=ranks.stall_timeout)  # fmt: skip
 
 
 def spawn_ranks(call: Callable[[int], Any], nprocs: int, start_method: str | None) -> Any:
@@ -205,9 +272,9 @@ def spawn_ranks(call: Callable[[int], Any], nprocs: int, start_method: str | Non
     layout = plan_layout(nprocs, None)
     method = start.choose(start_method)
     shipped = None if method.forks else _shipped(call, None, call, method)
-    plan = _Plan(call, shipped, layout, _ranks_env(layout, ()), method, None, None, True, STOP_GRACE_S,
-                 make_group=False, torchrun_env=False, pass_rank=True)  # fmt: skip
-    return _run_spawned(plan, restarts.RestartPolicy())
+    ranks = SpawnedRanks(call, shipped, layout, _ranks_env(layout, ()), method, None, None, True, STOP_GRACE_S,
+                         make_group=False, torchrun_env=False, pass_rank=True)  # fmt: skip
+    return _start_attempts(ranks, RetryPolicy())
 
 
 def _check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> None:
@@ -283,26 +350,6 @@ def _takes_no_arguments(fn: Callable[..., Any]) -> bool:
     return not any(p.kind in positional for p in params)
 
 
-def _run_in_place(call: Callable[[], Any], backend: str, timeout: float | None, disabled: tuple[str, ...]) -> Any:
-    """fn in this process as a world of one, quirks applied; its value."""
-    group.apply_quirks_here(1, backend, disabled)
-    with SelfTimer(timeout, "distributed.run (in place, a world of one)", under_launcher=False):
-        return call()
-
-
-def _run_under_launcher(call: Callable[[], Any], backend: str, timeout: float | None, disabled: tuple[str, ...],
-                        init_group: bool) -> Any:  # fmt: skip
-    """fn in this rank of a launcher's world (or of a group the user made), quirks applied, in the group
-    (joined now unless `init_group` is False); rank 0's value, on every rank."""
-    group.apply_quirks_here(world.launch_info().local_world_size, backend, disabled)
-    with SelfTimer(timeout, f"rank {world.rank()} of distributed.run", under_launcher=True):
-        with group.joined(backend) if init_group else contextlib.nullcontext():
-            result = call()
-            if world.live_group() is not None:
-                return _from_rank0(result)
-        return _from_rank0_without_group(result, backend)
-
-
 def _from_rank0(result: Any) -> Any:
     """Rank 0's `result` on every rank, through the live group."""
     import torch.distributed as td
@@ -358,7 +405,7 @@ def _ranks_env(layout: Layout, disabled: tuple[str, ...]) -> dict[str, str]:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class SpawnedRanks:
     """What every attempt of a spawned run starts and how it is watched, decided once per run."""
 
     call: Callable[..., Any]  # fn bound to cfg (spawn: taking the rank)
@@ -381,42 +428,48 @@ class _Plan:
 
 
 class _Spawn:
-    """One attempt of a spawned run: start the ranks, watch them, return rank 0's value or raise the root failure."""
+    """One attempt of a spawned run: start the ranks, supervise them, return rank 0's value or raise the root failure."""
 
-    def __init__(self, plan: _Plan, attempt_env: dict[str, str]) -> None:
-        self.plan = plan
+    def __init__(self, ranks: SpawnedRanks, attempt_env: dict[str, str]) -> None:
+        self.ranks = ranks
         self.attempt_env = attempt_env  # TORCHELASTIC_RESTART_COUNT / _MAX_RESTARTS of this attempt
         self.watcher = Watcher(on_text=self._forward)  # pieces of long lines: never one held whole
         self._mid_line: set[tuple[int, str]] = set()  # (pid, stream) whose last piece ended mid-line
-        self.ranks: list[Child] = []
-        self.started = time.monotonic()
-        self.oom_before = oom.oom_kills()
+        self.children: list[Child] = []
+        self.where = ""  # where each rank was, asked just before a timeout or stall stopped them
 
     def run(self) -> Any:
-        plan, nprocs = self.plan, self.plan.layout.nprocs
+        ranks, nprocs = self.ranks, self.ranks.layout.nprocs
         with contextlib.ExitStack() as cleanup:  # unwound last to first: ranks stopped, store, pipes, folder
-            folder = stalls.RunFolder(nprocs) if plan.diagnostics else None
+            folder = stalls.RunFolder(nprocs) if ranks.diagnostics else None
             if folder is not None:
                 cleanup.callback(folder.remove)
             cleanup.callback(self.watcher.close)
-            port = cleanup.enter_context(hosted_store()) if plan.torchrun_env else None
-            cleanup.callback(self.watcher.stop, plan.stop_grace)
+            port = cleanup.enter_context(hosted_store()) if ranks.torchrun_env else None
+            cleanup.callback(self.watcher.stop, ranks.stop_grace)
             for rank in range(nprocs):
-                spec = RankSpec(rank, nprocs, plan.layout.backend, None if folder is None else str(folder.path),
-                                current_job(), make_group=plan.make_group, pass_rank=plan.pass_rank)  # fmt: skip
-                target = RankTarget(spec, plan.call if plan.shipped is None else plan.shipped)
-                env = {**plan.env, **({} if port is None else {**rank_env(rank, nprocs, port), **self.attempt_env})}
-                child = start.start(target, method=plan.method, shipped=None if plan.shipped is None else ship(target),
+                spec = RankSpec(rank, nprocs, ranks.layout.backend, None if folder is None else str(folder.path),
+                                current_job(), make_group=ranks.make_group, pass_rank=ranks.pass_rank)  # fmt: skip
+                target = RankTarget(spec, ranks.call if ranks.shipped is None else ranks.shipped)
+                env = {**ranks.env, **({} if port is None else {**rank_env(rank, nprocs, port), **self.attempt_env})}
+                child = start.start(target, method=ranks.method, shipped=None if ranks.shipped is None else ship(target),
                                     env=env, name=f"rank {rank}")  # fmt: skip
-                self.ranks.append(self.watcher.add(child))
+                self.children.append(self.watcher.add(child))
             if folder is not None:
-                folder.write_pids(os.getpid(), [p.pid for p in self.ranks])
-            return self._watch(folder)
+                folder.write_pids(os.getpid(), [p.pid for p in self.children])
+            supervisor = Supervisor(
+                self.watcher, self.children, timeout=ranks.timeout, grace=ranks.stop_grace, stop_on_failure=True,
+                stalled=None if ranks.stall_timeout is None or folder is None
+                else functools.partial(stalls.stalled_now, folder, ranks.stall_timeout),
+                before_stop=functools.partial(self._ask_where, folder),
+            )  # fmt: skip
+            outcomes = supervisor.run()
+            return self._result(supervisor.stopped_for, outcomes)
 
     def _forward(self, child: Child, stream: str, text: str) -> None:
         """A line with its newline, or a piece of a long one without, to the caller's stream, prefixed once per line."""
         key = (child.pid, stream)
-        prefix = "" if key in self._mid_line or not self.plan.prefix_output or child is self.ranks[0] else f"[{child.name}] "
+        prefix = "" if key in self._mid_line or not self.ranks.prefix_output or child is self.children[0] else f"[{child.name}] "
         if text.endswith("\n"):
             self._mid_line.discard(key)
         else:
@@ -425,55 +478,39 @@ class _Spawn:
         out.write(prefix + text)
         out.flush()
 
-    def _watch(self, folder: stalls.RunFolder | None) -> Any:
-        """Pump messages and output until every rank is done or one fails; then return or raise."""
-        timeout, stall_timeout = self.plan.timeout, self.plan.stall_timeout
-        deadline = None if timeout is None else self.started + timeout
-        failure_seen_at: float | None = None
-        while True:
-            self.watcher.pump(0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic())))
-            now = time.monotonic()
-            if failure_seen_at is None and any(p.failed for p in self.ranks):
-                failure_seen_at = now
-            if failure_seen_at is not None and now - failure_seen_at >= ROOT_CAUSE_WINDOW_S:
-                self._raise_root_failure()
-            if failure_seen_at is None and all(p.status is not None for p in self.ranks):
-                self.watcher.drain()
-                rank0 = self.ranks[0].result
-                return None if rank0 is None else unship(rank0)
-            if deadline is not None and now >= deadline:
-                self._raise_stopped(folder, RunTimeout, self._timeout_text())
-            if stall_timeout is not None and folder is not None and stalls.stalled_now(folder, stall_timeout, now):
-                self._raise_stopped(folder, StallError, self._stall_text())
+    def _ask_where(self, folder: stalls.RunFolder | None, reason: StopReason) -> None:
+        """Before a timeout or stall stops the ranks: where each live one is (stacks, collectives)."""
+        if reason in (StopReason.TIMEOUT, StopReason.STALL) and folder is not None:
+            self.where = stalls.where_ranks_are(folder, {i: p.pid for i, p in enumerate(self.children) if not p.poll()})
 
-    def _root_cause(self) -> Child:
-        """The rank whose failure came first; errors caused only by losing a peer rank last."""
+    def _result(self, stopped_for: StopReason | None, outcomes: list[Outcome]) -> Any:
+        """Rank 0's value when every rank returned; else the timeout, the stall or the root failure, raised."""
+        if stopped_for is StopReason.TIMEOUT:
+            self._raise_stopped(RunTimeout, self._timeout_text(outcomes))
+        if stopped_for is StopReason.STALL:
+            self._raise_stopped(StallError, self._stall_text())
+        if any(not o.succeeded for o in outcomes):
+            self._raise_root_failure(outcomes)
+        value = outcomes[0].value
+        return None if value is None else unship(value)
 
-        def order(proc: Child) -> tuple[int, float]:
-            if proc.failure is not None:
-                return (1 if proc.failure.peer_loss else 0, proc.failure.when)
-            return (0, time.monotonic())  # a crash: seen now, but never a mere consequence
-
-        return min((p for p in self.ranks if p.failed), key=order)
-
-    def _raise_root_failure(self) -> NoReturn:
-        root = self._root_cause()
-        self.watcher.stop(self.plan.stop_grace)
-        self.watcher.drain(0.3)
-        report = root.failure
-        oom_after = oom.oom_kills() if report is None and root.signal is not None else None
+    def _raise_root_failure(self, outcomes: list[Outcome]) -> NoReturn:
+        root = root_cause(outcomes)
+        index = outcomes.index(root)
+        child, report = self.children[index], root.failure
         failure = RankFailure(
-            rank=self.ranks.index(root),
+            rank=index,
             pid=root.pid,
             exitcode=root.exitcode if report is None else report.exitcode,
             signal=root.signal if report is None else None,
             exc_type=None if report is None or report.is_exit else report.exc_type,
             message="" if report is None else report.message,
             traceback="" if report is None else report.traceback,
-            output_tail=output_excerpt(list(root.tail)),
-            oom_killed=oom.count_rose(self.oom_before, oom_after),
+            output_tail=output_excerpt(list(child.tail)),
+            oom_killed=root.oom_killed,
+            kind=kind_of(root),
         )
-        others = [str(i) for i, p in enumerate(self.ranks) if p is not root]
+        others = [str(i) for i in range(len(outcomes)) if i != index]
         stopped = f"; the other rank(s) {', '.join(others)} were stopped" if others else ""
         full = failure.describe()
         if report is not None and report.is_exit:
@@ -482,25 +519,21 @@ class _Spawn:
         if report is None:
             hint = ""
             if root.signal is not None:  # more than the signal only on evidence: the cgroup's OOM-kill count rose
-                how = oom.killed_by(root.signal, self.oom_before, oom_after)
+                how = oom.killed_by(root.signal, *root.oom_counts)
                 hint = "" if how == f"killed by {signal_name(root.signal)}" else f"\nrank {failure.rank} was {how}."
             raise RankCrashed(f"distributed.run: {full.splitlines()[0]}{stopped}.{hint}\n\n{full}", failure)
         raise_rank_exception(f"distributed.run: {full.splitlines()[0]}{stopped}.\n\n{full}", failure, report,
-                             f"levers9: raised on rank {failure.rank} (pid {root.pid}) of {len(self.ranks)}{stopped}. "
+                             f"levers9: raised on rank {failure.rank} (pid {root.pid}) of {len(outcomes)}{stopped}. "
                              f"Its traceback:\n{report.traceback.rstrip()}")  # fmt: skip
 
-    def _raise_stopped(self, folder: stalls.RunFolder | None, error: type[RankFailed], headline: str) -> NoReturn:
-        """Ask every rank where it is, stop them all, and raise `error` with that report and their last output."""
-        live = {i: p.pid for i, p in enumerate(self.ranks) if not p.poll()}
-        where = "" if folder is None else stalls.where_ranks_are(folder, live)
-        self.watcher.stop(self.plan.stop_grace)
-        self.watcher.drain(0.3)
-        tails = "".join(f"\n\nLast output of {p.name}:\n" + "\n".join(list(p.tail)[-10:]) for p in self.ranks if p.tail)
-        raise error(f"{headline}\n{where}{tails}")
+    def _raise_stopped(self, error: type[RankFailed], headline: str) -> NoReturn:
+        """Raise `error` with the report of where every rank was and their last output."""
+        tails = "".join(f"\n\nLast output of {p.name}:\n" + "\n".join(list(p.tail)[-10:]) for p in self.children if p.tail)
+        raise error(f"{headline}\n{self.where}{tails}")
 
-    def _timeout_text(self) -> str:
-        running = ", ".join(str(i) for i, p in enumerate(self.ranks) if not p.poll())
-        timeout = self.plan.timeout
+    def _timeout_text(self, outcomes: list[Outcome]) -> str:
+        running = ", ".join(str(i) for i, o in enumerate(outcomes) if o.stopped_for is not None)
+        timeout = self.ranks.timeout
         return (
             f"distributed.run timed out: still running after {timeout:g} s (timeout={timeout:g}); rank(s) {running} "
             f"had not finished and every rank was stopped. Expected the run to finish within the timeout; pass a "
@@ -508,7 +541,7 @@ class _Spawn:
         )
 
     def _stall_text(self) -> str:
-        stall_timeout = self.plan.stall_timeout
+        stall_timeout = self.ranks.stall_timeout
         return (
             f"distributed.run stalled: for {stall_timeout:g} s (stall_timeout={stall_timeout:g}) no "
             f"rank issued or completed a collective while at least one waited for one; every rank was stopped. "
@@ -516,6 +549,19 @@ class _Spawn:
             f"collective, uneven data, or a loader that hangs. Pass a larger stall_timeout= if a step "
             f"legitimately takes longer."
         )
+
+
+def root_cause(outcomes: list[Outcome]) -> Outcome:
+    """The failed child whose failure came first; errors caused only by losing a peer last, and a child the
+    supervisor stopped because another failed never before one that failed by itself."""
+
+    def order(outcome: Outcome) -> tuple[int, int, float]:
+        collateral = 1 if outcome.stopped_for is not None else 0
+        if outcome.failure is not None:
+            return (collateral, 1 if outcome.failure.peer_loss else 0, outcome.failure.when)
+        return (collateral, 0, time.monotonic())  # a crash: seen now, but never a mere consequence
+
+    return min((o for o in outcomes if not o.succeeded), key=order)
 
 
 def output_excerpt(lines: list[str]) -> str:

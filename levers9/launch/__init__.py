@@ -6,6 +6,7 @@ from levers9.launch import job, Retries
 from __future__ import annotations
 
 from levers9.launch.job import JobFunction, MapResults, job
-from levers9.launch.spec import JobSpec, Retries
+from levers9.launch.spec import JobSpec
+from levers9.retries import Retries
 
 __all__ = ["job", "Retries", "JobFunction", "MapResults", "JobSpec"]

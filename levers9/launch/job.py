@@ -44,8 +44,9 @@ from levers9.launch.policy import check_policy
 from levers9.launch.progress import Mode, Reporter, choose_mode
 from levers9.launch.runs import RunRecord
 from levers9.launch.settings import load_settings
-from levers9.launch.spec import JobSpec, Retries, build_spec
+from levers9.launch.spec import JobSpec, build_spec
 from levers9.procs.watch import exit_on_terminate
+from levers9.retries import RetryPolicy
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -420,7 +421,7 @@ def job(
     gpu: str | Sequence[str] | None = None,
     gpu_count: int | None = None,
     timeout: float | None = None,
-    retries: int | Retries = 0,
+    retries: int | RetryPolicy = 0,
     env: Mapping[str, str] | None = None,
     cpu: float | str | None = None,
     memory: int | str | None = None,
@@ -441,7 +442,7 @@ def job(
     gpu: str | Sequence[str] | None = None,
     gpu_count: int | None = None,
     timeout: float | None = None,
-    retries: int | Retries = 0,
+    retries: int | RetryPolicy = 0,
     env: Mapping[str, str] | None = None,
     cpu: float | str | None = None,
     memory: int | str | None = None,

@@ -34,6 +34,7 @@ from levers9.launch.policy import check_feasible
 from levers9.launch.pool import Pool, local_pool
 from levers9.launch.settings import lease_dir, load_settings
 from levers9.procs import start
+from levers9.procs.supervise import Supervisor
 from levers9.procs.watch import Child, Watcher
 from levers9.state_files import AppendLog
 
@@ -60,20 +61,20 @@ class LocalBackend:
         if not method.forks:
             log.debug("starting jobs as fresh interpreters: %s", method.reason)
         run_dir = runs.run_folder(batch.run_id)
-        supervisors = [
-            _Supervisor(batch, cell, Future(), pool, leases, groups, method, run_dir)
+        cells = [
+            _LocalCell(batch, cell, Future(), pool, leases, groups, method, run_dir)
             for cell in batch.cells
         ]
-        dispatch(batch, supervisors, lanes)
-        return [sup.future for sup in supervisors]
+        dispatch(batch, cells, lanes)
+        return [c.future for c in cells]
 
 
 def _eligible(groups: list[list[int]]) -> list[int]:
     return sorted({s for g in groups for s in g})
 
 
-class _Supervisor:
-    """Runs one cell to completion: queue, start, watch, retry, resolve the Future."""
+class _LocalCell:
+    """Runs one cell to completion on this machine: queue for its cards, start, supervise, retry, resolve the Future."""
 
     def __init__(
         self,
@@ -170,29 +171,13 @@ class _Supervisor:
                 if lease is not None:
                     lease.release()  # the job process holds the locks now
             try:
-                card_text = env["CUDA_VISIBLE_DEVICES"] if cards else "no card"
-                self.batch.events.started(cell, card_text, attempt)
+                self.batch.events.started(cell, env["CUDA_VISIBLE_DEVICES"] if cards else "no card", attempt)
                 started = time.time()
-                supervision = outcomes.Supervision(watcher, child, spec.timeout, spec.stop_grace, self.stopped)
-                supervision.run()
+                supervisor = Supervisor(watcher, [child], timeout=spec.timeout, grace=spec.stop_grace,
+                                        should_stop=self.stopped)  # fmt: skip
+                outcome = supervisor.run(every=0.1)[0]
             finally:
                 watcher.stop(spec.stop_grace)
                 watcher.close()
-        run.write_meta(
-            {
-                "pid": child.pid,
-                "cards": env.get("CUDA_VISIBLE_DEVICES", ""),
-                "attempt": attempt,
-                "started": started,
-                "ended": time.time(),
-                "exit_code": child.exitcode,
-                "signal": child.signal,
-                "killed_for": supervision.killed_for,
-            }
-        )
-        if supervision.killed_for == "cancel":
-            raise Cancelled()
-        if supervision.killed_for == "timeout":
-            raise outcomes.timed_out(run, spec.timeout, child.pid)
-        outcome = (child.result, child.failure) if child.reported else None
-        return outcomes.result(run, child.pid, child.status or (None, None), outcome, tail)
+        meta = {"cards": env.get("CUDA_VISIBLE_DEVICES", ""), "started": started, "ended": time.time()}
+        return outcomes.finish(run, outcome, tail, spec.timeout, meta)

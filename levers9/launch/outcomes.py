@@ -1,11 +1,12 @@
 """A cell's attempts as the caller sees them; the same for every backend.
 
 `JobAttempt.begin` makes one folder per attempt in the run's folder (runs.py makes that).
-`attempt_cell` is the retry loop that resolves a cell's Future, retrying the failures retries= names
-(`failure_kind`). `Supervision` watches one started job process until it ends, stopping it on
-timeout or cancel. `timed_out` and `result` turn a finished attempt into its return value or the
-exception the caller sees (JobTimeout, JobCrashed with the output's tail, or the job's own
-exception with a note saying where it ran), with the same words whichever backend ran it.
+`attempt_cell` resolves a cell's Future through the one retry loop (levers9.retries), retrying the
+kinds of failure retries= names. A backend supervises the job process (levers9.procs.supervise),
+locally or inside a Ray task, and hands its Outcome to `finish`, which records the attempt's
+meta.json and turns the outcome into the return value or the exception the caller sees (JobTimeout,
+JobCrashed with the output's tail, or the job's own exception with a note saying where it ran), with
+the same words and the same files whichever backend ran it.
 """
 
 from __future__ import annotations
@@ -14,20 +15,21 @@ import collections
 import dataclasses
 import json
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import Any
 
 from levers9 import state_files
-from levers9.distributed.hardware import oom
-from levers9.errors import JobCrashed, JobTimeout, RankFailure, RemoteError, add_note
+from levers9.errors import FailureKind, JobCrashed, JobTimeout, RankFailure, RemoteError, add_note
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.spec import JobSpec
-from levers9.procs.failure import Failure, rebuild, unship
-from levers9.procs.watch import Child, Watcher, cut_line
+from levers9.procs import oom
+from levers9.procs.failure import rebuild, unship
+from levers9.procs.outcome import Outcome, StopReason, kind_of
+from levers9.procs.watch import cut_line
+from levers9.retries import RETRY_WORDS, run_with_retries
 
 TAIL_LINES = 40  # lines of a job's output kept for the message when it crashes
 
@@ -36,13 +38,14 @@ class Cancelled(Exception):
     """The batch (or the cell's Future) was cancelled while this cell waited or ran."""
 
 
-def failure_kind(exc: BaseException) -> str:
-    """What retries= matches a failed attempt on: 'timeout', 'queue', 'crash' or 'exception'."""
-    if isinstance(exc, JobTimeout):
+def failure_kind(exc: BaseException) -> FailureKind | None:
+    """The kind of failure retries= sees in a failed attempt: the one levers9's job errors carry (decided from
+    the job process's Outcome), EXCEPTION for anything else the attempt raised; None for a cancel."""
+    if isinstance(exc, Cancelled):
+        return None
+    if isinstance(exc, (JobTimeout, JobCrashed)):
         return exc.kind
-    if isinstance(exc, JobCrashed):
-        return "crash"
-    return "exception"
+    return FailureKind.EXCEPTION
 
 
 def attempt_cell(
@@ -57,38 +60,33 @@ def attempt_cell(
     raises Cancelled; resolve `future` with that. `before_retry` runs after the backoff unless the
     batch was cancelled during it. Never raises: a bug in `attempt` still resolves the Future."""
     label = batch.cell_label(cell)
-    retries = batch.spec.retries
-    number = 1
+    policy = batch.spec.retries
+
+    def retry(number: int, exc: BaseException, kind: FailureKind) -> bool:
+        if batch.cancel.cancelled or future.cancelled():
+            return False
+        word = policy.word_for(kind, RETRY_WORDS)
+        log.info("%s: %s; retrying (attempt %d of %d)", label, word, number + 1, policy.max_retries + 1)
+        batch.events.retrying(cell, number + 1, word)
+        return True
+
+    def wait(seconds: float) -> None:
+        if not batch.cancel.wait(seconds):
+            before_retry()  # the next attempt notices a cancel
+
     try:
-        while True:
-            try:
-                value = attempt(number)
-            except Cancelled:
-                if not future.cancel() and not future.done():
-                    future.set_exception(CancelledError(f"{label} was cancelled"))
-                return
-            except BaseException as exc:
-                kind = failure_kind(exc)
-                stopped = batch.cancel.cancelled or future.cancelled()
-                if kind in retries.on and number <= retries.max_retries and not stopped:
-                    log.info(
-                        "%s: %s; retrying (attempt %d of %d)",
-                        label,
-                        kind,
-                        number + 1,
-                        retries.max_retries + 1,
-                    )
-                    number += 1
-                    batch.events.retrying(cell, number, kind)
-                    if not batch.cancel.wait(retries.delay(number)):
-                        before_retry()
-                    continue  # the next attempt notices a cancel
-                batch.events.finished(cell, False, exc)
-                _settle(future, exc)
-                return
-            batch.events.finished(cell, True)
-            future.set_result(value)
+        try:
+            value = run_with_retries(policy, attempt, kind_of_error=failure_kind, before_retry=retry, wait=wait)
+        except Cancelled:
+            if not future.cancel() and not future.done():
+                future.set_exception(CancelledError(f"{label} was cancelled"))
             return
+        except BaseException as exc:
+            batch.events.finished(cell, False, exc)
+            _settle(future, exc)
+            return
+        batch.events.finished(cell, True)
+        future.set_result(value)
     except BaseException as exc:
         if not future.done():
             _settle(future, exc)
@@ -130,7 +128,6 @@ class JobAttempt:
     attempt: int
     allowed: int  # attempts in all: retries + 1
     job_dir: Path
-    oom_before: int | None = None  # this cgroup's OOM-kill count when the attempt began
 
     @classmethod
     def begin(cls, run_dir: Path, label: str, index: int, attempt: int, spec: JobSpec) -> JobAttempt:
@@ -141,7 +138,7 @@ class JobAttempt:
             job_dir.mkdir(mode=0o700, exist_ok=True)
         except OSError as exc:
             state_files.losses(run_dir).lost("attempt log folder", exc)
-        return cls(label, index, attempt, spec.retries.max_retries + 1, job_dir, oom.oom_kills())
+        return cls(label, index, attempt, spec.retries.max_retries + 1, job_dir)
 
     @property
     def attempts(self) -> str:
@@ -174,68 +171,38 @@ def timed_out(run: JobAttempt, timeout: float | None, pid: int, node: str | None
     )
 
 
-class Supervision:
-    """One job process watched until it ends: stopped (SIGTERM, `grace`, SIGKILL to its whole group) when
-    `timeout` passes or `should_stop()` turns true. Step it; `killed_for` says why it was stopped."""
-
-    def __init__(self, watcher: Watcher, child: Child, timeout: float | None, grace: float,
-                 should_stop: Callable[[], bool]) -> None:  # fmt: skip
-        self.watcher, self.child, self.grace, self.should_stop = watcher, child, grace, should_stop
-        self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.killed_for: str | None = None
-
-    def step(self, wait: float) -> bool:
-        """Pump for up to `wait` s; True once the job process has ended (and was stopped, if it had to be)."""
-        if self.deadline is not None:
-            wait = max(0.0, min(wait, self.deadline - time.monotonic()))
-        self.watcher.pump(wait)
-        if self.child.poll():
-            self.watcher.drain()
-            self.watcher.stop(0)  # whatever it left behind in its group
-            return True
-        if self.should_stop():
-            self.killed_for = "cancel"
-        elif self.deadline is not None and time.monotonic() >= self.deadline:
-            self.killed_for = "timeout"
-        else:
-            return False
-        self.watcher.stop(self.grace)
-        self.watcher.drain()
-        return True
-
-    def run(self) -> None:
-        """Step until the job process has ended."""
-        while not self.step(0.1):
-            pass
+def finish(run: JobAttempt, outcome: Outcome, tail: OutputTail, timeout: float | None, meta: dict[str, Any],
+           node: str | None = None) -> Any:  # fmt: skip
+    """What a supervised attempt comes to, the same for every backend: its meta.json written (how it ran
+    and ended; `meta` adds the backend's own facts), then its value, or Cancelled, JobTimeout, JobCrashed
+    or the job's own exception raised."""
+    stopped = outcome.stopped_for
+    run.write_meta({**meta, "pid": outcome.pid, "attempt": run.attempt, "exit_code": outcome.exitcode,
+                    "signal": outcome.signal, "killed_for": None if stopped is None else stopped.value})  # fmt: skip
+    if stopped is StopReason.CANCEL:
+        raise Cancelled()
+    if stopped is StopReason.TIMEOUT:
+        raise timed_out(run, timeout, outcome.pid, node)
+    return result(run, outcome, tail, node)
 
 
-def result(
-    run: JobAttempt,
-    pid: int,
-    status: tuple[int | None, int | None],
-    outcome: tuple[bytes | None, Failure | None] | None,
-    tail: OutputTail,
-    node: str | None = None,
-    oom_counts: tuple[int | None, int | None] | None = None,
-) -> Any:
+def result(run: JobAttempt, outcome: Outcome, tail: OutputTail, node: str | None = None) -> Any:
     """The value of a finished attempt; raises the job's exception with a note saying where it ran, or
-    JobCrashed (how it ended, the output's tail) if it reported no outcome or called sys.exit(N).
-    `oom_counts` are the OOM-kill counts (before, after) of the cgroup the job ran in when that is not
-    this process's (a Ray node); by default the attempt's start count and this cgroup's now."""
-    exitcode, signum = status
-    value, failure = outcome if outcome is not None else (None, None)
-    if outcome is None or (failure is not None and failure.is_exit):
+    JobCrashed (how it ended, the output's tail) if it reported no outcome or called sys.exit(N)."""
+    pid, exitcode, signum, failure = outcome.pid, outcome.exitcode, outcome.signal, outcome.failure
+    if not outcome.reported or (failure is not None and failure.is_exit):
         if failure is not None:
             exitcode = failure.exitcode
-        before, after = oom_counts if oom_counts is not None else (run.oom_before, oom.oom_kills())
-        how = f"was {oom.killed_by(signum, before, after)}" if signum is not None else f"exited with code {exitcode}"
+        how = f"was {oom.killed_by(signum, *outcome.oom_counts)}" if signum is not None else f"exited with code {exitcode}"
         raise JobCrashed(
             f"{run.label} (pid {pid}{_on(node)}) {how} before returning; {run.attempts}. "
             f"Last output:\n{tail.last_output}\n{run.where}",
-            RankFailure(rank=run.index, pid=pid, exitcode=exitcode, signal=signum, output_tail=tail.text),
+            RankFailure(rank=run.index, pid=pid, exitcode=exitcode, signal=signum, output_tail=tail.text,
+                        oom_killed=outcome.oom_killed, kind=kind_of(outcome)),
+            kind=kind_of(outcome) or FailureKind.EXIT,
         )
     if failure is None:
-        return None if value is None else unship(value)
+        return None if outcome.value is None else unship(outcome.value)
     exc = rebuild(failure) or RemoteError(failure.exc_type, failure.message, failure.traceback)
     add_note(exc, f"levers9: traceback of {run.label}, from its job process:\n{failure.traceback.rstrip()}")
     add_note(exc, f"levers9: {run.label} ran as pid {pid}{_on(node)} ({run.attempts}). {run.where}")

@@ -44,8 +44,14 @@ import ray
 
 from levers9 import state_files
 from levers9.context import JobContext, describe_split
-from levers9.distributed.hardware import oom
-from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, NotShippableError, RankFailure
+from levers9.errors import (
+    FailureKind,
+    InfeasibleJobError,
+    JobCrashed,
+    JobTimeout,
+    NotShippableError,
+    RankFailure,
+)
 from levers9.launch import job_child, outcomes, ray_gang, runs
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
@@ -58,6 +64,8 @@ from levers9.launch.spec import JobSpec
 from levers9.private_dir import private_dir
 from levers9.procs import start
 from levers9.procs.failure import ship, unship
+from levers9.procs.outcome import Outcome
+from levers9.procs.supervise import Supervisor
 from levers9.procs.watch import Watcher, pid_alive
 from levers9.state_files import AppendLog
 
@@ -176,7 +184,7 @@ def alive_nodes() -> list[Node]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class TaskRequest:
     """What one task of the job asks Ray for."""
 
     num_gpus: int
@@ -216,7 +224,7 @@ class Plan:
         return opts
 
 
-def plan_job(spec: JobSpec, nodes: list[Node]) -> Plan:
+def plan_job(spec: JobSpec, nodes: list[Node]) -> TaskRequest:
     """The resources of one task; InfeasibleJobError naming the largest node if no alive node could hold it.
 
     A GPU job reserves no CPU unless cpu= says so (the cards are what it waits for); a CPU job one
@@ -243,11 +251,11 @@ def plan_job(spec: JobSpec, nodes: list[Node]) -> Plan:
                 f"Job {spec.name!r} needs {num_cpus:g} CPU(s){_mem(memory)} but no Ray node has that ({cluster}). "
                 f"Lower cpu=/memory=, or add a node with `ray start --address=...`."
             )
-        return Plan(0, num_cpus, {}, memory, "")
+        return TaskRequest(0, num_cpus, {}, memory, "")
     for gpu_type in spec.gpu_types or ("",):
         res = {resource_name(gpu_type): float(n)} if gpu_type else {}
         if any(fits(nd, res) for nd in nodes):
-            return Plan(n, num_cpus, res, memory, gpu_type)
+            return TaskRequest(n, num_cpus, res, memory, gpu_type)
     largest = max(nodes, key=lambda nd: (nd.gpus, nd.resources.get("CPU", 0)), default=None)
     biggest = f"the largest node is {largest.describe()}" if largest else "the cluster has no alive node"
     raise InfeasibleJobError(
@@ -258,14 +266,14 @@ def plan_job(spec: JobSpec, nodes: list[Node]) -> Plan:
     )
 
 
-def _gang_plan(spec: JobSpec, nodes: list[Node], single: InfeasibleJobError) -> Plan:
+def _gang_plan(spec: JobSpec, nodes: list[Node], single: InfeasibleJobError) -> TaskRequest:
     """The plan of a job split across nodes (ray_gang.py), or InfeasibleJobError with a table of the nodes."""
     gang = ray_gang.plan_gang(spec, nodes, single, ray_gang.free_by_node())
     num_cpus = spec.cpu if spec.cpu is not None else 0.0
     resources = {resource_name(gang.gpu_type): float(gang.share)} if gang.gpu_type else {}
     memory = spec.memory_mib * 2**20 if spec.memory_mib is not None else None
     log.info("%s: %s", spec.name, gang.describe())
-    return Plan(gang.share, num_cpus, resources, memory, gang.gpu_type, gang)
+    return TaskRequest(gang.share, num_cpus, resources, memory, gang.gpu_type, gang)
 
 
 def _mem(memory: int | None) -> str:
@@ -309,7 +317,33 @@ class _Admission:
                 self._cond.notify_all()
 
 
-class _Attempt:
+@dataclasses.dataclass(frozen=True)
+class TaskStarted:
+    """A Ray task's first item: the job process is running."""
+
+    pid: int
+    cards: str  # CUDA_VISIBLE_DEVICES of the job ('' across nodes)
+    node: str  # the node's address, or the split across nodes
+    node_id: str
+    time: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskOutput:
+    """A batch of the job's output lines, each (stream, line with its newline)."""
+
+    lines: list[tuple[str, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskEnded:
+    """A Ray task's last item: how the job process ended (its OOM-kill counts are the node's cgroup's)."""
+
+    outcome: Outcome
+    time: float
+
+
+class _RayTask:
     """One submitted Ray task and why this process killed it, if it did."""
 
     def __init__(self, gen: Any) -> None:
@@ -339,14 +373,14 @@ class _RayCell:
     """Runs one cell to completion on Ray: wait its turn, submit, follow, retry, resolve the Future."""
 
     def __init__(
-        self, backend: RayBackend, batch: Batch, cell: Cell, plan: Plan, payload: dict[str, Any], run_dir: Path,
+        self, backend: RayBackend, batch: Batch, cell: Cell, plan: TaskRequest, payload: dict[str, Any], run_dir: Path,
     ) -> None:  # fmt: skip
         self.backend, self.batch, self.cell, self.plan = backend, batch, cell, plan
         self.payload, self.run_dir = payload, run_dir
         self.entry = _Entry(plan.shape)  # in the admission queue only while a lane runs this cell
         self.label = batch.cell_label(cell)
         self.future: Future[Any] = Future()
-        self.current: _Attempt | None = None
+        self.current: _RayTask | None = None
         self.future.add_done_callback(self._on_done)
 
     def _on_done(self, future: Future[Any]) -> None:
@@ -390,7 +424,7 @@ class _RayCell:
             if pg is not None:
                 ray_gang.release(pg)
             raise
-        current = self.current = _Attempt(gen)
+        current = self.current = _RayTask(gen)
         unregister = self.batch.cancel.on_cancel(lambda: current.kill("cancel"))
         if self.future.cancelled():
             current.kill("cancel")
@@ -419,35 +453,34 @@ class _RayCell:
             kind="queue",
         )
 
-    def _follow(self, current: _Attempt, attempt: int) -> Any:
+    def _follow(self, current: _RayTask, attempt: int) -> Any:
         """Read the task's items (started, output, end) into events, logs and the outcome."""
         spec, cell = self.batch.spec, self.cell
         run = outcomes.JobAttempt.begin(self.run_dir, self.label, cell.index, attempt, spec)
         job_dir = run.job_dir
         tail = OutputTail()
-        info: dict[str, Any] = {}
-        end: dict[str, Any] | None = None
+        info: TaskStarted | None = None
+        end: TaskEnded | None = None
         try:
             losses = state_files.losses(self.run_dir)
             with AppendLog(job_dir / "stdout.log", losses) as out_log, AppendLog(job_dir / "stderr.log", losses) as err_log:
                 for ref in current.gen:
                     item = ray.get(ref)
-                    if item["kind"] == "started":
+                    if isinstance(item, TaskStarted):
                         current.started = True
                         info = item
                         self.backend.admission.leave(self.entry)
                         if attempt == 1 and not self.future.set_running_or_notify_cancel():
                             current.kill("cancel")
                             raise Cancelled()
-                        cards = item["cards"] or "no card"
-                        where = f"{cards} on {item['node']}" if self.plan.gang is None else item["node"]
+                        where = f"{item.cards or 'no card'} on {item.node}" if self.plan.gang is None else item.node
                         self.batch.events.started(cell, where, attempt)
-                    elif item["kind"] == "output":
-                        for stream, line in item["lines"]:
+                    elif isinstance(item, TaskOutput):
+                        for stream, line in item.lines:
                             (out_log if stream == "stdout" else err_log).write(line.encode())  # never raises
                             tail.add(line)
                             self.batch.events.output(cell, stream, line.rstrip("\n"))
-                    elif item["kind"] == "end":
+                    elif isinstance(item, TaskEnded):
                         end = item
         except ray.exceptions.RayError as exc:
             if current.killed_for == "cancel" or self.stopped():
@@ -462,7 +495,9 @@ class _RayCell:
                 f"{self.label}: the Ray task running it was lost ({type(exc).__name__}: "
                 f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); {run.attempts}. The node may "
                 f"have died or run out of memory. Last output:\n{tail.last_output}\n{run.where}",
-                RankFailure(rank=cell.index, pid=int(info.get("pid", 0)), output_tail=tail.text),
+                RankFailure(rank=cell.index, pid=0 if info is None else info.pid, output_tail=tail.text,
+                            kind=FailureKind.LOST),
+                kind=FailureKind.LOST,
             ) from exc
         if end is None:
             if current.killed_for == "cancel" or self.stopped():
@@ -470,25 +505,9 @@ class _RayCell:
             raise JobCrashed(
                 f"{self.label}: its Ray task ended without reporting an outcome; {run.attempts}. {run.where}"
             )
-        pid, node = int(end["pid"]), str(info.get("node", "?"))
-        run.write_meta(
-            {
-                "node": info.get("node"),
-                "node_id": info.get("node_id"),
-                "pid": end.get("pid"),
-                "cards": info.get("cards", ""),
-                "attempt": attempt,
-                "started": info.get("time"),
-                "ended": end.get("time"),
-                "exit_code": end.get("exitcode"),
-                "signal": end.get("signal"),
-                "killed_for": end.get("killed_for"),
-            }
-        )
-        if end["killed_for"] == "timeout":
-            raise outcomes.timed_out(run, spec.timeout, pid, node)
-        status = (end["exitcode"], end["signal"])
-        return outcomes.result(run, pid, status, end["outcome"], tail, node, oom_counts=end["oom"])
+        node = "?" if info is None else info.node
+        meta = {} if info is None else {"node": info.node, "node_id": info.node_id, "cards": info.cards, "started": info.time}
+        return outcomes.finish(run, end.outcome, tail, spec.timeout, {**meta, "ended": end.time}, node)
 
 
 def _free_gpus() -> str:
@@ -501,9 +520,9 @@ def _free_gpus() -> str:
 # ---- inside the Ray task, on the node -------------------------------------------------------------
 
 
-def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Start the cell as a job process with exactly this task's cards, and report on it: one 'started'
-    item, 'output' items with batches of lines, one 'end' item with the job's outcome."""
+def _run_on_node(payload: dict[str, Any]) -> Iterator[TaskStarted | TaskOutput | TaskEnded]:
+    """Start the cell as a job process with exactly this task's cards, supervise it, and report on it: one
+    TaskStarted, TaskOutput items with batches of lines, one TaskEnded with the job's Outcome."""
     for entry in reversed(payload["sys_path"]):
         if entry not in sys.path:
             sys.path.insert(0, entry)
@@ -537,32 +556,21 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
         target = job_child.JobTarget(func, args, kwargs, context)
         method = start.choose()
         shipped = None if method.forks else job_child.ship_target(target)
-        oom_before = oom.oom_kills()
         child = watcher.add(start.start(target, method=method, shipped=shipped, env=env, name=f"cell {index}"))
-        yield {
-            "kind": "started",
-            "pid": child.pid,
-            "cards": env["CUDA_VISIBLE_DEVICES"] if gang is None else "",
-            "node": node if gang is None else describe_split(gang.world_size, gang.shares, gang.addresses, gpu_type or "GPU"),
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "time": time.time(),
-        }
-        supervision = outcomes.Supervision(watcher, child, spec.timeout, spec.stop_grace, lambda: False)
-        while not supervision.step(OUTPUT_EVERY):
+        yield TaskStarted(
+            pid=child.pid,
+            cards=env["CUDA_VISIBLE_DEVICES"] if gang is None else "",
+            node=node if gang is None else describe_split(gang.world_size, gang.shares, gang.addresses, gpu_type or "GPU"),
+            node_id=ray.get_runtime_context().get_node_id(),
+            time=time.time(),
+        )
+        supervisor = Supervisor(watcher, [child], timeout=spec.timeout, grace=spec.stop_grace)
+        while not supervisor.step(OUTPUT_EVERY):
             if lines:
-                yield {"kind": "output", "lines": _drain(lines)}
+                yield TaskOutput(_drain(lines))
         if lines:
-            yield {"kind": "output", "lines": _drain(lines)}
-        yield {
-            "kind": "end",
-            "pid": child.pid,
-            "killed_for": supervision.killed_for,
-            "exitcode": child.exitcode,
-            "signal": child.signal,
-            "outcome": (child.result, child.failure) if child.reported else None,
-            "oom": (oom_before, oom.oom_kills()),  # this node's cgroup, not the caller's
-            "time": time.time(),
-        }
+            yield TaskOutput(_drain(lines))
+        yield TaskEnded(supervisor.outcomes()[0], time.time())
     finally:
         watcher.stop(spec.stop_grace)
         watcher.close()

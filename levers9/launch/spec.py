@@ -14,6 +14,7 @@ from typing import Any
 
 from levers9.distributed.hardware.gpu_types import parse_gpu_type
 from levers9.errors import JobConfigError
+from levers9.retries import Retries, RetryPolicy
 
 ANY = "any"
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
@@ -28,47 +29,6 @@ _MIB_PER_UNIT = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Retries:
-    """How often a failed job is run again, and how long to wait between attempts.
-
-    `on` lists what counts: "crash" (the process died: signal, os._exit, out-of-memory kill),
-    "timeout" (it outlived timeout=) and "exception" (the function raised). The default retries
-    crashes and timeouts only: an exception is usually a bug that would repeat.
-    """
-
-    max_retries: int
-    backoff_coefficient: float = 2.0
-    initial_delay: float = 1.0
-    max_delay: float = 60.0
-    on: tuple[str, ...] = ("crash", "timeout")
-
-    def __post_init__(self) -> None:
-        if (
-            isinstance(self.max_retries, bool)
-            or not isinstance(self.max_retries, int)
-            or not 0 <= self.max_retries <= 10
-        ):
-            raise JobConfigError(f"Retries(max_retries={self.max_retries!r}): expected an int from 0 to 10.")
-        if not 1.0 <= self.backoff_coefficient <= 10.0:
-            raise JobConfigError(
-                f"Retries(backoff_coefficient={self.backoff_coefficient!r}): expected 1.0 to 10.0."
-            )
-        if not 0.0 <= self.initial_delay <= 60.0:
-            raise JobConfigError(f"Retries(initial_delay={self.initial_delay!r}): expected 0 to 60 seconds.")
-        if not 0.0 <= self.max_delay <= 60.0:
-            raise JobConfigError(f"Retries(max_delay={self.max_delay!r}): expected 0 to 60 seconds.")
-        bad = [kind for kind in self.on if kind not in ("crash", "timeout", "exception")]
-        if bad or isinstance(self.on, str):
-            raise JobConfigError(
-                f"Retries(on={self.on!r}): expected a tuple of 'crash', 'timeout' and 'exception'."
-            )
-
-    def delay(self, attempt: int) -> float:
-        """Seconds to wait before attempt number `attempt` (2 is the first retry)."""
-        return min(self.max_delay, self.initial_delay * self.backoff_coefficient ** max(0, attempt - 2))
-
-
-@dataclasses.dataclass(frozen=True)
 class JobSpec:
     """A job's request, as a backend sees it. `gpu_types` empty means any type; gpu_count 0 is a CPU job."""
 
@@ -76,7 +36,7 @@ class JobSpec:
     gpu_types: tuple[str, ...] = ()
     gpu_count: int = 0
     timeout: float | None = None
-    retries: Retries = Retries(0)
+    retries: RetryPolicy = Retries(0)
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     cpu: float | None = None
     memory_mib: int | None = None
@@ -217,8 +177,8 @@ def _max_restarts(value: Any) -> int:
     return value
 
 
-def _retries(value: Any) -> Retries:
-    if isinstance(value, Retries):
+def _retries(value: Any) -> RetryPolicy:
+    if isinstance(value, RetryPolicy):
         return value
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10:
         raise JobConfigError(

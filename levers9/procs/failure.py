@@ -33,12 +33,15 @@ PEER_LOSS_MARKERS = (
     "failed to recv",
     "Connection refused",
 )
+# Words of errors a faulty card raises (CUDA reports them as RuntimeError): a crash, not the user's bug.
+CARD_FAULT_MARKERS = ("uncorrectable ECC error", "GPU has fallen off the bus", "GPU is lost")
 
 
 @dataclasses.dataclass(frozen=True)
 class Failure:
     """A child's failure as it crosses the pipe: the exception (pickled if it can be), its traceback with
-    the cause chain, when it happened, and the exit code the child leaves with."""
+    the cause chain, when it happened, and the exit code the child leaves with. `peer_loss` and
+    `card_fault` are read from the live exception's words (torch and CUDA give nothing else), once, here."""
 
     exc_blob: bytes | None
     exc_type: str
@@ -47,6 +50,7 @@ class Failure:
     when: float
     peer_loss: bool
     exitcode: int = 1
+    card_fault: bool = False
 
     @property
     def is_exit(self) -> bool:
@@ -69,6 +73,7 @@ def capture(exc: BaseException, exitcode: int = 1) -> Failure:
         when=time.monotonic(),
         peer_loss=any(marker in message for marker in PEER_LOSS_MARKERS),
         exitcode=exitcode,
+        card_fault=any(marker in message for marker in CARD_FAULT_MARKERS),
     )
 
 

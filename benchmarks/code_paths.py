@@ -1,0 +1,115 @@
+"""What a reader holds to follow `distributed.run(fn, cfg, nprocs=2)` and `cell.map(grid)` end to end.
+
+    python benchmarks/code_paths.py [TREE ...]      # each TREE a checkout (default: this one)
+
+For each checkout (put first on PYTHONPATH), runs both calls for real (2 gloo ranks; a 4-cell map on 4
+simulated cards) and counts the levers9 modules loaded in the caller and in the children: the files
+the data passes through. Prints files, lines (wc -l) and code lines (no blank, comment or docstring
+lines) for each, then the package's classes that share a name. Not a timing: a size, counted the same
+way for every checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import tokenize
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+PROBE = r"""
+import json, os, sys
+sys.path.insert(0, os.environ["PROBE_DIR"])
+import probe_fns
+from levers9 import distributed, job
+
+def loaded():
+    return sorted(m.__file__ for m in list(sys.modules.values()) if m.__name__.startswith("levers9") and getattr(m, "__file__", None))
+
+before = set(loaded())
+which = sys.argv[1]
+if which == "run":
+    child = distributed.run(probe_fns.rank_modules, None, nprocs=2)
+else:
+    cell = job(gpu="RTXPro6000", gpu_count=1, stream_output=False)(probe_fns.cell_modules)
+    child = sorted({f for files in cell.map([(i,) for i in range(4)]) for f in files})
+print(json.dumps(sorted(set(loaded()) | set(child))))
+"""
+
+FNS = r"""
+import sys
+
+def _loaded():
+    return sorted(m.__file__ for m in list(sys.modules.values()) if m.__name__.startswith("levers9") and getattr(m, "__file__", None))
+
+def rank_modules(cfg=None):
+    from levers9 import distributed as dist
+    dist.all_reduce_mean(1.0)
+    return _loaded()
+
+def cell_modules(i):
+    return _loaded()
+"""
+
+
+def code_lines(text: str) -> int:
+    """Lines holding code: not blank, not only a comment, not part of a docstring."""
+    doc_lines: set[int] = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                doc_lines.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    code: set[int] = set()
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER):
+            code.update(range(tok.start[0], tok.end[0] + 1))
+    return len(code - doc_lines)
+
+
+def path_of(tree: str, which: str) -> list[str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "probe_fns.py").write_text(FNS)
+        env = {**os.environ, "PYTHONPATH": tree, "PROBE_DIR": tmp, "LEVERS9_SIMULATE_GPUS": "RTXPro6000:4",
+               "LEVERS9_CONFIG_DIR": tmp, "LEVERS9_STATE_DIR": tmp, "OMP_NUM_THREADS": "1"}  # fmt: skip
+        done = subprocess.run([sys.executable, "-c", PROBE, which], env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise SystemExit(f"the {which} probe failed in {tree}:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def shared_class_names(tree: str) -> dict[str, list[str]]:
+    names: dict[str, list[str]] = collections.defaultdict(list)
+    for path in sorted(Path(tree, "levers9").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names[node.name.lstrip("_")].append(str(path.relative_to(tree)))
+    return {name: paths for name, paths in names.items() if len(paths) > 1}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trees", nargs="*", default=[str(HERE.parent)])
+    args = parser.parse_args()
+    print("| checkout | call | files | lines | code lines |\n| --- | --- | --- | --- | --- |")
+    for tree in args.trees:
+        for which in ("run", "map"):
+            files = path_of(tree, which)
+            texts = [Path(f).read_text() for f in files]
+            lines = sum(t.count("\n") for t in texts)
+            print(f"| {tree} | {which} | {len(files)} | {lines} | {sum(code_lines(t) for t in texts)} |")
+    for tree in args.trees:
+        shared = shared_class_names(tree)
+        print(f"\n{tree}: {len(shared)} class name(s) shared: " + "; ".join(f"{n} ({', '.join(p)})" for n, p in sorted(shared.items())))
+
+
+if __name__ == "__main__":
+    main()
