@@ -66,15 +66,8 @@ class JobContext:
         return f"{self.run_id}/{self.cell_index}"
 
 
-_current: JobContext | None = None
-
-
 def current_job() -> JobContext | None:
     """The job this process runs (in a job process and in the ranks it started), else None."""
-    return _current
+    from levers9 import runtime
 
-
-def enter_job(context: JobContext | None) -> None:
-    """Make `context` this process's job (the child side of the job layer calls this before the function)."""
-    global _current
-    _current = context
+    return runtime.this_process().job

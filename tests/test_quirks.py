@@ -378,7 +378,8 @@ APPLY = textwrap.dedent(
     import pynvml  # the fake stands in for a driver: with pynvml imported, levers9 asks it
     from levers9.distributed.hardware import quirks
     if os.environ.get("TEST_MARK_APPLIED"):
-        quirks.mark_applied()  # what each rank of distributed.run does: its parent applied the quirks
+        from levers9 import runtime  # what each rank of distributed.run does: its parent applied the quirks
+        runtime.begin(runtime.Runtime(quirks=quirks.QuirkPlan()))
     try:
         first = quirks.apply_quirks(local_world_size=2, backend="nccl", is_main=True, disabled=["shm-too-small"])
     except Exception as exc:

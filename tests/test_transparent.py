@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,10 @@ def _run(argv: list[str], timeout: float = 120, **env: str) -> subprocess.Comple
 
 
 def _tagged(out: str, tag: str) -> list[Any]:
-    return [json.loads(line.split(tag, 1)[1]) for line in out.splitlines() if tag in line]
+    """Every JSON value printed after `tag`. Two ranks share torchrun's stdout, so one line can hold both
+    ranks' prints run together ('SEEN {..}SEEN {..}'): each value is decoded where its tag starts."""
+    decoder = json.JSONDecoder()
+    return [decoder.raw_decode(out, found.end())[0] for found in re.finditer(re.escape(tag), out)]
 
 
 # -- a live group at the top of fn ----------------------------------------------------------------

@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
+from levers9 import runtime
 from levers9.distributed import world
 from levers9.distributed.detect import LaunchInfo
 from levers9.errors import ConfigError, DeviceError, LauncherEnvError
@@ -26,25 +27,16 @@ from levers9.errors import ConfigError, DeviceError, LauncherEnvError
 DEFAULT_TIMEOUT_S = 600.0
 # Set by distributed.run for its ranks: the loopback port of the rendezvous store the parent hosts.
 STORE_PORT_VAR = "LEVERS9_STORE_PORT"
-_created_by_us = False
-_cpu_only = False
-_groups_made = 0  # groups levers9 made on a launcher's store in this process: each gets keys of its own
-
-
-def compute_on_cpu() -> None:
-    """Make this process compute on the CPU even where CUDA is present (ranks of a gloo run)."""
-    global _cpu_only
-    _cpu_only = True
 
 
 def cpu_only() -> bool:
-    """True once compute_on_cpu() was called in this process."""
-    return _cpu_only
+    """True in a rank of a gloo run: it computes on the CPU even where CUDA is present."""
+    return runtime.this_process().cpu_only
 
 
 def wants_cuda() -> bool:
     """True if this process should compute on a card (CUDA present and not forced onto the CPU)."""
-    if _cpu_only or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+    if cpu_only() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
         return False
     import torch
 
@@ -80,10 +72,10 @@ def cuda_index_for_local_rank(local_rank: int) -> int:
 
 def destroy_own_group() -> None:
     """Destroy the default group if levers9 created it; leave anyone else's alone."""
-    global _created_by_us
-    if not _created_by_us:
+    this = runtime.this_process()
+    if not this.own_group:
         return
-    _created_by_us = False
+    this.own_group = False
     td = world.live_group()
     if td is not None:
         # Let DDP models and pending work objects go first: gloo threads still holding them at
@@ -114,7 +106,6 @@ def join_launcher_group(info: LaunchInfo, backend: str | None = None) -> bool:
     connects to the old group's addresses), and a group fn makes there itself never reads levers9's.
     Elsewhere torch's env:// rendezvous (rank 0 hosts a fresh store), or tcp://MASTER under SLURM and MPI.
     """
-    global _created_by_us, _groups_made
     if info.world_size <= 1 or world.live_group() is not None:
         return False
     backend = backend or default_backend()
@@ -127,12 +118,13 @@ def join_launcher_group(info: LaunchInfo, backend: str | None = None) -> bool:
         kwargs["device_id"] = torch.device("cuda", cuda_index_for_local_rank(info.local_rank))
     agent_store = _agent_store_address()
     if agent_store is not None:
-        _groups_made += 1
+        this = runtime.this_process()
+        this.groups_made += 1
         store = td.TCPStore(agent_store[0], agent_store[1], None, False, kwargs["timeout"])
-        td.init_process_group(backend, store=td.PrefixStore(f"levers9-group-{_groups_made}/", store), **kwargs)
+        td.init_process_group(backend, store=td.PrefixStore(f"levers9-group-{this.groups_made}/", store), **kwargs)
     else:
         td.init_process_group(backend, init_method=_init_method(info), **kwargs)
-    _created_by_us = True
+    runtime.this_process().own_group = True
     return True
 
 

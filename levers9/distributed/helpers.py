@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
+# Process-wide, as torch's current CUDA device is: the device() answer per (local rank, cpu-only, ACCELERATE_USE_CPU).
 _device_cache: dict[tuple[int, bool, str | None], torch.device] = {}
 
 

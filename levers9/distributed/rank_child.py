@@ -14,9 +14,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from levers9.context import JobContext, enter_job
+from levers9 import runtime
+from levers9.context import JobContext
 from levers9.distributed import group, stalls
 from levers9.procs.failure import ship_value, unship
+from levers9.runtime import Runtime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +47,10 @@ class RankTarget:
 
 def rank_main(spec: RankSpec, call: Callable[..., Any]) -> bytes | None:
     """Run fn on this rank; rank 0's value shipped for the caller, None on the others."""
-    from levers9.distributed.hardware import quirks
+    from levers9.distributed.hardware.quirks import QuirkPlan
 
-    enter_job(spec.job)
-    quirks.mark_applied()  # the parent applied them for every rank, before starting any
-    if spec.backend == "gloo":
-        group.compute_on_cpu()
+    # the parent applied the quirks for every rank, before starting any (their variables are in its environment)
+    runtime.begin(Runtime(job=spec.job, quirks=QuirkPlan(), cpu_only=spec.backend == "gloo"))
     slot = None if spec.run_folder is None else stalls.watch_this_rank(spec.run_folder, spec.rank)
     with group.joined(spec.backend, slot) if spec.make_group else contextlib.nullcontext():
         result = call(spec.rank) if spec.pass_rank else call()

@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 from levers9.console_log import fresh_logging
 from levers9.distributed import group, world
-from levers9.errors import ConfigError, RankCrashed, RankFailed, RankFailure
+from levers9.errors import ConfigError, FailureKind, RankCrashed, RankFailed, RankFailure
 from levers9.procs.failure import exit_status
 
 NPROC_WORDS = ("gpu", "cpu", "auto")
@@ -101,22 +101,13 @@ def run_script(
     )
     count, backend = resolve_nprocs(nprocs, backend)
     script = with_omp_default(script, count)
-    from levers9.distributed.spawner import run
+    from levers9.distributed.spawner import RunOptions, run_with
 
-    run(
-        run_target,
-        script,
-        nprocs=count,
-        backend=backend,
-        timeout=timeout,
-        stall_timeout=stall_timeout,
-        start_method=start_method,
-        prefix_output=prefix_output,
-        max_restarts=max_restarts,
-        restart_on=restart_on,
-        restart_delay=restart_delay,
-        init_group=False,  # the script makes its own group, as under torchrun
-    )
+    options = RunOptions(nprocs=count, backend=backend, timeout=timeout, stall_timeout=stall_timeout,
+                         start_method=start_method, prefix_output=prefix_output, max_restarts=max_restarts,
+                         restart_on=restart_on, restart_delay=restart_delay,
+                         init_group=False)  # the script makes its own group, as under torchrun  # fmt: skip
+    run_with(run_target, script, options)
 
 
 def refuse_inside_a_rank(what: str) -> None:
@@ -344,7 +335,8 @@ def _environment(variables: dict[str, str]) -> Iterator[None]:
 
 
 def _raise_exit(code: int | None, signum: int | None, what: str) -> None:
-    failure = RankFailure(rank=0, pid=os.getpid(), exitcode=code, signal=signum)
+    kind = FailureKind.EXIT if signum is None else FailureKind.CRASH
+    failure = RankFailure(rank=0, pid=os.getpid(), exitcode=code, signal=signum, kind=kind)
     raise RankCrashed(f"distributed.run_script: {what} on rank 0 {failure.how()}.", failure)
 
 

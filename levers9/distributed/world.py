@@ -20,6 +20,8 @@ _FINGERPRINT_VARS = (
     "TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND", "LEVERS9_LAUNCHER",
     "SLURM_PROCID", "SLURM_STEP_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
 )  # fmt: skip
+# Process-wide, as the environment it is read from is: the last answer, kept while those variables are unchanged
+# (rank() and world_size() run in hot loops).
 _cache: tuple[tuple[object, ...], LaunchInfo] | None = None
 
 # os.environ keeps its raw mapping in `_data` (bytes keys on POSIX); reading that with pre-encoded keys

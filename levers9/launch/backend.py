@@ -145,6 +145,7 @@ BACKENDS: dict[str, str] = {
     "local": "levers9.launch.local:LocalBackend",
     "ray": "levers9.launch.ray_backend:RayBackend",
 }
+# One backend of each kind per process: the Ray one holds its connection and its admission queue.
 _instances: dict[str, Backend] = {}
 _instances_lock = threading.Lock()
 

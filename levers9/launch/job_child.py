@@ -13,10 +13,12 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from levers9.context import JobContext, enter_job
+from levers9 import runtime
+from levers9.context import JobContext
 from levers9.errors import NotShippableError
 from levers9.launch.spec import JobSpec
 from levers9.procs.failure import ship, ship_value
+from levers9.runtime import Runtime
 
 
 def job_env(spec: JobSpec, nvml_indices: list[int]) -> dict[str, str]:
@@ -42,7 +44,7 @@ class JobTarget:
     def __call__(self) -> bytes:
         """Enter the job's context, apply its cards' quirks (once, for every rank it may start), call the
         function, ship its value for the caller."""
-        enter_job(self.context)
+        runtime.begin(Runtime(job=self.context))
         if self.context.gpu_count > 0 and not self.context.simulated:
             from levers9.distributed.hardware import quirks
 

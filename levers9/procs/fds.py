@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Iterable
 
 _lock = threading.Lock()
+# Process-wide, as descriptors are: those this layer opened, closed by any fork that is not their owner.
 _tracked: set[int] = set()
 _keep_next: tuple[int, frozenset[int]] | None = None  # (thread, descriptors) of the fork `fork_child` makes
 

@@ -102,6 +102,7 @@ class _Machine:
 
 
 _lock = threading.Lock()
+# Process-wide, as NVML's own initialisation is: the machine's cards, read once.
 _machine: _Machine | None = None
 
 

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Literal
 
+from levers9 import runtime
 from levers9.distributed.hardware import cards as _cards
 from levers9.distributed.hardware.cards import Card, Inventory
 from levers9.distributed.hardware.nccl import NcclInfo, nccl_info
@@ -38,6 +39,7 @@ Status = Literal["applies", "does not apply", "unknown", "disabled"]
 
 # --- the registry -------------------------------------------------------------------------------
 
+# Process-wide, as the environment the rows set is: rows the user registered (register_quirk) beside QUIRKS.
 _user_rows: dict[str, Quirk] = {}
 _registry_lock = threading.Lock()
 
@@ -518,23 +520,13 @@ def _applying(q: Quirk, detail: str, env: Mapping[str, str]) -> QuirkOutcome:
 
 # --- acting on it -------------------------------------------------------------------------------
 
-_applied: QuirkPlan | None = None
 _apply_lock = threading.Lock()
 
 
-def mark_applied() -> None:
-    """Record that this process's quirks were applied by its parent (distributed.run's ranks): later
-    apply_quirks calls do nothing."""
-    global _applied
-    with _apply_lock:
-        if _applied is None:
-            _applied = QuirkPlan()
-
-
 def applied_plan() -> QuirkPlan | None:
-    """The plan this process already applied (a job process applies its cards' plan before the job's
-    function runs), or None."""
-    return _applied
+    """The plan applied for this process (a job process applies its cards' plan before the job's function
+    runs; a rank's parent applied it before starting the rank), or None."""
+    return runtime.this_process().quirks
 
 
 def apply_quirks(
@@ -542,18 +534,18 @@ def apply_quirks(
 ) -> QuirkPlan:
     """Plan against os.environ, raise QuirkError for errors, setdefault each variable, log on the main rank.
 
-    Once per process: later calls return the first plan. A no-op (empty plan) when the parent already
-    applied the quirks for this process (`mark_applied`, which distributed.run's ranks call).
+    Once per process: later calls return the first plan. A no-op when the quirks were already applied
+    for this process (a rank of distributed.run begins with the plan its parent applied: runtime.py).
     """
-    global _applied
     with _apply_lock:
-        if _applied is not None:
-            return _applied
+        applied = runtime.this_process().quirks
+        if applied is not None:
+            return applied
         plan = plan_quirks(local_world_size=local_world_size, backend=backend, disabled=disabled)
         plan.raise_errors()
         for key, value in plan.set_env.items():
             os.environ.setdefault(key, value)
         if is_main:
             plan.log()
-        _applied = plan
+        runtime.this_process().quirks = plan
         return plan

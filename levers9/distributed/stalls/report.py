@@ -33,6 +33,7 @@ def enable_stack_dumps(folder: str, rank: int) -> None:
     _stack_handle = handle
 
 
+# Process-wide, as the OS signal disposition is: the file faulthandler writes SIGUSR1 stack dumps to.
 _stack_handle: Any = None
 
 
