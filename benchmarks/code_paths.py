@@ -2,7 +2,7 @@
 
     python benchmarks/code_paths.py [TREE ...]      # each TREE a checkout (default: this one)
 
-For each checkout (put first on PYTHONPATH), runs both calls for real (2 gloo ranks; a 4-cell map on 4
+For each checkout (put first on PYTHONPATH; the probe runs in a folder of its own, so the current one never shadows it), runs both calls for real (2 gloo ranks; a 4-cell map on 4
 simulated cards) and counts the levers9 modules loaded in the caller and in the children: the files
 the data passes through. Prints files, lines (wc -l) and code lines (no blank, comment or docstring
 lines) for each, then the package's classes that share a name. Not a timing: a size, counted the same
@@ -80,7 +80,7 @@ def path_of(tree: str, which: str) -> list[str]:
         Path(tmp, "probe_fns.py").write_text(FNS)
         env = {**os.environ, "PYTHONPATH": tree, "PROBE_DIR": tmp, "LEVERS9_SIMULATE_GPUS": "RTXPro6000:4",
                "LEVERS9_CONFIG_DIR": tmp, "LEVERS9_STATE_DIR": tmp, "OMP_NUM_THREADS": "1"}  # fmt: skip
-        done = subprocess.run([sys.executable, "-c", PROBE, which], env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run([sys.executable, "-c", PROBE, which], env=env, cwd=tmp, capture_output=True, text=True, timeout=300)  # fmt: skip
     if done.returncode != 0:
         raise SystemExit(f"the {which} probe failed in {tree}:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

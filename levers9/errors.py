@@ -69,11 +69,10 @@ class NotShippableError(Levers9Error, TypeError):
     """Something that must be pickled to reach another process cannot be."""
 
 
-@dataclasses.dataclass(frozen=True)
-class RankFailure:
-    """What is known about one failed rank (or job process)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProcessFailure:
+    """What is known about one failed process: a rank (`RankFailure`) or a job's cell (`JobFailure`)."""
 
-    rank: int
     pid: int
     exitcode: int | None = None
     signal: int | None = None
@@ -83,6 +82,10 @@ class RankFailure:
     output_tail: str = ""
     oom_killed: bool = False  # killed by a signal while this cgroup's out-of-memory kill count rose
     kind: FailureKind | None = None  # decided from how the process ended (levers9.procs.outcome.kind_of)
+
+    def who(self) -> str:
+        """'rank 1' or 'cell #3': the process's name in reports."""
+        raise NotImplementedError
 
     def how(self) -> str:
         """'raised ValueError', 'exited with code 3' or 'was killed by SIGKILL'."""
@@ -94,12 +97,33 @@ class RankFailure:
 
     def describe(self) -> str:
         """A multi-line report: the headline, the traceback and the last output lines."""
-        lines = [f"rank {self.rank} (pid {self.pid}) {self.how()}" + (f": {self.message}" if self.message else "")]
+        who = self.who()
+        lines = [f"{who} (pid {self.pid}) {self.how()}" + (f": {self.message}" if self.message else "")]
         if self.traceback:
-            lines += ["", f"Traceback from rank {self.rank}:", self.traceback.rstrip()]
+            lines += ["", f"Traceback from {who}:", self.traceback.rstrip()]
         if self.output_tail:
-            lines += ["", f"Last output of rank {self.rank}:", self.output_tail.rstrip()]
+            lines += ["", f"Last output of {who}:", self.output_tail.rstrip()]
         return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankFailure(ProcessFailure):
+    """One failed rank of `distributed.run` (`RankFailed.failure`)."""
+
+    rank: int
+
+    def who(self) -> str:
+        return f"rank {self.rank}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobFailure(ProcessFailure):
+    """One failed job process: its cell of `.map` (0 for `.remote`) (`JobCrashed.failure`)."""
+
+    cell: int
+
+    def who(self) -> str:
+        return f"cell #{self.cell}"
 
 
 def signal_name(signum: int) -> str:
@@ -182,12 +206,12 @@ class InfeasibleJobError(JobError, RuntimeError):
 class JobCrashed(JobError, RuntimeError):
     """The job process exited or died without a Python exception; names the code/signal and last output."""
 
-    def __init__(self, message: str, failure: RankFailure | None = None, kind: FailureKind | str = FailureKind.CRASH) -> None:
+    def __init__(self, message: str, failure: JobFailure | None = None, kind: FailureKind | str = FailureKind.CRASH) -> None:
         super().__init__(message)
         self.failure = failure
         self.kind = FailureKind(kind)  # CRASH (a signal), EXIT (an exit code of its own) or LOST (its Ray task)
 
-    def __reduce__(self) -> tuple[type[JobCrashed], tuple[str, RankFailure | None, str]]:
+    def __reduce__(self) -> tuple[type[JobCrashed], tuple[str, JobFailure | None, str]]:
         return type(self), (str(self), self.failure, self.kind.value)
 
 

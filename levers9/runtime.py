@@ -1,8 +1,8 @@
 """What levers9 knows about this process, as one typed value, built where a rank or a job process starts.
 
-A job process begins with its JobContext (launch/job_child.py); a rank of `distributed.run` with its
+A job process begins with its JobContext (launch/job_process.py); a rank of `distributed.run` with its
 job's context, the quirks its parent applied for it, and whether it computes on the CPU
-(distributed/rank_child.py); any other process has the empty value. The value is kept process-wide,
+(distributed/rank_process.py); any other process has the empty value. The value is kept process-wide,
 once, because what reads it is process-wide by nature: torch's default process group (which levers9
 may have made, and then alone destroys), the environment the quirks set, and the helpers and
 `levers9.current_job()` that user code calls with no argument.

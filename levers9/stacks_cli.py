@@ -27,20 +27,20 @@ def register(subparsers: Any) -> None:
 
 def _stacks(args: argparse.Namespace) -> int:
     if args.pid is None:
-        runs = list(stalls.live_runs())
+        runs = list(stalls.live_boards())
         if not runs:
             print("levers9 stacks: no levers9 run with stack dumps is alive on this machine. Expected a process in "
               f"distributed.run started with timeout= or stall_timeout= (`levers9 run --timeout S`); {_WHY}",
               file=sys.stderr)  # fmt: skip
             return 1
         for run_folder, _ in runs:
-            print(stalls.report_for_run(run_folder))
+            print(stalls.report_for_board(run_folder))
         return 0
-    folder = stalls.find_run(args.pid)
+    folder = stalls.find_board(args.pid)
     if folder is None:
         print(f"levers9 stacks: no levers9 run with stack dumps has pid {args.pid} as its caller or one of its ranks. "
               f"Expected the pid of a process in a distributed.run started with timeout= or stall_timeout= (see `ps`); "
               f"{_WHY}", file=sys.stderr)  # fmt: skip
         return 1
-    print(stalls.report_for_run(folder))
+    print(stalls.report_for_board(folder))
     return 0

@@ -173,6 +173,23 @@ def test_results_that_cannot_be_stored_return_anyway_and_the_warning_says_resume
     assert _leftovers(state) == [] and len(_warnings(caplog)) <= 1
 
 
+@pytest.mark.timeout(120)
+def test_remote_on_a_full_disk_says_what_was_lost_before_it_returns(
+    small_disk: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = _state_on(monkeypatch, small_disk("2m"))
+    fn = job(stream_output=False)(big)
+    with caplog.at_level(logging.WARNING, logger="levers9"):
+        for n in range(6):  # 400 KB results on a 2 MB disk: the last ones cannot be kept
+            assert fn.remote(n) == bytes([n]) * 400_000
+            said = _warnings(caplog)  # read at once: the warning of a call is said before that call returns
+            if said:
+                break
+    assert len(said) == 1 and "resume will not find them" in said[0], said
+    assert all(run.status == "ended" for run in runs.list_runs())  # each record was closed before return
+    assert _leftovers(state) == []
+
+
 def _fill_inodes(folder: Path) -> None:
     """Use up the inodes of the disk `folder` is on (where a new folder or file fails, as on a full ext4)."""
     try:

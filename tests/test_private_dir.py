@@ -134,7 +134,7 @@ def test_stall_boards_live_in_a_private_folder(monkeypatch: pytest.MonkeyPatch, 
 
     if not state_dir:
         monkeypatch.delenv("LEVERS9_STATE_DIR")
-    folder = stalls.RunFolder(2)
+    folder = stalls.BoardFolder(2)
     try:
         root = os.lstat(folder.path.parent)
         expected = "boards" if state_dir else f"levers9-{os.getuid()}"

@@ -18,7 +18,7 @@ from levers9.distributed.hardware.nccl import NcclInfo
 from levers9.distributed.hardware.platform import Platform
 from levers9.distributed.hardware.quirk_rows import Match, Quirk
 from levers9.distributed.hardware.quirks import plan_quirks
-from levers9.distributed.stalls.board import RUN_DIR_PREFIX, runs_root
+from levers9.distributed.stalls.board import BOARD_DIR_PREFIX, boards_root
 from levers9.errors import ConfigError, QuirkError
 from tests.fakes import build_fake_nccl, build_fake_nccl_wheel, use_fake_pynvml
 from tests.fakes.machines import (
@@ -178,7 +178,7 @@ def test_run_refuses_an_unknown_disable_quirks_id_before_starting_anything() -> 
 
     with pytest.raises(ConfigError, match="'no-such-id'"):
         dist.run(rankfns.describe, None, nprocs=2, disable_quirks=("no-such-id",))
-    assert not list(runs_root().glob(f"{RUN_DIR_PREFIX}{os.getpid()}-*")), "a run folder was made"
+    assert not list(boards_root().glob(f"{BOARD_DIR_PREFIX}{os.getpid()}-*")), "a board folder was made"
 
 
 # --- Q2 rtxpro6000-p2p --------------------------------------------------------------------------

@@ -40,7 +40,7 @@ def nothing_left() -> Iterator[None]:
     before = set(children_of(os.getpid()))
     yield
     assert left_behind(before) == []
-    assert not list(board.runs_root().glob(f"{board.RUN_DIR_PREFIX}{os.getpid()}-*")), "run folder left behind"
+    assert not list(board.boards_root().glob(f"{board.BOARD_DIR_PREFIX}{os.getpid()}-*")), "board folder left behind"
 
 
 def attempts_seen(folder: Path) -> dict[tuple[int, int], dict[str, Any]]:

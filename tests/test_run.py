@@ -27,7 +27,7 @@ def no_leftover_processes() -> Iterator[None]:
     before = set(children_of(os.getpid()))
     yield
     assert left_behind(before) == [], "distributed.run left child processes running"
-    assert not list(board.runs_root().glob(f"{board.RUN_DIR_PREFIX}{os.getpid()}-*")), "run folder left behind"
+    assert not list(board.boards_root().glob(f"{board.BOARD_DIR_PREFIX}{os.getpid()}-*")), "board folder left behind"
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
@@ -222,12 +222,12 @@ def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path: Path) -> None:
 
 def test_ranks_exit_when_the_caller_is_killed_outright(tmp_path: Path) -> None:
     proc, pids = _start_driver(tmp_path, "600")  # timeout= gives the run a folder (for its report)
-    assert list(board.runs_root().glob(f"{board.RUN_DIR_PREFIX}{proc.pid}-*"))
+    assert list(board.boards_root().glob(f"{board.BOARD_DIR_PREFIX}{proc.pid}-*"))
     proc.kill()
     proc.wait(timeout=10)
     assert wait_gone(pids, 5) == []
     dist.run(rankfns.describe, None, nprocs=2, timeout=600)  # the next such run clears what the killed caller could not
-    assert not list(board.runs_root().glob(f"{board.RUN_DIR_PREFIX}{proc.pid}-*"))
+    assert not list(board.boards_root().glob(f"{board.BOARD_DIR_PREFIX}{proc.pid}-*"))
 
 
 def _listening_sockets_of(pids: set[int]) -> list[str]:

@@ -32,7 +32,7 @@ def nothing_left() -> Iterator[None]:
     before = set(children_of(os.getpid()))
     yield
     assert left_behind(before) == []
-    assert not list(board.runs_root().glob(f"{board.RUN_DIR_PREFIX}{os.getpid()}-*")), "run folder left behind"
+    assert not list(board.boards_root().glob(f"{board.BOARD_DIR_PREFIX}{os.getpid()}-*")), "board folder left behind"
 
 
 def _stall_report(fn: Callable[[Any], None], stall_timeout: float = 2) -> str:
@@ -163,8 +163,8 @@ def test_levers9_stacks_reports_a_live_run_without_stopping_it(tmp_path: Path) -
         folder = None
         while time.monotonic() < end and folder is None:
             time.sleep(0.2)
-            folder = stalls.find_run(proc.pid)
-        assert folder is not None, "the run folder never appeared"
+            folder = stalls.find_board(proc.pid)
+        assert folder is not None, "the board folder never appeared"
         time.sleep(1.0)
         done = subprocess.run(
             [sys.executable, "-m", "levers9", "stacks", str(proc.pid)], cwd=REPO, capture_output=True, text=True, timeout=60
@@ -179,7 +179,7 @@ def test_levers9_stacks_reports_a_live_run_without_stopping_it(tmp_path: Path) -
         proc.kill()
         proc.wait(timeout=10)
     end = time.monotonic() + 10
-    while time.monotonic() < end and stalls.find_run(proc.pid) is not None:
+    while time.monotonic() < end and stalls.find_board(proc.pid) is not None:
         time.sleep(0.1)
 
 

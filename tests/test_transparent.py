@@ -222,7 +222,7 @@ head -c 262144 /dev/zero > /dev/shm/fill 2>/dev/null || true
 @pytest.mark.timeout(240)
 def test_a_full_dev_shm_never_stops_distributed_run_or_levers9_run(tmp_path: Path) -> None:
     """A 256 KB /dev/shm, full (in a mount namespace of the test's own): torchrun and mp.spawn run a 2-rank gloo
-    job there, and so must levers9 (its run folder, needed only with timeout=, moves to the temp dir)."""
+    job there, and so must levers9 (its board folder, needed only with timeout=, moves to the temp dir)."""
     if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
         pytest.fail("this test needs root and `unshare -m` (CI runs as root); run it as root")
     script = tmp_path / "script.py"

@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 
 from levers9.context import GangContext, JobContext, current_job
 from levers9.distributed import detect, restarts
-from levers9.distributed.rank_child import RankSpec, RankTarget
+from levers9.distributed.rank_process import RankSpec, RankTarget
 from levers9.errors import (
     ConfigError,
     NodeLost,

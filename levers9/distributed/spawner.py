@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 
 from levers9.context import JobContext, current_job
 from levers9.distributed import detect, group, restarts, stalls, world
-from levers9.distributed.rank_child import RankSpec, RankTarget, to_cpu
+from levers9.distributed.rank_process import RankSpec, RankTarget, to_cpu
 from levers9.distributed.self_timer import SelfTimer
 from levers9.distributed.stalls import flight_recorder
 from levers9.errors import (
@@ -423,7 +423,7 @@ class SpawnedRanks:
 
     @property
     def diagnostics(self) -> bool:
-        """Ranks get a run folder, stack dumps on SIGUSR1 and a recorder sampler: timeout= or stall_timeout= asked."""
+        """Ranks get a board folder, stack dumps on SIGUSR1 and a recorder sampler: timeout= or stall_timeout= asked."""
         return self.timeout is not None or self.stall_timeout is not None
 
 
@@ -441,7 +441,7 @@ class _Spawn:
     def run(self) -> Any:
         ranks, nprocs = self.ranks, self.ranks.layout.nprocs
         with contextlib.ExitStack() as cleanup:  # unwound last to first: ranks stopped, store, pipes, folder
-            folder = stalls.RunFolder(nprocs) if ranks.diagnostics else None
+            folder = stalls.BoardFolder(nprocs) if ranks.diagnostics else None
             if folder is not None:
                 cleanup.callback(folder.remove)
             cleanup.callback(self.watcher.close)
@@ -478,7 +478,7 @@ class _Spawn:
         out.write(prefix + text)
         out.flush()
 
-    def _ask_where(self, folder: stalls.RunFolder | None, reason: StopReason) -> None:
+    def _ask_where(self, folder: stalls.BoardFolder | None, reason: StopReason) -> None:
         """Before a timeout or stall stops the ranks: where each live one is (stacks, collectives)."""
         if reason in (StopReason.TIMEOUT, StopReason.STALL) and folder is not None:
             self.where = stalls.where_ranks_are(folder, {i: p.pid for i, p in enumerate(self.children) if not p.poll()})

@@ -5,7 +5,7 @@ switch, result ordering, cancellation when a map is left, progress). A backend r
 already-checked cells, checks that its machines could ever fit the job (InfeasibleJobError before
 starting anything), starts each cell when cards are free, and resolves one Future per cell with the
 result or the job's exception. It watches `batch.cancel` and stops queued and running cells when it
-is set. The job process itself runs a job_child.JobTarget, which is shared by every backend.
+is set. The job process itself runs a job_process.JobTarget, which is shared by every backend.
 """
 
 from __future__ import annotations

@@ -79,13 +79,16 @@ class JobFunction(Generic[P, R]):
         """
         cell = Cell(0, tuple(args), dict(kwargs))
         check_cell(self.func, cell, label=f"{self.spec.name}{cell.describe()}")
-        futures, cancel, _reporter, _record = self._submit([cell], label="")
+        futures, cancel, _reporter, record = self._submit([cell], label="")
         try:
             return _done(futures[0]).result()
         finally:
             cancel.cancel()
             with contextlib.suppress(Exception):  # interrupted: the job is stopped (stop_grace) before this returns
                 _done(futures[0]).exception()
+            # The future wakes this thread before its done-callback closes the run's record: wait for that,
+            # so the record is whole, and any warning about what a full disk lost is said, before we return.
+            record.closed.wait(RECORD_WAIT)
 
     def spawn(self, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         """Start one job and return a concurrent.futures.Future for its result (cancel() works while it queues).

@@ -24,7 +24,7 @@ from typing import Any
 from levers9 import state_files
 from levers9.context import JobContext
 from levers9.errors import JobTimeout
-from levers9.launch import job_child, outcomes, runs
+from levers9.launch import job_process, outcomes, runs
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.lanes import dispatch
@@ -139,7 +139,7 @@ class _LocalCell:
         cards = (
             [self.pool.cards[s] for s in lease.slots] if lease is not None and self.pool is not None else []
         )
-        env = job_child.job_env(spec, [c.nvml_index for c in cards])
+        env = job_process.job_env(spec, [c.nvml_index for c in cards])
         context = JobContext(
             run_id=self.batch.run_id,
             cell_index=cell.index,
@@ -151,8 +151,8 @@ class _LocalCell:
             stall_timeout=spec.stall_timeout,
             max_restarts=spec.max_restarts,
         )
-        target = job_child.JobTarget(self.batch.func, cell.args, cell.kwargs, context)
-        shipped = None if self.method.forks else job_child.ship_target(target)
+        target = job_process.JobTarget(self.batch.func, cell.args, cell.kwargs, context)
+        shipped = None if self.method.forks else job_process.ship_target(target)
         tail = OutputTail()
         losses = state_files.losses(self.run_dir)
         with AppendLog(run.job_dir / "stdout.log", losses) as out_log, AppendLog(run.job_dir / "stderr.log", losses) as err_log:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from levers9 import state_files
-from levers9.errors import FailureKind, JobCrashed, JobTimeout, RankFailure, RemoteError, add_note
+from levers9.errors import FailureKind, JobCrashed, JobFailure, JobTimeout, RemoteError, add_note
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.spec import JobSpec
@@ -197,7 +197,7 @@ def result(run: JobAttempt, outcome: Outcome, tail: OutputTail, node: str | None
         raise JobCrashed(
             f"{run.label} (pid {pid}{_on(node)}) {how} before returning; {run.attempts}. "
             f"Last output:\n{tail.last_output}\n{run.where}",
-            RankFailure(rank=run.index, pid=pid, exitcode=exitcode, signal=signum, output_tail=tail.text,
+            JobFailure(cell=run.index, pid=pid, exitcode=exitcode, signal=signum, output_tail=tail.text,
                         oom_killed=outcome.oom_killed, kind=kind_of(outcome)),
             kind=kind_of(outcome) or FailureKind.EXIT,
         )

@@ -48,11 +48,11 @@ from levers9.errors import (
     FailureKind,
     InfeasibleJobError,
     JobCrashed,
+    JobFailure,
     JobTimeout,
     NotShippableError,
-    RankFailure,
 )
-from levers9.launch import job_child, outcomes, ray_gang, runs
+from levers9.launch import job_process, outcomes, ray_gang, runs
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.lanes import dispatch
@@ -495,7 +495,7 @@ class _RayCell:
                 f"{self.label}: the Ray task running it was lost ({type(exc).__name__}: "
                 f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); {run.attempts}. The node may "
                 f"have died or run out of memory. Last output:\n{tail.last_output}\n{run.where}",
-                RankFailure(rank=cell.index, pid=0 if info is None else info.pid, output_tail=tail.text,
+                JobFailure(cell=cell.index, pid=0 if info is None else info.pid, output_tail=tail.text,
                             kind=FailureKind.LOST),
                 kind=FailureKind.LOST,
             ) from exc
@@ -539,7 +539,7 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[TaskStarted | TaskOutput |
     hosting = contextlib.ExitStack()  # a job across nodes: its control store and agents (ray_gang.host)
     try:
         gang = hosting.enter_context(ray_gang.host(payload, node, spec.stop_grace)) if payload.get("gang") else None
-        env = job_child.job_env(spec, [])
+        env = job_process.job_env(spec, [])
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)  # Ray's ids for this task; "" for a CPU job
         context = JobContext(
             run_id=payload["run_id"],
@@ -553,9 +553,9 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[TaskStarted | TaskOutput |
             max_restarts=spec.max_restarts,
             gang=gang,
         )
-        target = job_child.JobTarget(func, args, kwargs, context)
+        target = job_process.JobTarget(func, args, kwargs, context)
         method = start.choose()
-        shipped = None if method.forks else job_child.ship_target(target)
+        shipped = None if method.forks else job_process.ship_target(target)
         child = watcher.add(start.start(target, method=method, shipped=shipped, env=env, name=f"cell {index}"))
         yield TaskStarted(
             pid=child.pid,

@@ -254,7 +254,7 @@ def _agent(payload: dict[str, Any]) -> None:
     import ray
 
     from levers9.distributed import nodes
-    from levers9.launch import job_child
+    from levers9.launch import job_process
     from levers9.launch.ray_backend import _cards_of_task, _scratch_dir
 
     for entry in reversed(payload["sys_path"]):
@@ -267,7 +267,7 @@ def _agent(payload: dict[str, Any]) -> None:
     index, attempt = int(payload["index"]), int(payload["attempt"])
     job_dir = _scratch_dir(index, attempt)
     try:
-        env = job_child.job_env(spec, [])
+        env = job_process.job_env(spec, [])
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
         context = JobContext(run_id=payload["run_id"], cell_index=index, attempt=attempt, job_dir=str(job_dir),
                              gpu_count=len(ids), gpu_type=gpu_type, simulated=simulated, stall_timeout=spec.stall_timeout,

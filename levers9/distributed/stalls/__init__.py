@@ -1,6 +1,6 @@
 """Seeing stalled ranks: which rank waits in which collective, and where every rank is.
 
-Each run started by `distributed.run` gets a private run folder holding
+Each run started by `distributed.run` gets a private board folder holding
 - `progress.bin`: one slot per rank, read by the parent to notice a stall (board.py);
 - `sample-<rank>`: a FIFO asking that rank's thread for a fresh flight-recorder sample (sampler.py,
   flight_recorder.py);
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import time
 
-from levers9.distributed.stalls.board import RankSlot, RunFolder
+from levers9.distributed.stalls.board import BoardFolder, RankSlot
+from levers9.distributed.stalls.lookup import find_board, live_boards, report_for_board
 from levers9.distributed.stalls.report import collect_stacks, describe_ranks, enable_stack_dumps, stalled
-from levers9.distributed.stalls.runs import find_run, live_runs, report_for_run
 from levers9.distributed.stalls.sampler import start_recorder_sampler
 
 __all__ = [
-    "RunFolder",
+    "BoardFolder",
     "RankSlot",
     "watch_this_rank",
     "stalled_now",
@@ -31,9 +31,9 @@ __all__ = [
     "collect_stacks",
     "describe_ranks",
     "stalled",
-    "find_run",
-    "live_runs",
-    "report_for_run",
+    "find_board",
+    "live_boards",
+    "report_for_board",
 ]
 
 
@@ -47,7 +47,7 @@ def watch_this_rank(folder: str, rank: int) -> RankSlot:
     return slot
 
 
-def stalled_now(folder: RunFolder, stall_timeout: float, now: float) -> bool:
+def stalled_now(folder: BoardFolder, stall_timeout: float, now: float) -> bool:
     """In the parent: True once the ranks' slots show a stall of `stall_timeout` s (asking for recorder
     samples while the ranks are quiet), confirmed on a fresh sample from every rank."""
     states = folder.states()
@@ -59,6 +59,6 @@ def stalled_now(folder: RunFolder, stall_timeout: float, now: float) -> bool:
     return stalled(folder.fresh_states(list(range(folder.nprocs))), stall_timeout, time.monotonic())
 
 
-def where_ranks_are(folder: RunFolder, live: dict[int, int]) -> str:
+def where_ranks_are(folder: BoardFolder, live: dict[int, int]) -> str:
     """In the parent: where each live rank (rank -> pid) is, from fresh slots and its stack dump."""
     return describe_ranks(folder.fresh_states(list(live)), collect_stacks(live, folder.path), time.monotonic())

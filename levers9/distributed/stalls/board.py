@@ -1,6 +1,6 @@
-"""The run folder and its progress board: one slot per rank saying how far it got through its collectives.
+"""A run's board folder and the progress board in it: one slot per rank saying how far it got through its collectives.
 
-The parent creates a private run folder per `distributed.run` (`RunFolder`), holding `progress.bin`,
+The parent creates a private board folder per `distributed.run` (`BoardFolder`), holding `progress.bin`,
 one fixed-size slot per rank that the parent maps and reads to notice a stall. A rank (`RankSlot`)
 writes the first part of its slot whenever it enters or leaves a `torch.distributed` call from Python
 (how many it finished, whether it is in one now, which, and since when, on the machine-wide monotonic
@@ -33,17 +33,17 @@ _RECORDER = struct.Struct("=qqdd40s")  # issued (-1: unknown), completed, change
 _SLOT_SIZE = _CALLS.size + _RECORDER.size
 # While no Python-level collective moved for this long, the parent asks for recorder samples this often.
 QUIET_S = 1.0
-RUN_DIR_PREFIX = "levers9-run-"
+BOARD_DIR_PREFIX = "levers9-board-"
 
 
-def runs_root() -> Path:
-    """Where run folders live: `$LEVERS9_STATE_DIR/boards` when that is set, else our private levers9-<uid> folder
+def boards_root() -> Path:
+    """Where board folders live: `$LEVERS9_STATE_DIR/boards` when that is set, else our private levers9-<uid> folder
     in /dev/shm (memory, never a slow disk), else in the temp dir."""
-    return run_roots()[0]
+    return board_roots()[0]
 
 
-def run_roots() -> list[Path]:
-    """The places a run folder may go, best first; each is a private folder (created on first use)."""
+def board_roots() -> list[Path]:
+    """The places a board folder may go, best first; each is a private folder (created on first use)."""
     state = os.environ.get("LEVERS9_STATE_DIR")
     if state:
         return [private_dir(Path(state) / "boards")]
@@ -57,7 +57,7 @@ def run_roots() -> list[Path]:
             errors.append(str(exc))
     if not found:
         raise PrivateDirError(
-            "distributed.run has nowhere private for its run folder (timeout=/stall_timeout= reports): "
+            "distributed.run has nowhere private for its board folder (timeout=/stall_timeout= reports): "
             + " ".join(errors) + " Set LEVERS9_STATE_DIR to a folder of your own (e.g. export "
             "LEVERS9_STATE_DIR=~/.cache/levers9)."
         )
@@ -93,12 +93,12 @@ class SlotState:
         return self.recorder_issued > self.recorder_completed
 
 
-class RunFolder:
+class BoardFolder:
     """The parent's side: creates the folder and the progress board, reads them, removes them."""
 
     def __init__(self, nprocs: int) -> None:
         self.nprocs = nprocs
-        self.path = self._make(run_roots())
+        self.path = self._make(board_roots())
         board = self.path / "progress.bin"
         for rank in range(nprocs):
             try:
@@ -114,7 +114,7 @@ class RunFolder:
         failures = []
         for root in roots:
             remove_stale_runs(root)
-            path = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=root))
+            path = Path(tempfile.mkdtemp(prefix=f"{BOARD_DIR_PREFIX}{os.getpid()}-", dir=root))
             now = time.monotonic()
             try:
                 with open(path / "progress.bin", "wb") as f:
@@ -125,7 +125,7 @@ class RunFolder:
                 shutil.rmtree(path, ignore_errors=True)
                 failures.append(f"{root}: {exc.strerror or exc}")
         raise OSError(
-            f"distributed.run could not write its run folder (for timeout=/stall_timeout= reports) in "
+            f"distributed.run could not write its board folder (for timeout=/stall_timeout= reports) in "
             f"{'; '.join(failures)}. Expected a few hundred bytes free; free space there, or set LEVERS9_STATE_DIR "
             f"to a folder of your own with room."
         )
@@ -153,9 +153,9 @@ class RunFolder:
 
 
 def remove_stale_runs(root: Path) -> None:
-    """Remove run folders in `root` whose caller no longer exists (it was killed outright, so it could not)."""
-    for folder in root.glob(f"{RUN_DIR_PREFIX}*"):
-        pid_text = folder.name[len(RUN_DIR_PREFIX) :].split("-", 1)[0]
+    """Remove board folders in `root` whose caller no longer exists (it was killed outright, so it could not)."""
+    for folder in root.glob(f"{BOARD_DIR_PREFIX}*"):
+        pid_text = folder.name[len(BOARD_DIR_PREFIX) :].split("-", 1)[0]
         if not pid_text.isdigit():
             continue
         if not pid_alive(int(pid_text)):

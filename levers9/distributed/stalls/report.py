@@ -1,6 +1,6 @@
 """Where each rank is: stack dumps on a signal, the frames they hold, and the stall rule and report text.
 
-Each rank's faulthandler writes every thread's Python stack to `stack-<rank>.txt` in the run folder
+Each rank's faulthandler writes every thread's Python stack to `stack-<rank>.txt` in the board folder
 when it gets SIGUSR1, so the parent (or `levers9 stacks <pid>` from another terminal) can say where it
 is. `stalled` decides from the progress board when a run is stuck; `describe_ranks` says how.
 """

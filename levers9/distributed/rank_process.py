@@ -28,7 +28,7 @@ class RankSpec:
     rank: int
     world_size: int
     backend: str  # "gloo" ranks compute on the CPU, even where cards are present
-    run_folder: str | None  # the stall board and stack files, when timeout= or stall_timeout= asked for them
+    board_folder: str | None  # the stall board and stack files, when timeout= or stall_timeout= asked for them
     job: JobContext | None  # the job that called distributed.run, if any
     make_group: bool = True  # join the process group before fn (False: fn makes its own, as under torchrun)
     pass_rank: bool = False  # call fn(rank) (distributed.spawn), not fn()
@@ -51,7 +51,7 @@ def rank_main(spec: RankSpec, call: Callable[..., Any]) -> bytes | None:
 
     # the parent applied the quirks for every rank, before starting any (their variables are in its environment)
     runtime.begin(Runtime(job=spec.job, quirks=QuirkPlan(), cpu_only=spec.backend == "gloo"))
-    slot = None if spec.run_folder is None else stalls.watch_this_rank(spec.run_folder, spec.rank)
+    slot = None if spec.board_folder is None else stalls.watch_this_rank(spec.board_folder, spec.rank)
     with group.joined(spec.backend, slot) if spec.make_group else contextlib.nullcontext():
         result = call(spec.rank) if spec.pass_rank else call()
         return ship_value(to_cpu(result), "rank 0's return value") if spec.rank == 0 else None

@@ -1,4 +1,4 @@
-"""Finding runs from outside them: the run folder of a pid, every live run, and a report taken on demand (`levers9 stacks`)."""
+"""Finding boards from outside their runs: the board folder of a pid, every live one, and a report taken on demand (`levers9 stacks`)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from levers9.distributed.stalls.board import RUN_DIR_PREFIX, read_slot, run_roots
+from levers9.distributed.stalls.board import BOARD_DIR_PREFIX, board_roots, read_slot
 from levers9.distributed.stalls.report import collect_stacks, describe_ranks
 from levers9.distributed.stalls.sampler import fresh_states
 
 
-def _run_folders() -> list[Path]:
-    return sorted(folder for root in run_roots() for folder in root.glob(f"{RUN_DIR_PREFIX}*"))
+def _board_folders() -> list[Path]:
+    return sorted(folder for root in board_roots() for folder in root.glob(f"{BOARD_DIR_PREFIX}*"))
 
 
-def find_run(pid: int) -> Path | None:
-    """The run folder of the run whose caller or one of whose ranks has `pid`."""
-    for folder in _run_folders():
+def find_board(pid: int) -> Path | None:
+    """The board folder of the run whose caller or one of whose ranks has `pid`."""
+    for folder in _board_folders():
         info = folder / "ranks.json"
         try:
             data = json.loads(info.read_text())
@@ -32,9 +32,9 @@ def find_run(pid: int) -> Path | None:
     return None
 
 
-def live_runs() -> Iterator[tuple[Path, dict[str, Any]]]:
-    """Every run folder whose caller is still alive, with its ranks.json."""
-    for folder in _run_folders():
+def live_boards() -> Iterator[tuple[Path, dict[str, Any]]]:
+    """Every board folder whose caller is still alive, with its ranks.json."""
+    for folder in _board_folders():
         try:
             data = json.loads((folder / "ranks.json").read_text())
             os.kill(int(data["parent"]), 0)
@@ -43,7 +43,7 @@ def live_runs() -> Iterator[tuple[Path, dict[str, Any]]]:
         yield folder, data
 
 
-def report_for_run(folder: Path) -> str:
+def report_for_board(folder: Path) -> str:
     """The stall-style report for a live run, taken on demand without stopping it."""
     data = json.loads((folder / "ranks.json").read_text())
     pids = {rank: pid for rank, pid in enumerate(data["pids"])}
