@@ -139,9 +139,18 @@ def rank1_sleeps_in_a_formed_group(cfg: Any) -> None:
     rank1_sleeps_before_all_reduce(cfg)
 
 
+def mark_stall_start(cfg: Any) -> None:
+    """Write when the stall begins (the machine-wide monotonic clock) to the file `cfg` names, if it names one."""
+    if isinstance(cfg, str):
+        with open(cfg + ".tmp", "w") as f:
+            f.write(repr(time.monotonic()))
+        os.replace(cfg + ".tmp", cfg)
+
+
 def rank1_sleeps_before_all_reduce(cfg: Any) -> None:
     """Rank 0 waits in all_reduce while rank 1 sleeps (alive, not in a collective)."""
     if dist.rank() == 1:
+        mark_stall_start(cfg)
         time.sleep(60)  # STALL-LINE rank 1
     torch.distributed.all_reduce(torch.ones(1))
 
@@ -187,7 +196,11 @@ def rank1_sleeps_before_a_functional_all_reduce(cfg: Any) -> None:
     from torch.distributed import _functional_collectives as funcol
 
     form_group_as_torchrun_code_does()
+    # A first one on both ranks: waiting on a functional collective's result first imports torch._dynamo,
+    # which takes seconds on a loaded machine; the stall to be named is the wait itself, in the second one.
+    funcol.all_reduce(torch.ones(1), "sum", torch.distributed.group.WORLD).item()
     if dist.rank() == 1:
+        mark_stall_start(cfg)
         time.sleep(60)  # FUNCOL-SLEEP-LINE
     reduced = funcol.all_reduce(torch.ones(1), "sum", torch.distributed.group.WORLD)
     reduced.item()  # FUNCOL-WAIT-LINE

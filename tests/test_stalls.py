@@ -35,12 +35,13 @@ def nothing_left() -> Iterator[None]:
     assert not list(board.boards_root().glob(f"{board.BOARD_DIR_PREFIX}{os.getpid()}-*")), "board folder left behind"
 
 
-def _stall_report(fn: Callable[[Any], None], stall_timeout: float = 2) -> str:
-    """The StallError text of a 2-rank run of fn, which must come within stall_timeout + 6 s."""
-    start = time.monotonic()
+def _stall_report(fn: Callable[[Any], None], tmp_path: Path, stall_timeout: float = 2) -> str:
+    """The StallError text of a 2-rank run of fn, which must come within stall_timeout + 6 s of the moment the
+    stall began (fn writes it to the file it is given: starting ranks and importing torch are not timed)."""
+    mark = tmp_path / "stall-began"
     with pytest.raises(StallError) as info:
-        dist.run(fn, None, nprocs=2, stall_timeout=stall_timeout)
-    elapsed = time.monotonic() - start
+        dist.run(fn, str(mark), nprocs=2, stall_timeout=stall_timeout)
+    elapsed = time.monotonic() - float(mark.read_text())
     assert elapsed < stall_timeout + 6, f"took {elapsed:.1f}s"
     return str(info.value)
 
@@ -48,8 +49,8 @@ def _stall_report(fn: Callable[[Any], None], stall_timeout: float = 2) -> str:
 NONE_YET = "not in a collective (no collective recorded yet)"
 
 
-def test_a_sleeping_rank_is_named_with_its_line_and_the_waiting_rank_with_its_collective() -> None:
-    text = _stall_report(rankfns.rank1_sleeps_in_a_formed_group)
+def test_a_sleeping_rank_is_named_with_its_line_and_the_waiting_rank_with_its_collective(tmp_path: Path) -> None:
+    text = _stall_report(rankfns.rank1_sleeps_in_a_formed_group, tmp_path)
     assert "rank 0: waiting for gloo:all_reduce #1 to complete, for " in text
     assert "(1 collective(s) issued, 0 completed)" in text
     assert f"rank 1: {NONE_YET} at {RANKFNS}:{_line_of('STALL-LINE')} in rank1_sleeps_before_all_reduce" in text
@@ -65,7 +66,7 @@ def test_a_rank_counts_only_its_own_collectives_not_those_of_the_caller_it_was_f
     for _ in range(3):
         td.all_reduce(torch.ones(1))
     td.destroy_process_group()
-    text = _stall_report(rankfns.rank1_sleeps_in_a_formed_group)
+    text = _stall_report(rankfns.rank1_sleeps_in_a_formed_group, tmp_path)
     assert "rank 0: waiting for gloo:all_reduce #1 to complete" in text
     assert "(1 collective(s) issued, 0 completed)" in text
 
@@ -87,14 +88,17 @@ def test_progress_through_collectives_issued_from_cpp_then_a_long_compute_is_nev
     assert dist.run(rankfns.progressing_then_computing, 0.6, nprocs=2, stall_timeout=1.5) == 6
 
 
-def test_a_wait_for_a_collective_issued_from_cpp_is_named() -> None:
+def test_a_wait_for_a_collective_issued_from_cpp_is_named(tmp_path: Path) -> None:
     """Functional collectives never pass through torch.distributed.all_reduce: torch's flight recorder sees them."""
-    text = _stall_report(rankfns.rank1_sleeps_before_a_functional_all_reduce)
+    text = _stall_report(rankfns.rank1_sleeps_before_a_functional_all_reduce, tmp_path)
     assert (
-        "rank 0: waiting for gloo:all_reduce #1 to complete, for " in text
-        and f"(1 collective(s) issued, 0 completed) at {RANKFNS}:{_line_of('FUNCOL-WAIT-LINE')}" in text
-    )
-    assert f"rank 1: {NONE_YET} at {RANKFNS}:{_line_of('FUNCOL-SLEEP-LINE')}" in text
+        "rank 0: waiting for gloo:all_reduce #2 to complete, for " in text
+        and f"(2 collective(s) issued, 1 completed) at {RANKFNS}:{_line_of('FUNCOL-WAIT-LINE')}" in text
+    ), text
+    assert (
+        f"rank 1: not in a collective (1 collective(s) issued, 1 completed) at {RANKFNS}:{_line_of('FUNCOL-SLEEP-LINE')}"
+        in text
+    ), text
 
 
 def test_a_hang_without_stall_timeout_ends_at_timeout_with_the_same_report() -> None:
