@@ -7,7 +7,7 @@ import importlib
 import sys
 
 from levers9 import __version__
-from levers9.console_log import install_console_handler
+from levers9.console_log import console_handler
 
 # Modules that each add one subcommand (and its options) to the parser.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -35,11 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    install_console_handler(args.verbose)  # the `levers9` logger only: a script's root logger stays its own
     if not getattr(args, "handler", None):
         parser.print_help(sys.stderr)
         return 2
-    status: int = args.handler(args)
+    with console_handler(args.verbose):  # the `levers9` logger only: a script's root logger stays its own
+        status: int = args.handler(args)
     return status
 
 

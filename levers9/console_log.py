@@ -10,8 +10,10 @@ begins with the root logger of a fresh interpreter, as a torchrun worker does.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 
 LOGGER = "levers9"
 
@@ -20,14 +22,24 @@ class _ConsoleHandler(logging.StreamHandler):  # type: ignore[type-arg,unused-ig
     """The command line's handler on the `levers9` logger (a class of its own, so it can be found and removed)."""
 
 
-def install_console_handler(verbose: bool) -> None:
-    """levers9's messages at INFO (DEBUG with `verbose`) on stderr as `levers9: message`; the root logger untouched."""
+@contextlib.contextmanager
+def console_handler(verbose: bool) -> Iterator[None]:
+    """While the command runs: levers9's messages at INFO (DEBUG with `verbose`) on stderr as `levers9: message`,
+    the root logger untouched. Afterwards the `levers9` logger is as it was (a program or a test that calls
+    `levers9.cli.main` in-process keeps no handler on a stream that may since have closed)."""
     logger = logging.getLogger(LOGGER)
+    level, propagate = logger.level, logger.propagate
     handler = _ConsoleHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("levers9: %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG if verbose else logging.INFO)
     logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 def fresh_logging() -> None:

@@ -94,6 +94,35 @@ TIER_BY_TEST = {
 }
 
 
+# Tests that must share one pytest-xdist worker (the suite runs on several: pyproject's addopts), by
+# (module, test name prefix; "" for the whole module) -> group:
+#   port-29500  torchrun without --standalone and `accelerate launch` rendezvous on the default port, so
+#               two at once on one machine would collide (as they would for a user)
+#   ray         the session's one Ray (tests/ray_cluster.py) and the two-node cluster of test_ray_nodes,
+#               which shuts that one down first: one worker runs them all, one after another
+#   notebook    one kernel per scenario, shared by the module's tests (a module-scoped fixture)
+XDIST_GROUP_BY_TEST = {
+    ("test_contract", ""): "port-29500",
+    ("test_examples", "test_torchrun_script"): "port-29500",
+    ("test_examples", "test_accelerate_script"): "port-29500",
+    ("test_examples", "test_existing_ddp_script"): "port-29500",
+    ("test_run_everywhere", "test_timeout_under_torchrun"): "port-29500",
+    ("test_run_script", "test_torchrun_code_inside_distributed_run_under_a_launcher[accelerate]"): "port-29500",
+    ("test_notebook", ""): "notebook",
+}
+
+
+def xdist_group_of(item: pytest.Item, tier: str) -> str | None:
+    """The pytest-xdist group of one test (None: any worker may run it)."""
+    if tier == "ray":
+        return "ray"
+    module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
+    for (mod, prefix), group in XDIST_GROUP_BY_TEST.items():
+        if mod == module and item.name.startswith(prefix):
+            return group
+    return None
+
+
 def tier_of(item: pytest.Item) -> str:
     """The tier of one collected test: `ray` if marked so, else by test name, else by module."""
     if item.get_closest_marker("ray") is not None:
@@ -106,14 +135,18 @@ def tier_of(item: pytest.Item) -> str:
 
 
 def mark_tiers(items: list[pytest.Item], folder: Path) -> None:
-    """Give every test under `folder` its tier's marker, and put the `ray` ones last: the session's Ray
-    starts with the first of them, so its dozen idle processes do not share this machine's two cores
-    with the rest of the suite."""
+    """Give every test under `folder` its tier's marker and its xdist group, and put the `ray` ones last.
+    A process that has run `ray.init` must start nothing by fork afterwards (Ray's gRPC state and its
+    SIGSEGV handler are copied into the child, which then crashes or reports a crash in Ray's words), so
+    the worker that runs the Ray group, and a run without workers, run it after everything else."""
     for item in items:
         if folder in item.path.parents:
             tier = tier_of(item)
             if item.get_closest_marker(tier) is None:
                 item.add_marker(getattr(pytest.mark, tier))
+            group = xdist_group_of(item, tier)
+            if group is not None and item.get_closest_marker("xdist_group") is None:
+                item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
 
 

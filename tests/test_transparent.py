@@ -254,3 +254,20 @@ def test_another_users_folder_in_dev_shm_neither_blocks_nor_steers_a_run(tmp_pat
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     for word in ("RUN 2", "TIMED 2", "MOVED 2", "BOARDS there"):
         assert word in done.stdout, done.stdout
+
+
+def test_the_command_line_called_in_process_leaves_the_levers9_logger_as_it_was(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`levers9.cli.main` may be called by a program (or a test): its handler on stderr goes when it returns,
+    so no later message of levers9's is written to a stream that has since been closed."""
+    import logging
+
+    from levers9 import cli
+
+    logger = logging.getLogger("levers9")
+    before = (list(logger.handlers), logger.level, logger.propagate)
+    for _ in range(2):
+        assert cli.main(["runs"]) == 0
+    assert (list(logger.handlers), logger.level, logger.propagate) == before
+    capsys.readouterr()
