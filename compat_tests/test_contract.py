@@ -66,6 +66,8 @@ def _launch(name: str) -> tuple[dict, dict]:
     return lines["CONTRACT"], lines["WORLD"]
 
 
+# Over 20 s (about 30 s on 2 idle cores, in the first test's set-up): eight real launches, torchrun and
+# accelerate among them, each starting its ranks; both tests read the same results.
 @pytest.fixture(scope="module")
 def results() -> dict[str, tuple[dict, dict]]:
     before = set(children_of(os.getpid()))

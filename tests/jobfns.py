@@ -104,11 +104,13 @@ def pid_and_sleep(folder: str, tag: Any, seconds: float) -> str:
 
 
 def quick_or_slow(folder: str, index: int) -> int:
-    """Cell 0 returns at once; the others write a pid file and sleep long."""
+    """Cell 0 returns at once; the others write a pid file, sleep long (longer than any test may run), and
+    write a done file if they ever wake: a cell that was cancelled never does."""
     if index == 0:
         return 0
     write_atomically(Path(folder, f"{index}.pid"), str(os.getpid()))
-    time.sleep(60)
+    time.sleep(600)
+    write_atomically(Path(folder, f"{index}.done"), "")
     return index
 
 

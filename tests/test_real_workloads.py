@@ -59,7 +59,9 @@ def test_the_users_own_process_pool_inside_ranks() -> None:
     assert dist.run(workloadfns.own_pool, 20, nprocs=2, timeout=50) == [i * i for i in range(20)]
 
 
-@pytest.mark.timeout(240)  # a cold inductor cache compiles C++ for each rank: ~80 s on 2 busy cores
+# Over 20 s (about 27 s on 2 idle cores): a cold inductor cache compiles C++ for each rank, which is what
+# torch.compile inside ranks is; ~80 s on 2 busy cores.
+@pytest.mark.timeout(240)
 def test_torch_compile_of_a_small_model_inside_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler on this machine: torch.compile's CPU backend needs one")
