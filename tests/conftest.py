@@ -94,7 +94,7 @@ TIER_BY_TEST = {
 }
 
 
-# Tests that must share one pytest-xdist worker (the suite runs on several: pyproject's addopts), by
+# Tests that must share one pytest-xdist worker when the suite runs on several (`-n 3 --dist loadgroup`), by
 # (module, test name prefix; "" for the whole module) -> group:
 #   port-29500  torchrun without --standalone and `accelerate launch` rendezvous on the default port, so
 #               two at once on one machine would collide (as they would for a user)
@@ -112,15 +112,15 @@ XDIST_GROUP_BY_TEST = {
 }
 
 
+def _by_test(item: pytest.Item, table: dict[tuple[str, str], str]) -> str | None:
+    """The value `table` gives one collected test by (module, test name prefix), else None."""
+    module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
+    return next((value for (mod, prefix), value in table.items() if mod == module and item.name.startswith(prefix)), None)
+
+
 def xdist_group_of(item: pytest.Item, tier: str) -> str | None:
     """The pytest-xdist group of one test (None: any worker may run it)."""
-    if tier == "ray":
-        return "ray"
-    module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
-    for (mod, prefix), group in XDIST_GROUP_BY_TEST.items():
-        if mod == module and item.name.startswith(prefix):
-            return group
-    return None
+    return "ray" if tier == "ray" else _by_test(item, XDIST_GROUP_BY_TEST)
 
 
 def tier_of(item: pytest.Item) -> str:
@@ -128,10 +128,7 @@ def tier_of(item: pytest.Item) -> str:
     if item.get_closest_marker("ray") is not None:
         return "ray"
     module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
-    for (mod, prefix), tier in TIER_BY_TEST.items():
-        if mod == module and item.name.startswith(prefix):
-            return tier
-    return TIER_BY_MODULE.get(module, "procs")
+    return _by_test(item, TIER_BY_TEST) or TIER_BY_MODULE.get(module, "procs")
 
 
 def mark_tiers(items: list[pytest.Item], folder: Path) -> None:
