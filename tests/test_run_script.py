@@ -76,6 +76,8 @@ def test_accelerate_test_scripts_pass_as_under_torchrun(script: str, marker: str
     path = str(ACCELERATE_SCRIPTS / script)
     ours = levers9_run("--nproc-per-node", "2", path)
     theirs = torchrun("--nproc-per-node", "2", path)
+    if theirs.returncode != 0:  # the reference itself: once in CI, torchrun's rank 0 died of SIGABRT in test_sync.py
+        theirs = torchrun("--nproc-per-node", "2", path)
     assert theirs.returncode == 0, theirs.stderr[-2000:]
     assert ours.returncode == 0, ours.stderr[-2000:]
     mine, torchruns = _lines(ours.stdout, marker), _lines(theirs.stdout, marker)

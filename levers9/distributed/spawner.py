@@ -41,7 +41,7 @@ from levers9.errors import (
 from levers9.procs import oom, start
 from levers9.procs.failure import raise_rank_exception, ship, unpicklable_part, unship
 from levers9.procs.outcome import Outcome, StopReason, kind_of
-from levers9.procs.supervise import Supervisor
+from levers9.procs.supervise import DRAIN_S, Supervisor
 from levers9.procs.watch import Child, Watcher, exit_on_terminate
 from levers9.retries import RetryPolicy, restart_policy
 
@@ -438,6 +438,12 @@ class _Spawn:
         self.children: list[Child] = []
         self.where = ""  # where each rank was, asked just before a timeout or stall stopped them
 
+    def _stop_and_drain(self, grace: float) -> None:
+        """Stop what still runs (an interrupt or an error left it), then hand on what the ranks wrote before they
+        ended: a line still in a pipe when Ctrl-C came is shown, not lost."""
+        self.watcher.stop(grace)
+        self.watcher.drain(DRAIN_S)
+
     def run(self) -> Any:
         ranks, nprocs = self.ranks, self.ranks.layout.nprocs
         with contextlib.ExitStack() as cleanup:  # unwound last to first: ranks stopped, store, pipes, folder
@@ -446,7 +452,7 @@ class _Spawn:
                 cleanup.callback(folder.remove)
             cleanup.callback(self.watcher.close)
             port = cleanup.enter_context(hosted_store()) if ranks.torchrun_env else None
-            cleanup.callback(self.watcher.stop, ranks.stop_grace)
+            cleanup.callback(self._stop_and_drain, ranks.stop_grace)
             for rank in range(nprocs):
                 spec = RankSpec(rank, nprocs, ranks.layout.backend, None if folder is None else str(folder.path),
                                 current_job(), make_group=ranks.make_group, pass_rank=ranks.pass_rank)  # fmt: skip
