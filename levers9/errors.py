@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import signal as _signal
+import warnings
 
 
 class FailureKind(str, enum.Enum):
@@ -124,6 +125,16 @@ class JobFailure(ProcessFailure):
 
     def who(self) -> str:
         return f"cell #{self.cell}"
+
+    @property
+    def rank(self) -> int:
+        """Deprecated spelling of `cell` (a job's failure was a RankFailure holding the cell's index as its rank)."""
+        warnings.warn(
+            "JobCrashed.failure.rank is deprecated: a job's failure is a JobFailure now; read .cell (the cell's index).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.cell
 
 
 def signal_name(signum: int) -> str:

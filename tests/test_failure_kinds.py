@@ -131,3 +131,14 @@ def test_the_kinds_survive_pickling() -> None:
     assert pickle.loads(pickle.dumps(JobTimeout("waited", kind="queue"))).kind is K.QUEUE
     assert pickle.loads(pickle.dumps(JobCrashed("lost", kind=K.LOST))).kind is K.LOST
     assert pickle.loads(pickle.dumps(Outcome(42, None, signal.SIGKILL, stopped_for=StopReason.STALL))).stopped_for is StopReason.STALL
+
+
+def test_a_jobs_failure_names_its_cell_and_the_old_rank_spelling_still_reads_it_with_a_warning() -> None:
+    from levers9.errors import JobFailure, ProcessFailure
+
+    failure = JobFailure(cell=3, pid=42, signal=signal.SIGKILL, kind=K.CRASH)
+    assert isinstance(failure, ProcessFailure) and failure.describe().startswith("cell #3 (pid 42) was killed by SIGKILL")
+    with pytest.warns(DeprecationWarning, match=r"read \.cell"):
+        assert failure.rank == 3
+    crashed = pickle.loads(pickle.dumps(JobCrashed("cell #3 died", failure)))
+    assert crashed.failure == failure
