@@ -70,9 +70,12 @@ def _lines(out: str, marker: str) -> list[str]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("script", "marker"), [("test_ops.py", "testing "), ("test_sync.py", "dtype")])
 def test_accelerate_test_scripts_pass_as_under_torchrun(script: str, marker: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # What `accelerate launch --cpu` sets: from accelerate 1.16 on, PartialState on a machine without a GPU
-    # counts one process unless told the run is on the CPU (test_ops.py then fails under torchrun too).
-    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    if script == "test_ops.py":
+        # What `accelerate launch --cpu` sets: from accelerate 1.16 on, test_ops.py's PartialState on a machine
+        # without a GPU counts one process unless told the run is on the CPU (it fails under torchrun too).
+        # Only there: test_sync.py passed without it in every run before, and with it torchrun's own run lost
+        # rank 0 to SIGABRT once in CI.
+        monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
     path = str(ACCELERATE_SCRIPTS / script)
     ours = levers9_run("--nproc-per-node", "2", path)
     theirs = torchrun("--nproc-per-node", "2", path)
@@ -81,9 +84,12 @@ def test_accelerate_test_scripts_pass_as_under_torchrun(script: str, marker: str
     assert theirs.returncode == 0, theirs.stderr[-2000:]
     assert ours.returncode == 0, ours.stderr[-2000:]
     mine, torchruns = _lines(ours.stdout, marker), _lines(theirs.stdout, marker)
-    # Under torchrun both ranks share one stdout, so a piece can carry the other rank's unmarked text after it.
+    # Under torchrun both ranks share one stdout, so a piece can carry the other rank's unmarked text after it,
+    # and pairing sorted pieces then goes wrong (seen once): each line levers9's ranks printed must appear in
+    # torchrun's output at least as often (a line that is a prefix of another is counted in both).
     assert mine and len(mine) == len(torchruns), (mine, torchruns)
-    assert all(t.startswith(m) for m, t in zip(mine, torchruns, strict=True)), (mine, torchruns)
+    missing = {m: (mine.count(m), theirs.stdout.count(m)) for m in set(mine) if theirs.stdout.count(m) < mine.count(m)}
+    assert not missing, missing
 
 
 @pytest.mark.timeout(180)
