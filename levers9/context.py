@@ -25,6 +25,7 @@ class GangContext:
     addresses: tuple[str, ...]  # the Ray node address of each node, node 0 first
     shares: tuple[int, ...]  # cards (ranks) on each node
     node_index: int = 0
+    replace_within: float = 120.0  # seconds a restart waits for a node to replace a lost one (the job's queue_timeout)
 
     @property
     def world_size(self) -> int:

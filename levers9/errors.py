@@ -176,14 +176,16 @@ class StallError(RankFailed):
 
 class NodeLost(RankFailed):
     """A node of a run across several Ray nodes stopped answering levers9's heartbeat, or never joined;
-    `.node` is its address and `.ranks` the global ranks it held. A restart counts it as "comm"."""
+    `.node` is its address and `.ranks` the global ranks it held. A restart counts it as "comm"; when no
+    node replaced it within queue_timeout its kind is "queue", which no restart cures."""
 
     kind = FailureKind.LOST
 
-    def __init__(self, message: str, node: str = "", ranks: tuple[int, ...] = ()) -> None:
+    def __init__(self, message: str, node: str = "", ranks: tuple[int, ...] = (), kind: FailureKind = FailureKind.LOST) -> None:
         super().__init__(message)
         self.node = node
         self.ranks = ranks
+        self.kind = kind
 
 
 class QuirkError(Levers9Error, RuntimeError):

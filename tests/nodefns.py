@@ -93,3 +93,25 @@ def park(cfg: dict[str, Any]) -> None:
     time.sleep(0.5)
     dist.all_reduce_mean(1.0)  # blocks: the test never lets rank 0 leave... until a node is lost
     time.sleep(120)
+
+
+def park_first(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The first attempt parks as `park` does (for the test to break a node); a restart returns the attempt and
+    every rank's variables and Ray node."""
+    from levers9 import distributed as dist
+
+    if dist.restart_count() == 0:
+        park(cfg)
+    return {"restart": dist.restart_count(), "ranks": describe_rank(cfg)}
+
+
+def stall_on(cfg: dict[str, Any]) -> None:
+    """Every rank joins a collective; then rank cfg['rank'] writes when it stalls to cfg['mark'] and sleeps
+    instead of joining the next one, which the others wait in."""
+    from levers9 import distributed as dist
+
+    dist.all_reduce_mean(1.0)
+    if dist.rank() == cfg["rank"]:
+        Path(cfg["mark"]).write_text(f"{time.time()}")
+        time.sleep(300)
+    dist.all_reduce_mean(1.0)

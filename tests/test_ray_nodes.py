@@ -2,8 +2,9 @@
 
 A module-scoped cluster of two Ray nodes on this machine, each on its own loopback address (127.0.0.2 and
 127.0.0.3; Ray rewrites 127.0.0.1), each with 1 CPU and 2 logical GPUs declared as levers9_RTXPro6000 (no
-NVML card behind them: the job layer runs the ranks on gloo, on the CPU). The session's one-node Ray
-(tests/ray_cluster.py) is shut down first if an earlier module started it.
+NVML card behind them: the job layer runs the ranks on gloo, on the CPU), and a head node without cards
+(127.0.0.4), so that a test can remove either card node outright without ending the cluster. The session's
+one-node Ray (tests/ray_cluster.py) is shut down first if an earlier module started it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ from tests import nodefns, ray_cluster
 
 pytestmark = pytest.mark.ray
 NODES = ("127.0.0.2", "127.0.0.3")
+HEAD = "127.0.0.4"
+SPARE = "127.0.0.5"  # a node added, then removed, by the replacement test
 TYPE = "RTXPro6000"
+NODE_ARGS: dict[str, Any] = dict(num_cpus=1, num_gpus=2, resources={f"levers9_{TYPE}": 2}, object_store_memory=100 * 2**20)
+_TMPDIR: list[str] = []  # the cluster's temp root: nodes added later keep their files there too
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +51,15 @@ def cluster() -> Iterator[Any]:
     for key in saved:
         del os.environ[key]
     os.environ["TMPDIR"] = root
-    node_args = dict(num_cpus=1, num_gpus=2, resources={f"levers9_{TYPE}": 2}, object_store_memory=100 * 2**20)
     made = None
     try:
         made = Cluster(initialize_head=True, head_node_args=dict(
-            node_ip_address=NODES[0], include_dashboard=False,
-            _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 3}, **node_args))  # fmt: skip
-        made.add_node(node_ip_address=NODES[1], **node_args)
+            node_ip_address=HEAD, include_dashboard=False, num_cpus=1, num_gpus=0, object_store_memory=100 * 2**20,
+            _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 3}))  # fmt: skip
+        for address in NODES:
+            made.add_node(node_ip_address=address, **NODE_ARGS)
         made.wait_for_nodes()
-        ray.init(address=made.address, _node_ip_address=NODES[0], log_to_driver=False)
+        ray.init(address=made.address, _node_ip_address=HEAD, log_to_driver=False)
     except BaseException:
         if made is not None:
             made.shutdown()
@@ -63,6 +68,7 @@ def cluster() -> Iterator[Any]:
     finally:
         os.environ.pop("TMPDIR", None)
         os.environ.update(saved)
+    _TMPDIR[:] = [root]
     try:
         yield made
     finally:
@@ -112,6 +118,31 @@ def wait_for(path: Path, within: float = 90.0) -> str:
             return path.read_text()
         time.sleep(0.05)
     raise AssertionError(f"{path} was never written")
+
+
+def remove_node(cluster: Any, address: str) -> None:
+    """Remove the Ray node at `address` outright (no graceful shutdown): its raylet and every process on it die."""
+    (gone,) = [n for n in cluster.worker_nodes if n.node_ip_address == address]
+    cluster.remove_node(gone, allow_graceful=False)
+
+
+def alive_nodes() -> set[str]:
+    import ray
+
+    return {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+
+
+def add_node(cluster: Any, address: str) -> None:
+    """A card node at `address`, as the fixture made them, back in the cluster once Ray counts it alive."""
+    os.environ["TMPDIR"] = _TMPDIR[0]
+    try:
+        cluster.add_node(node_ip_address=address, **NODE_ARGS)
+    finally:
+        del os.environ["TMPDIR"]
+    deadline = time.monotonic() + 60
+    while address not in alive_nodes():
+        assert time.monotonic() < deadline, f"the node at {address} never came up"
+        time.sleep(0.2)
 
 
 # ---- planning as a pure function -----------------------------------------------------------------------
@@ -181,14 +212,6 @@ def test_ranks_talk_on_the_interface_that_carries_the_node_address() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_stall_timeout_across_nodes_is_refused_before_any_rank_starts(on_cluster: str) -> None:
-    from levers9.errors import ConfigError
-
-    with pytest.raises(ConfigError, match=r"stall_timeout=30 is not supported yet for a run across several nodes"):
-        gang_job(on_cluster).remote({"fn": "describe_rank", "run": {"stall_timeout": 30}})
-    nothing_left(on_cluster)
-
-
 @pytest.mark.timeout(180)
 def test_four_cards_run_as_two_nodes_of_two(on_cluster: str) -> None:
     ranks = gang_job(on_cluster).remote({"fn": "describe_rank"})
@@ -328,23 +351,91 @@ def test_a_frozen_node_is_named_by_the_heartbeat(on_cluster: str, tmp_path: Path
 
 
 @pytest.mark.timeout(180)
-def test_a_lost_node_with_restarts_left_fails_naming_it(on_cluster: str, tmp_path: Path) -> None:
+def test_a_lost_agent_is_replaced_and_the_restart_runs_on_every_node(on_cluster: str, tmp_path: Path) -> None:
     import concurrent.futures
 
     mark = tmp_path / "parked"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        future = pool.submit(gang_job(on_cluster, max_restarts=1).remote, {"fn": "park", "mark": str(mark)})
+        future = pool.submit(gang_job(on_cluster, max_restarts=1).remote, {"fn": "park_first", "mark": str(mark)})
         _, agent, ray_node = wait_for(Path(f"{mark}.2")).split()
-        os.kill(int(agent), signal.SIGKILL)
+        os.kill(int(agent), signal.SIGKILL)  # the node stays: Ray runs the new agent in the same bundle there
         killed = time.monotonic()
-        with pytest.raises(NodeLost, match=rf"lost node 1 \({re.escape(ray_node)}, ranks 2-3\)") as err:
-            future.result(timeout=60)
+        result = future.result(timeout=90)
         seconds = time.monotonic() - killed
-    notes = "\n".join(getattr(err.value, "__notes__", []))
-    assert "nothing replaces a lost node" in str(err.value)
-    assert "attempt 1" in notes and "attempt 2" in notes and f"lost node {ray_node}" in notes, notes
-    print(f"node 1 lost with max_restarts=1: failed naming it after {seconds:.2f} s")
-    assert seconds < 15
+    ranks = {r["rank"]: r for r in result["ranks"]}
+    assert result["restart"] == 1 and sorted(ranks) == [0, 1, 2, 3]
+    assert ranks[2]["ray_node"] == ranks[3]["ray_node"] == ray_node and {r["mean"] for r in ranks.values()} == {1.5}
+    print(f"agent killed on node 1: back in fn on a new agent after {seconds:.2f} s")
+    nothing_left(on_cluster)
+
+
+@pytest.mark.timeout(360)
+def test_a_removed_node_is_replaced_within_queue_timeout_or_named(cluster: Any, on_cluster: str, tmp_path: Path) -> None:
+    """A card node removed outright while the ranks run, max_restarts=1: with no node to replace it the restart
+    waits queue_timeout and fails naming it; with one, the restart runs there. The cluster ends as it began."""
+    import concurrent.futures
+
+    from levers9.errors import FailureKind
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        mark = tmp_path / "alone"
+        future = pool.submit(gang_job(on_cluster, max_restarts=1, queue_timeout=6).remote,
+                             {"fn": "park_first", "mark": str(mark)})  # fmt: skip
+        _, _, lost = wait_for(Path(f"{mark}.2")).split()
+        remove_node(cluster, lost)
+        removed = time.monotonic()
+        try:
+            with pytest.raises(NodeLost, match=rf"lost node 1 \({re.escape(lost)}, ranks 2-3\)") as err:
+                future.result(timeout=90)
+            seconds = time.monotonic() - removed
+            notes = "\n".join(getattr(err.value, "__notes__", []))
+            assert err.value.kind is FailureKind.QUEUE and err.value.node == lost
+            assert "no node replaced it within 6 s (the job's queue_timeout)" in str(err.value)
+            assert "attempt 1" in notes and "attempt 2" in notes and "Add a node to the cluster" in notes, notes
+            print(f"node removed, none to replace it: NodeLost after {seconds:.2f} s (queue_timeout=6)")
+            nothing_left(on_cluster)
+
+            add_node(cluster, SPARE)  # the card nodes are now the other one and SPARE
+            mark = tmp_path / "replaced"
+            future = pool.submit(gang_job(on_cluster, max_restarts=1, queue_timeout=60).remote,
+                                 {"fn": "park_first", "mark": str(mark)})  # fmt: skip
+            _, _, second = wait_for(Path(f"{mark}.2")).split()
+            remove_node(cluster, second)
+            removed = time.monotonic()
+        finally:
+            for address in NODES:  # the node(s) removed come back: the replacement, and the cluster as it began
+                if address not in alive_nodes():
+                    add_node(cluster, address)
+        try:
+            result = future.result(timeout=120)
+            seconds = time.monotonic() - removed
+        finally:
+            if SPARE in alive_nodes():
+                remove_node(cluster, SPARE)
+    ranks = {r["rank"]: r for r in result["ranks"]}
+    assert result["restart"] == 1 and second not in {r["ray_node"] for r in ranks.values()}
+    assert ranks[2]["ray_node"] == ranks[3]["ray_node"] != ranks[0]["ray_node"]
+    assert {r["mean"] for r in ranks.values()} == {1.5}
+    print(f"node removed, a new one added: back in fn on it after {seconds:.2f} s")
+    nothing_left(on_cluster)
+
+
+@pytest.mark.timeout(180)
+def test_a_stall_on_the_second_node_is_named_with_node_and_rank(on_cluster: str, tmp_path: Path) -> None:
+    from levers9.errors import StallError
+
+    mark = tmp_path / "stalled"
+    with pytest.raises(StallError) as err:
+        gang_job(on_cluster).remote({"fn": "stall_on", "rank": 3, "mark": str(mark), "run": {"stall_timeout": 3}})
+    seconds = time.time() - float(mark.read_text())
+    text = str(err.value)
+    node1 = re.search(r"rank 3 on node 1 \((127\.0\.0\.[23])\): not in a collective .* at \S*nodefns\.py:\d+ in stall_on", text)
+    assert node1, text
+    for rank, node in ((0, 0), (1, 0), (2, 1)):
+        assert re.search(rf"rank {rank} on node {node} \(127\.0\.0\.[23]\): waiting", text), text
+    assert "stall_timeout=3" in text and "Rank 3 on node 1" in text  # its stack, named the same way
+    print(f"stall on node 1 named after {seconds:.2f} s (stall_timeout=3)")
+    assert seconds < 3 + 10
     nothing_left(on_cluster)
 
 

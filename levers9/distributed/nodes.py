@@ -17,6 +17,17 @@ Control store keys (all under the job's control store, hosted by node 0's Ray ta
     a<n>/stopped/<i>     node i's ranks of attempt n are gone  end          the job is over: agents exit
     a<n>/out/<i>/count   batches of node i's rank output       a<n>/out/<i>/<seq>  one batch (node 0 prints, deletes)
     lost/<i>             node 0 declared node i lost (its agent is cancelled without waiting)
+    replace/<i>          node 0 asks node 0's Ray task for a new agent for lost node i (value: the attempt it starts at)
+    gen/<i>              the generation of node i's agent (one more per replacement); an older agent exits
+    noreplace/<i>        no replacement came within the wait (value: why)
+    a<n>/quiet/<i>       node i's ranks' Quiet (stall_timeout=): how long nothing moved, whether one waits
+    a<n>/confirm         node 0 asks every node for a Quiet on fresh samples (value: the round)
+    a<n>/confirmed/<i>/<round>  node i's answer          a<n>/where   node 0 asks where every rank is
+    a<n>/where/<i>       node i's answer: its ranks' collectives and stacks, named by global rank and node
+
+A restart after a node was lost first waits for a replacement: node 0's Ray task (levers9/launch/ray_gang.py)
+starts a new agent in the lost node's placement-group bundle once Ray has placed that bundle on an alive
+node, and node 0 waits for it to join for at most the job's queue_timeout (REPLACE_WAIT_S when that is None).
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import contextlib
 import dataclasses
 import datetime
 import fcntl
+import logging
 import os
 import socket
 import struct
@@ -35,20 +47,24 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from levers9.context import GangContext, JobContext, current_job
-from levers9.distributed import detect, restarts
+from levers9.distributed import detect, restarts, stalls
 from levers9.distributed.rank_process import RankSpec, RankTarget
 from levers9.errors import (
     ConfigError,
+    FailureKind,
     NodeLost,
     RankCrashed,
     RankFailure,
     RunTimeout,
+    StallError,
 )
 from levers9.procs import start
 from levers9.procs.failure import Failure, raise_rank_exception, ship, unship
 from levers9.procs.outcome import Outcome, kind_of
 from levers9.procs.watch import Child, Watcher, exit_on_terminate
 from levers9.retries import RetryPolicy
+
+log = logging.getLogger("levers9.distributed")
 
 HEARTBEAT_EVERY_S = 0.5  # an agent bumps its counter this often
 LOST_AFTER_S = 5.0  # a counter that did not move for this long: the node is lost
@@ -58,6 +74,7 @@ ROOT_CAUSE_WINDOW_S = 0.15  # as on one node: an agent waits this long for an ea
 # node 0 waits longer: an agent's report of an earlier failure is on its way (its window, then node 0's poll)
 ACROSS_NODES_WINDOW_S = ROOT_CAUSE_WINDOW_S + 2 * POLL_EVERY_S + 0.15
 REPORT_LINES = 40
+ANSWER_WAIT_S = 10.0  # how long node 0 waits for the other nodes' fresh samples and stack reports
 SOCKET_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
@@ -151,6 +168,12 @@ def report_of(child: Child, rank: int, node: int, address: str) -> Report:
     return Report(rank, node, address, child.pid, child.exitcode, child.signal, child.failure, tuple(child.tail), when)
 
 
+def where_on_node(board: stalls.BoardFolder, ranks: list[Child], first: int, node: int, address: str) -> str:
+    """Where each live rank of this node is (collective, stack), each named by its global rank and its node."""
+    live = {i: p.pid for i, p in enumerate(ranks) if p.status is None}
+    return stalls.where_ranks_are(board, live, [f"rank {first + i} on node {node} ({address})" for i in range(len(ranks))])
+
+
 def root_of(reports: list[Report]) -> Report:
     """The first failure in time; errors caused only by losing a peer come last."""
     return min(reports, key=lambda r: (r.peer_loss, r.wall))
@@ -169,9 +192,15 @@ class GangRun:
     env: dict[str, str]  # quirk defaults etc. from node 0's plan, for every rank (socket names excluded)
     method: start.StartMethod
     timeout: float | None
+    stall_timeout: float | None
     stop_grace: float
     make_group: bool
     prefix_output: bool
+
+    @property
+    def diagnostics(self) -> bool:
+        """Each node's ranks get a board folder (stall detection, where they are when stopped)."""
+        return self.timeout is not None or self.stall_timeout is not None
 
 
 def run_across_nodes(run: GangRun, policy: RetryPolicy, gang: GangContext) -> Any:
@@ -186,17 +215,12 @@ def run_across_nodes(run: GangRun, policy: RetryPolicy, gang: GangContext) -> An
         return restarts.run_attempts(policy, runner.attempt, ranks=gang.world_size, timeout=run.timeout, stall_timeout=None)
 
 
-def refuse_across_nodes(stall_timeout: float | None, nprocs: int | None, gang: GangContext) -> None:
-    """What a multi-node run does not take yet: ConfigError before anything starts."""
+def refuse_across_nodes(nprocs: int | None, gang: GangContext) -> None:
+    """What a multi-node run does not take: ConfigError before anything starts."""
     if nprocs is not None and nprocs != gang.world_size:
         raise ConfigError(
             f"nprocs={nprocs} but this job holds {gang.describe()} card(s), one rank per card. Expected nprocs unset "
             f"(or {gang.world_size}); ask @job(gpu_count=...) for the number of ranks you want."
-        )
-    if stall_timeout is not None:
-        raise ConfigError(
-            f"stall_timeout={stall_timeout:g} is not supported yet for a run across several nodes ({gang.describe()}). "
-            f"Expected it unset here; pass timeout= to bound the run, or ask for a gpu_count one node holds."
         )
 
 
@@ -245,16 +269,49 @@ class _NodeZero:
             if i not in self.lost and self.store.check([f"lost/{i}"]):
                 self.lost[i] = "an earlier distributed.run of this job lost it"
         if self.lost:
-            node, why = next(iter(self.lost.items()))
-            raise self._lost_error(node, why + "; nothing replaces a lost node in this version, so no restart can run")
+            self._replace_lost(n)
         return _Attempt(self, n, attempt_env).run_it()
 
-    def _lost_error(self, node: int, why: str) -> NodeLost:
+    def _replace_lost(self, n: int) -> None:
+        """Before attempt n: a new agent for every lost node, placed by Ray on an alive node; NodeLost naming the
+        lost node when none joined within the wait (the job's queue_timeout)."""
+        within = self.gang.replace_within
+        waiting = sorted(self.lost)
+        for i in waiting:
+            for key in (f"ready/{i}", f"noreplace/{i}"):
+                self.store.delete_key(key)
+            self.store.set(f"replace/{i}", str(n))
+        log.warning("distributed.run across %s: waiting up to %g s for a node to replace %s",
+                    self.gang.describe(), within, "; ".join(self._name(i) for i in waiting))  # fmt: skip
+        deadline = time.monotonic() + within + ANSWER_WAIT_S  # node 0's Ray task posts noreplace/<i> at `within`
+        while waiting:
+            for i in list(waiting):
+                if self.store.check([f"ready/{i}"]):
+                    address = self.store.get(f"ready/{i}").decode()
+                    old = self._name(i)
+                    self._moved(i, address)
+                    self.store.delete_key(f"lost/{i}")
+                    del self.lost[i]
+                    waiting.remove(i)
+                    log.warning("distributed.run: %s is replaced by %s", old, self._name(i))
+                elif self.store.check([f"noreplace/{i}"]) or time.monotonic() >= deadline:
+                    why = self.store.get(f"noreplace/{i}").decode() if self.store.check([f"noreplace/{i}"]) else ""
+                    raise self._lost_error(i, f"{self.lost[i]}; no node replaced it within {within:g} s (the job's "
+                                              f"queue_timeout){': ' + why if why else ''}", FailureKind.QUEUE)  # fmt: skip
+            time.sleep(POLL_EVERY_S)
+
+    def _moved(self, node: int, address: str) -> None:
+        """Node `node`'s agent now runs on `address`: the gang (and the job context the ranks get) say so."""
+        addresses = tuple(address if i == node else a for i, a in enumerate(self.gang.addresses))
+        self.gang = dataclasses.replace(self.gang, addresses=addresses)
+        self.job = dataclasses.replace(self.job, gang=self.gang)
+
+    def _lost_error(self, node: int, why: str, kind: FailureKind = FailureKind.LOST) -> NodeLost:
         return NodeLost(
             f"distributed.run across {self.gang.describe()}: lost {self._name(node)}: {why}. Every rank on the other "
             f"node(s) was stopped. Expected every node to answer levers9's heartbeat (every {HEARTBEAT_EVERY_S:g} s); "
             f"check that node (`ray status`, its kernel log for the OOM killer), then run again.",
-            self.gang.addresses[node], self._ranks_of(node),
+            self.gang.addresses[node], self._ranks_of(node), kind,
         )
 
 
@@ -283,6 +340,9 @@ class _Attempt:
         self.started = time.monotonic()
         self.beats: dict[int, tuple[int, float]] = {}  # node -> (last counter, when it last moved)
         self.printed: dict[int, int] = {}  # node -> the last batch of its output printed here
+        self.board: stalls.BoardFolder | None = None  # node 0's ranks' board (timeout= or stall_timeout= asked)
+        self.quiets: dict[int, stalls.Quiet] = {}  # node -> its ranks' last Quiet (stall_timeout=)
+        self.rounds = 0  # stall confirmations asked of every node
 
     def _forward(self, child: Child, stream: str, line: str) -> None:
         prefix = f"[{child.name}] " if self.zero.run.prefix_output and child is not self.ranks[0] else ""
@@ -293,23 +353,30 @@ class _Attempt:
     def run_it(self) -> Any:
         run, gang = self.zero.run, self.gang
         address = gang.addresses[0]
-        with contextlib.ExitStack() as cleanup:
+        with contextlib.ExitStack() as cleanup:  # unwound last to first: ranks stopped, store, pipes, board
+            if run.diagnostics:
+                self.board = stalls.BoardFolder(gang.shares[0])
+                cleanup.callback(self.board.remove)
             cleanup.callback(self.watcher.close)
             port = cleanup.enter_context(hosted_rank_store(address))
             cleanup.callback(self.watcher.stop, run.stop_grace)
             run_id = f"{detect.LEVERS9_RUN_ID_PREFIX}{os.getpid()}-{port}"
             sockets = socket_env(address, dict(os.environ))
             for local in range(gang.shares[0]):
-                spec = RankSpec(local, gang.world_size, run.backend, None, self.zero.job, make_group=run.make_group)
+                spec = RankSpec(local, gang.world_size, run.backend, None if self.board is None else str(self.board.path),
+                                self.zero.job, make_group=run.make_group)  # fmt: skip
                 target = RankTarget(spec, run.call if run.method.forks else run.shipped)
                 env = {**run.env, **sockets,
                        **node_rank_env(local, local, gang.world_size, gang, 0, (address, port), run_id, self.attempt_env)}  # fmt: skip
                 child = start.start(target, method=run.method, shipped=None if run.method.forks else ship(target),
                                     env=env, name=f"rank {local}")  # fmt: skip
                 self.ranks.append(self.watcher.add(child))
+            if self.board is not None:
+                self.board.write_pids(os.getpid(), [p.pid for p in self.ranks])
             request = {"call": run.shipped, "backend": run.backend, "env": run.env, "master": (address, port),
                        "run_id": run_id, "attempt_env": self.attempt_env, "make_group": run.make_group,
-                       "stop_grace": run.stop_grace, "prefix_output": run.prefix_output}  # fmt: skip
+                       "stop_grace": run.stop_grace, "prefix_output": run.prefix_output, "forks": run.method.forks,
+                       "diagnostics": run.diagnostics, "stall_timeout": run.stall_timeout}  # fmt: skip
             self.store.set(f"a{self.n}/start", ship(request))
             try:
                 return self._watch()
@@ -324,6 +391,8 @@ class _Attempt:
             if i not in self.done and self.store.check([f"a{self.n}/done/{i}"]):
                 self.done.add(i)
             self._print_output_of(i)  # after the flags: a node posts its output before them
+            if self.zero.run.stall_timeout is not None and self.store.check([f"a{self.n}/quiet/{i}"]):
+                self.quiets[i] = unship(self.store.get(f"a{self.n}/quiet/{i}"))
             count = int(self.store.add(f"hb/{i}", 0))
             last = self.beats.get(i)
             if last is None or last[0] != count:
@@ -383,13 +452,61 @@ class _Attempt:
                 self.watcher.drain()
                 rank0 = self.ranks[0].result
                 return None if rank0 is None else unship(rank0)
+            if self._stalled(now):
+                stall_timeout = self.zero.run.stall_timeout
+                assert stall_timeout is not None
+                where = self._where()
+                self._stop_everywhere()
+                raise StallError(f"{stalls.stall_text(stall_timeout)}\nWhere each rank was, on every node:\n{where}")
             if deadline is not None and now >= deadline:
+                where = self._where()
                 self._stop_everywhere()
                 raise RunTimeout(
                     f"distributed.run timed out: still running after {timeout:g} s (timeout={timeout:g}) across "
                     f"{self.gang.describe()}; every rank on every node was stopped. Expected the run to finish "
-                    f"within the timeout; pass a larger timeout=, or None for no limit."
+                    f"within the timeout; pass a larger timeout=, or None for no limit. Where each rank was:\n{where}"
                 )
+
+    def _stalled(self, now: float) -> bool:
+        """True once every node's ranks were quiet for stall_timeout s while one waited, confirmed on fresh samples
+        from every node (a node that does not answer is left to the heartbeat)."""
+        stall_timeout = self.zero.run.stall_timeout
+        if stall_timeout is None or self.board is None or len(self.quiets) < len(self.zero.agents):
+            return False
+        if not stalls.stall_of([stalls.quiet_now(self.board, now), *self.quiets.values()], stall_timeout):
+            return False
+        self.rounds += 1
+        self.store.set(f"a{self.n}/confirm", str(self.rounds))
+        mine = stalls.quiet_confirmed(self.board)
+        theirs = self._answers(lambda i: f"a{self.n}/confirmed/{i}/{self.rounds}")
+        if len(theirs) < len(self.zero.agents):
+            return False
+        return stalls.stall_of([mine, *(unship(answer) for answer in theirs.values())], stall_timeout)
+
+    def _where(self) -> str:
+        """Before a stall or timeout stops them: where every live rank on every node is (asked of all at once)."""
+        if self.board is None:
+            return "  (no report: the ranks were started without a board folder)"
+        with contextlib.suppress(Exception):
+            self.store.set(f"a{self.n}/where", "1")
+        texts = [where_on_node(self.board, self.ranks, 0, 0, self.gang.addresses[0])]
+        answers = self._answers(lambda i: f"a{self.n}/where/{i}")
+        for i in self.zero.agents:
+            texts.append(answers[i].decode() if i in answers else f"  {self.zero._name(i)}: did not answer")
+        return "\n\n".join(texts)
+
+    def _answers(self, key_of: Callable[[int], str]) -> dict[int, bytes]:
+        """Each other node's value at key_of(node), waited for up to ANSWER_WAIT_S; the nodes that did not answer are left out."""
+        answers: dict[int, bytes] = {}
+        deadline = time.monotonic() + ANSWER_WAIT_S
+        while True:
+            for i in self.zero.agents:
+                with contextlib.suppress(Exception):
+                    if i not in answers and self.store.check([key_of(i)]):
+                        answers[i] = self.store.get(key_of(i))
+            if len(answers) == len(self.zero.agents) or time.monotonic() >= deadline:
+                return answers
+            self.watcher.pump(0.05)
 
     def _reports(self) -> list[Report]:
         local = [report_of(p, i, 0, self.gang.addresses[0]) for i, p in enumerate(self.ranks) if p.failed]
@@ -476,19 +593,22 @@ class _Heartbeat:
         self.thread.join(5)
 
 
-def serve(gang: GangContext, address: str, job: JobContext, base_env: dict[str, str]) -> None:
+def serve(gang: GangContext, address: str, job: JobContext, base_env: dict[str, str], generation: int = 1,
+          first_attempt: int = 0) -> None:  # fmt: skip
     """Node `gang.node_index`'s agent: join, then run each attempt's share of ranks until the job ends.
 
-    `base_env` is what every rank of this node gets under the request's variables (its cards, the job's env=)."""
+    `base_env` is what every rank of this node gets under the request's variables (its cards, the job's env=).
+    A replacement agent starts at attempt `first_attempt`; an agent whose `generation` is no longer the node's
+    newest (it was replaced) exits instead of starting another attempt."""
     node = gang.node_index
     store = control_client(gang.control_addr, gang.control_port)
     beat = _Heartbeat(gang.control_addr, gang.control_port, node)
     try:
         store.set(f"ready/{node}", address)
-        n = 0
+        n = first_attempt
         while True:
             while not store.check([f"a{n}/start"]):
-                if beat.gone.is_set() or store.check(["end"]):
+                if beat.gone.is_set() or store.check(["end"]) or int(store.add(f"gen/{node}", 0)) != generation:
                     return
                 time.sleep(0.05)
             request = unship(store.get(f"a{n}/start"))
@@ -505,17 +625,20 @@ def _serve_attempt(store: Any, beat: _Heartbeat, n: int, request: dict[str, Any]
                    job: JobContext, base_env: dict[str, str]) -> None:  # fmt: skip
     """Start this node's share of attempt n, supervise it, post its first failure or its end, stop on request."""
     node = gang.node_index
-    method = start.choose()
+    method = start.choose(None if request.get("forks", True) else "spawn")  # node 0 said whether ranks may fork
     call = unship(request["call"]) if method.forks else request["call"]
     out = _OutputSender(store, n, node, bool(request.get("prefix_output", True)))
     watcher = Watcher(out.add)
     ranks: list[Child] = []
     first = gang.first_rank(node)
     user_env = {**os.environ, **base_env}
+    board = stalls.BoardFolder(gang.shares[node]) if request.get("diagnostics") else None
+    answers = _Answers(store, n, node, board, request.get("stall_timeout"))
     try:
         for local in range(gang.shares[node]):
             rank = first + local
-            spec = RankSpec(rank, gang.world_size, request["backend"], None, job, make_group=request["make_group"])
+            spec = RankSpec(rank, gang.world_size, request["backend"], None if board is None else str(board.path), job,
+                            make_group=request["make_group"], board_slot=local)  # fmt: skip
             target = RankTarget(spec, call)
             env = {**base_env, **request["env"], **socket_env(address, user_env),
                    **node_rank_env(rank, local, gang.world_size, gang, node, tuple(request["master"]), request["run_id"],
@@ -523,6 +646,8 @@ def _serve_attempt(store: Any, beat: _Heartbeat, n: int, request: dict[str, Any]
             child = start.start(target, method=method, shipped=None if method.forks else ship(target), env=env,
                                 name=f"rank {rank}")  # fmt: skip
             ranks.append(watcher.add(child))
+        if board is not None:
+            board.write_pids(os.getpid(), [p.pid for p in ranks])
         failed_at: float | None = None
         next_poll = 0.0
         while True:
@@ -544,10 +669,36 @@ def _serve_attempt(store: Any, beat: _Heartbeat, n: int, request: dict[str, Any]
             if now >= next_poll:
                 next_poll = now + POLL_EVERY_S
                 out.send()
+                answers.post(now, lambda: where_on_node(board, ranks, first, node, address) if board else "")
                 if beat.gone.is_set() or store.check([f"a{n}/stop"]) or store.check(["end"]):
                     return
     finally:
         watcher.stop(float(request["stop_grace"]))
         watcher.close()
+        if board is not None:
+            board.remove()
         with contextlib.suppress(Exception):
             store.set(f"a{n}/stopped/{node}", "1")
+
+
+class _Answers:
+    """What an agent posts about its ranks for node 0 while an attempt runs: its Quiet every poll (stall_timeout=),
+    a Quiet on fresh samples for each confirmation round, and where its ranks are when asked once."""
+
+    def __init__(self, store: Any, attempt: int, node: int, board: stalls.BoardFolder | None, stall_timeout: float | None) -> None:
+        self.store, self.key, self.node, self.board, self.stall_timeout = store, f"a{attempt}", node, board, stall_timeout
+        self.rounds = 0
+        self.told_where = False
+
+    def post(self, now: float, where: Callable[[], str]) -> None:
+        if self.board is None:
+            return
+        if self.stall_timeout is not None:
+            self.store.set(f"{self.key}/quiet/{self.node}", ship(stalls.quiet_now(self.board, now)))
+            asked = int(self.store.get(f"{self.key}/confirm")) if self.store.check([f"{self.key}/confirm"]) else 0
+            if asked > self.rounds:
+                self.rounds = asked
+                self.store.set(f"{self.key}/confirmed/{self.node}/{asked}", ship(stalls.quiet_confirmed(self.board)))
+        if not self.told_where and self.store.check([f"{self.key}/where"]):
+            self.told_where = True
+            self.store.set(f"{self.key}/where/{self.node}", where())

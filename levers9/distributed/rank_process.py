@@ -32,6 +32,7 @@ class RankSpec:
     job: JobContext | None  # the job that called distributed.run, if any
     make_group: bool = True  # join the process group before fn (False: fn makes its own, as under torchrun)
     pass_rank: bool = False  # call fn(rank) (distributed.spawn), not fn()
+    board_slot: int | None = None  # its slot on the board folder's board (a node's local rank across nodes); None: rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,8 @@ def rank_main(spec: RankSpec, call: Callable[..., Any]) -> bytes | None:
 
     # the parent applied the quirks for every rank, before starting any (their variables are in its environment)
     runtime.begin(Runtime(job=spec.job, quirks=QuirkPlan(), cpu_only=spec.backend == "gloo"))
-    slot = None if spec.board_folder is None else stalls.watch_this_rank(spec.board_folder, spec.rank)
+    board_slot = spec.rank if spec.board_slot is None else spec.board_slot
+    slot = None if spec.board_folder is None else stalls.watch_this_rank(spec.board_folder, board_slot)
     with group.joined(spec.backend, slot) if spec.make_group else contextlib.nullcontext():
         result = call(spec.rank) if spec.pass_rank else call()
         return ship_value(to_cpu(result), "rank 0's return value") if spec.rank == 0 else None

@@ -170,6 +170,9 @@ def final_error(exc: Exception, attempts: list[FailedAttempt], policy: RetryPoli
 def _why_not(kind: FailureKind | None, policy: RetryPolicy) -> str:
     if kind is None:
         return "the failure came before any rank ran fn, and a restart cannot cure it."
+    if kind is FailureKind.QUEUE:
+        return ("no node came to replace a lost one within queue_timeout=, and a restart would wait for one again. "
+                "Add a node to the cluster, or pass a larger @job(queue_timeout=).")
     name = word(kind)
     reason = {
         "exception": "an exception raised by the user's code is usually raised again at the same step",

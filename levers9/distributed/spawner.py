@@ -220,22 +220,35 @@ def _run_in_place(call: Callable[[], Any], layout: Layout, options: RunOptions) 
         return call()
 
 
+def _start_method(options: RunOptions, backend: str) -> start.StartMethod:
+    """How the ranks start: start_method= (or fork where safe), but fresh interpreters where stall_timeout= needs
+    a flight recorder that forked ranks could not have."""
+    method = start.choose(options.start_method)
+    if options.stall_timeout is None or not method.forks or not flight_recorder.forked_ranks_cannot_record(backend):
+        return method
+    if options.start_method == "fork":
+        raise ConfigError(
+            "stall_timeout= with start_method='fork' on torch before 2.11: forked ranks inherit this process's "
+            "flight recorder, which has no buffer for gloo unless TORCH_FR_BUFFER_SIZE was set before its first "
+            "process group, and would see no collective. Expected ranks that can record; drop start_method= "
+            "(fresh interpreters are then used), or export TORCH_FR_BUFFER_SIZE=2000 before Python starts."
+        )
+    return start.StartMethod("spawn", "on torch < 2.11 forked ranks could inherit a flight recorder without a "
+                             "buffer (TORCH_FR_BUFFER_SIZE unset), and stall_timeout= needs one that records")  # fmt: skip
+
+
+def _ranks_env_with_diagnostics(layout: Layout, options: RunOptions) -> dict[str, str]:
+    """Every rank's variables: the quirks' defaults, and a recording flight recorder when timeout= or stall_timeout=
+    asks for reports (they read it)."""
+    diagnostics = options.timeout is not None or options.stall_timeout is not None
+    return {**_ranks_env(layout, options.disable_quirks), **(flight_recorder.env_for_ranks() if diagnostics else {})}
+
+
 def _run_spawned(fn: Callable[..., Any], cfg: Any, call: Callable[..., Any], layout: Layout, options: RunOptions,
                  policy: RetryPolicy) -> Any:  # fmt: skip
     """One process per rank, started here (again after each failure the policy restarts); rank 0's value."""
-    method = start.choose(options.start_method)
-    if options.stall_timeout is not None and method.forks and flight_recorder.forked_ranks_cannot_record(layout.backend):
-        if options.start_method == "fork":
-            raise ConfigError(
-                "stall_timeout= with start_method='fork' on torch before 2.11: forked ranks inherit this process's "
-                "flight recorder, which has no buffer for gloo unless TORCH_FR_BUFFER_SIZE was set before its first "
-                "process group, and would see no collective. Expected ranks that can record; drop start_method= "
-                "(fresh interpreters are then used), or export TORCH_FR_BUFFER_SIZE=2000 before Python starts."
-            )
-        method = start.StartMethod("spawn", "on torch < 2.11 forked ranks could inherit a flight recorder without a "
-                                   "buffer (TORCH_FR_BUFFER_SIZE unset), and stall_timeout= needs one that records")  # fmt: skip
-    diagnostics = options.timeout is not None or options.stall_timeout is not None  # their reports read the flight recorder
-    env = {**_ranks_env(layout, options.disable_quirks), **(flight_recorder.env_for_ranks() if diagnostics else {})}
+    method = _start_method(options, layout.backend)
+    env = _ranks_env_with_diagnostics(layout, options)
     ranks = SpawnedRanks(call, None if method.forks else _shipped(fn, cfg, call, method), layout, env, method,
                          options.timeout, options.stall_timeout, options.prefix, options.stop_grace,
                          make_group=options.init_group)  # fmt: skip
@@ -249,11 +262,13 @@ def _run_across_nodes(fn: Callable[..., Any], cfg: Any, call: Callable[..., Any]
 
     gang = job.gang
     assert gang is not None
-    nodes.refuse_across_nodes(options.stall_timeout, options.nprocs, gang)
-    method = start.choose(options.start_method)
-    env = {k: v for k, v in _ranks_env(layout, options.disable_quirks).items() if k not in nodes.SOCKET_VARS}
+    nodes.refuse_across_nodes(options.nprocs, gang)
+    if options.stall_timeout is not None:
+        flight_recorder.require(layout.backend)
+    method = _start_method(options, layout.backend)
+    env = {k: v for k, v in _ranks_env_with_diagnostics(layout, options).items() if k not in nodes.SOCKET_VARS}
     run = nodes.GangRun(call, _shipped(fn, cfg, call, method), layout.backend, env, method, options.timeout,
-                        options.stop_grace, options.init_group, options.prefix)  # fmt: skip
+                        options.stall_timeout, options.stop_grace, options.init_group, options.prefix)  # fmt: skip
     return nodes.run_across_nodes(run, policy, gang)
 
 
@@ -494,7 +509,8 @@ class _Spawn:
         if stopped_for is StopReason.TIMEOUT:
             self._raise_stopped(RunTimeout, self._timeout_text(outcomes))
         if stopped_for is StopReason.STALL:
-            self._raise_stopped(StallError, self._stall_text())
+            assert self.ranks.stall_timeout is not None
+            self._raise_stopped(StallError, stalls.stall_text(self.ranks.stall_timeout))
         if any(not o.succeeded for o in outcomes):
             self._raise_root_failure(outcomes)
         value = outcomes[0].value
@@ -544,16 +560,6 @@ class _Spawn:
             f"distributed.run timed out: still running after {timeout:g} s (timeout={timeout:g}); rank(s) {running} "
             f"had not finished and every rank was stopped. Expected the run to finish within the timeout; pass a "
             f"larger timeout=, or None for no limit. Where each rank was:"
-        )
-
-    def _stall_text(self) -> str:
-        stall_timeout = self.ranks.stall_timeout
-        return (
-            f"distributed.run stalled: for {stall_timeout:g} s (stall_timeout={stall_timeout:g}) no "
-            f"rank issued or completed a collective while at least one waited for one; every rank was stopped. "
-            f"The rank that is not waiting, or issued fewer collectives, is usually the cause: a skipped "
-            f"collective, uneven data, or a loader that hangs. Pass a larger stall_timeout= if a step "
-            f"legitimately takes longer."
         )
 
 

@@ -7,7 +7,9 @@ before. An uneven or impossible split is refused before anything starts, with a 
 node has. The cards are gang-allocated with one STRICT_SPREAD placement group (`reserve`), waited
 for at most queue_timeout. The job's own Ray task runs in bundle 0 and hosts the job's control store
 (`host`); it starts one agent task in every other bundle (`_agent`), which runs
-levers9.distributed.nodes.serve. `distributed.run` inside the job does the rest (see nodes.py).
+levers9.distributed.nodes.serve. `distributed.run` inside the job does the rest (see nodes.py). When a node
+is lost and the run restarts, a new agent is started in that node's bundle, which Ray places on another
+node once it knows the first is dead, within the job's queue_timeout (`_Agents`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
 
 PG_POLL_S = 0.2  # how often a waiting placement group is checked against the deadline and cancellation
 AGENT_EXIT_WAIT_S = 5.0  # after the job, how long the agents get to stop their ranks before they are cancelled
+REPLACE_WAIT_S = 120.0  # how long a restart waits for a node to replace a lost one when the job has no queue_timeout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,41 +206,110 @@ def bundle_addresses(pg: Any) -> tuple[str, ...]:
 @contextlib.contextmanager
 def host(payload: dict[str, Any], address: str, stop_grace: float) -> Iterator[GangContext]:
     """Host the job's control store on this node's address and start the agents of nodes 1..k-1; yields the
-    GangContext the job process gets. At the end the agents are told the job is over, then cancelled."""
-    import ray
+    GangContext the job process gets. While the job runs, a lost node's agent is replaced when the job process
+    asks (`_Agents.replace`). At the end the agents are told the job is over, then cancelled."""
     import torch.distributed as td
 
     gang: dict[str, Any] = payload["gang"]
-    pg, share, k = gang["pg"], int(gang["share"]), int(gang["nodes"])
+    spec: JobSpec = payload["spec"]
+    k = int(gang["nodes"])
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
         listener.bind((address, 0))
         listener.listen(128)
         port = listener.getsockname()[1]
         store = td.TCPStore(address, port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False,
                             master_listen_fd=os.dup(listener.fileno()))  # fmt: skip
-    placed = bundle_addresses(pg)
-    context = GangContext(address, port, (address, *placed[1:]), (share,) * k, 0)
-    refs = []
+    placed = bundle_addresses(gang["pg"])
+    within = REPLACE_WAIT_S if spec.queue_timeout is None else spec.queue_timeout
+    context = GangContext(address, port, (address, *placed[1:]), (int(gang["share"]),) * k, 0, within)
+    agents = _Agents(payload, context)
     try:
         for i in range(1, k):
-            opts = {"num_gpus": share, "num_cpus": 0, "max_retries": 0, "retry_exceptions": False, "name": "levers9-agent",
-                    "resources": {resource_name(gang["gpu_type"]): float(share)} if gang["gpu_type"] else {}, **in_bundle(pg, i)}  # fmt: skip
-            agent_payload = {**payload, "gang": None, "gang_context": dataclasses.replace(context, node_index=i)}
-            refs.append(_agent_task.options(**opts).remote(agent_payload))
+            agents.launch(i, first_attempt=0)
+        agents.start_replacing()
         yield context
     finally:
+        agents.stop_replacing()
         with contextlib.suppress(Exception):
             store.set("end", "1")
-        lost = [ref for i, ref in enumerate(refs, 1) if _declared_lost(store, i)]
-        waiting = [ref for ref in refs if ref not in lost]
+        agents.wait_then_cancel(stop_grace + AGENT_EXIT_WAIT_S)
+        del store
+
+
+class _Agents:
+    """The agent tasks of nodes 1..k-1, one per placement-group bundle; launched again in its bundle when the job
+    process asks for a replacement of a lost node (`replace/<i>`), for at most the gang's replace_within s."""
+
+    def __init__(self, payload: dict[str, Any], context: GangContext) -> None:
+        from levers9.distributed.nodes import control_client
+
+        self.payload, self.context = payload, context
+        self.store = control_client(context.control_addr, context.control_port)  # this object's own client
+        self.refs: dict[int, Any] = {}  # node -> its current agent task
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve_replacements, name="levers9-replacements", daemon=True)
+
+    def launch(self, node: int, first_attempt: int) -> None:
+        """A new agent for `node` in its bundle, one generation newer than any before it (an older one exits)."""
+        gang = self.payload["gang"]
+        share = int(gang["share"])
+        generation = int(self.store.add(f"gen/{node}", 1))
+        opts = {"num_gpus": share, "num_cpus": 0, "max_retries": 0, "retry_exceptions": False, "name": "levers9-agent",
+                "resources": {resource_name(gang["gpu_type"]): float(share)} if gang["gpu_type"] else {},
+                **in_bundle(gang["pg"], node)}  # fmt: skip
+        agent_payload = {**self.payload, "gang": None, "gang_context": dataclasses.replace(self.context, node_index=node),
+                         "generation": generation, "first_attempt": first_attempt}  # fmt: skip
+        self.refs[node] = _agent_task.options(**opts).remote(agent_payload)
+
+    def start_replacing(self) -> None:
+        self.thread.start()
+
+    def stop_replacing(self) -> None:
+        self.stopping.set()
+        if self.thread.is_alive():
+            self.thread.join(10)
+
+    def _serve_replacements(self) -> None:
+        """Answer each replace/<i>: cancel the lost agent, launch one in its bundle (again if that one ends before it
+        joins: Ray re-places a bundle of a dead node on another node, once it knows the node is dead), and post
+        noreplace/<i> when none joined within replace_within s."""
+        import ray
+
+        pending: dict[int, tuple[int, float]] = {}  # node -> (attempt the new agent starts at, deadline)
+        while not self.stopping.wait(PG_POLL_S):
+            try:
+                for i in range(1, len(self.context.shares)):
+                    if i not in pending and self.store.check([f"replace/{i}"]):
+                        first_attempt = int(self.store.get(f"replace/{i}"))
+                        self.store.delete_key(f"replace/{i}")
+                        with contextlib.suppress(Exception):
+                            ray.cancel(self.refs[i], force=True)
+                        pending[i] = (first_attempt, time.monotonic() + self.context.replace_within)
+                        self.launch(i, first_attempt)
+                for i, (first_attempt, deadline) in list(pending.items()):
+                    if self.store.check([f"ready/{i}"]):
+                        del pending[i]
+                    elif time.monotonic() >= deadline:
+                        with contextlib.suppress(Exception):
+                            ray.cancel(self.refs[i], force=True)
+                        self.store.set(f"noreplace/{i}", "Ray placed no agent of levers9 on an alive node with the cards free")
+                        del pending[i]
+                    elif ray.wait([self.refs[i]], timeout=0)[0]:  # it ended before joining: its node died too
+                        self.launch(i, first_attempt)
+            except Exception:  # the control store is gone: the job is over
+                return
+
+    def wait_then_cancel(self, within: float) -> None:
+        """Give the agents that are not declared lost `within` s to end, then cancel every one."""
+        import ray
+
+        waiting = [ref for i, ref in self.refs.items() if not _declared_lost(self.store, i)]
         if waiting:
             with contextlib.suppress(Exception):
-                ray.wait(waiting, num_returns=len(waiting), timeout=stop_grace + AGENT_EXIT_WAIT_S)
-        if refs:
-            for ref in refs:
-                with contextlib.suppress(Exception):
-                    ray.cancel(ref, force=True)
-        del store
+                ray.wait(waiting, num_returns=len(waiting), timeout=within)
+        for ref in self.refs.values():
+            with contextlib.suppress(Exception):
+                ray.cancel(ref, force=True)
 
 
 def _declared_lost(store: Any, node: int) -> bool:
@@ -272,7 +345,8 @@ def _agent(payload: dict[str, Any]) -> None:
         context = JobContext(run_id=payload["run_id"], cell_index=index, attempt=attempt, job_dir=str(job_dir),
                              gpu_count=len(ids), gpu_type=gpu_type, simulated=simulated, stall_timeout=spec.stall_timeout,
                              max_restarts=spec.max_restarts, gang=gang)  # fmt: skip
-        nodes.serve(gang, ray.util.get_node_ip_address(), context, env)
+        nodes.serve(gang, ray.util.get_node_ip_address(), context, env, generation=int(payload["generation"]),
+                    first_attempt=int(payload["first_attempt"]))  # fmt: skip
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
 

@@ -13,11 +13,20 @@ The three functions below are what `distributed.run`'s parent and ranks call.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from levers9.distributed.stalls.board import BoardFolder, RankSlot
 from levers9.distributed.stalls.lookup import find_board, live_boards, report_for_board
-from levers9.distributed.stalls.report import collect_stacks, describe_ranks, enable_stack_dumps, stalled
+from levers9.distributed.stalls.report import (
+    collect_stacks,
+    describe_ranks,
+    enable_stack_dumps,
+    last_move,
+    stall_text,
+    stalled,
+    waiting,
+)
 from levers9.distributed.stalls.sampler import start_recorder_sampler
 
 __all__ = [
@@ -25,12 +34,17 @@ __all__ = [
     "RankSlot",
     "watch_this_rank",
     "stalled_now",
+    "Quiet",
+    "quiet_now",
+    "quiet_confirmed",
+    "stall_of",
     "where_ranks_are",
     "enable_stack_dumps",
     "start_recorder_sampler",
     "collect_stacks",
     "describe_ranks",
     "stalled",
+    "stall_text",
     "find_board",
     "live_boards",
     "report_for_board",
@@ -50,15 +64,38 @@ def watch_this_rank(folder: str, rank: int) -> RankSlot:
 def stalled_now(folder: BoardFolder, stall_timeout: float, now: float) -> bool:
     """In the parent: True once the ranks' slots show a stall of `stall_timeout` s (asking for recorder
     samples while the ranks are quiet), confirmed on a fresh sample from every rank."""
-    states = folder.states()
-    folder.sample_when_quiet(states, now)
-    if not stalled(states, stall_timeout, now):
-        return False
     # Confirmed on fresh samples only: on a loaded machine a sample can be answered late, and a count read
     # before the collective completed must not stand for a wait that has since ended.
-    return stalled(folder.fresh_states(list(range(folder.nprocs))), stall_timeout, time.monotonic())
+    return stall_of([quiet_now(folder, now)], stall_timeout) and stall_of([quiet_confirmed(folder)], stall_timeout)
 
 
-def where_ranks_are(folder: BoardFolder, live: dict[int, int]) -> str:
-    """In the parent: where each live rank (rank -> pid) is, from fresh slots and its stack dump."""
-    return describe_ranks(folder.fresh_states(list(live)), collect_stacks(live, folder.path), time.monotonic())
+@dataclasses.dataclass(frozen=True)
+class Quiet:
+    """How long a board's ranks have not issued or completed a collective, and whether one of them waits for one."""
+
+    seconds: float
+    waiting: bool
+
+
+def quiet_now(folder: BoardFolder, now: float) -> Quiet:
+    """The board as last written (asking for recorder samples, at most once a second, while the ranks are quiet)."""
+    states = folder.states()
+    folder.sample_when_quiet(states, now)
+    return Quiet(now - last_move(states), waiting(states))
+
+
+def quiet_confirmed(folder: BoardFolder) -> Quiet:
+    """The board after a fresh recorder sample from every rank (a few seconds at most)."""
+    fresh = folder.fresh_states(list(range(folder.nprocs)))
+    return Quiet(time.monotonic() - last_move(fresh), waiting(fresh))
+
+
+def stall_of(quiets: list[Quiet], stall_timeout: float) -> bool:
+    """A stall: every board (one per node) quiet for `stall_timeout` s, and a rank on one of them waiting."""
+    return min(q.seconds for q in quiets) >= stall_timeout and any(q.waiting for q in quiets)
+
+
+def where_ranks_are(folder: BoardFolder, live: dict[int, int], names: list[str] | None = None) -> str:
+    """In the parent: where each live rank (its slot on the board -> pid) is, from fresh slots and its stack
+    dump; `names` labels each slot ('rank 2 on node 1 (10.0.0.3)'; default 'rank <slot>')."""
+    return describe_ranks(folder.fresh_states(list(live)), collect_stacks(live, folder.path), time.monotonic(), names)

@@ -125,28 +125,30 @@ def _text_since(path: Path, offset: int) -> str:
         return ""
 
 
-def describe_ranks(states: list[SlotState], dumps: dict[int, str], now: float) -> str:
-    """One line per rank (waiting in which collective for how long, or where it is), then every rank's stack."""
+def describe_ranks(states: list[SlotState], dumps: dict[int, str], now: float, names: list[str] | None = None) -> str:
+    """One line per rank (waiting in which collective for how long, or where it is), then every rank's stack;
+    `names` says what to call each slot's rank (default 'rank <slot>')."""
+    names = names or [f"rank {slot}" for slot in range(len(states))]
     lines = []
     for rank, state in enumerate(states):
         where = user_frame(main_thread_frames(dumps.get(rank, "")))
         at = f" at {where}" if where else " (no stack: the rank did not answer)"
         counts = _counts(state)
         if state.in_collective:
-            lines.append(f"  rank {rank}: waiting in {state.name} for {now - state.entered_at:.1f} s ({counts}){at}")
+            lines.append(f"  {names[rank]}: waiting in {state.name} for {now - state.entered_at:.1f} s ({counts}){at}")
         elif state.waiting_for_issued:
             collective = state.pending or "a collective it issued"
             lines.append(
-                f"  rank {rank}: waiting for {collective} to complete, for {now - state.recorder_changed_at:.1f} s "
+                f"  {names[rank]}: waiting for {collective} to complete, for {now - state.recorder_changed_at:.1f} s "
                 f"({counts}){at}"
             )
         else:
-            lines.append(f"  rank {rank}: not in a collective ({counts}){at}")
+            lines.append(f"  {names[rank]}: not in a collective ({counts}){at}")
     stacks = []
     for rank in range(len(states)):
         frames = main_thread_frames(dumps.get(rank, ""))
         if frames:
-            stacks.append(f"Rank {rank} (most recent call first):\n" + "\n".join(f"  {f}" for f in frames))
+            stacks.append(f"{names[rank][0].upper()}{names[rank][1:]} (most recent call first):\n" + "\n".join(f"  {f}" for f in frames))
     return "\n".join(lines) + ("\n\n" + "\n\n".join(stacks) if stacks else "")
 
 
@@ -164,7 +166,25 @@ def stalled(states: list[SlotState], stall_timeout: float, now: float) -> bool:
     blocking calls and NCCL's enqueued work alike, so the rank ahead may wait further on, e.g. in
     `.item()`), or inside levers9's own wait for the group to form.
     """
-    last_move = max(max(s.entered_at, s.last_finished_at, s.recorder_changed_at) for s in states)
-    if now - last_move < stall_timeout:
-        return False
+    return now - last_move(states) >= stall_timeout and waiting(states)
+
+
+def last_move(states: list[SlotState]) -> float:
+    """When any of these ranks last entered or left a collective, or its recorder's counts last changed."""
+    return max(max(s.entered_at, s.last_finished_at, s.recorder_changed_at) for s in states)
+
+
+def waiting(states: list[SlotState]) -> bool:
+    """Whether one of these ranks is inside a collective or holds one it issued that has not completed."""
     return any(s.in_collective or s.waiting_for_issued for s in states)
+
+
+def stall_text(stall_timeout: float) -> str:
+    """The headline of a StallError: what was seen, the usual cause, the fix."""
+    return (
+        f"distributed.run stalled: for {stall_timeout:g} s (stall_timeout={stall_timeout:g}) no "
+        f"rank issued or completed a collective while at least one waited for one; every rank was stopped. "
+        f"The rank that is not waiting, or issued fewer collectives, is usually the cause: a skipped "
+        f"collective, uneven data, or a loader that hangs. Pass a larger stall_timeout= if a step "
+        f"legitimately takes longer."
+    )
