@@ -254,6 +254,19 @@ def test_stall_rule(states: list[board.SlotState], expected: bool) -> None:
     assert stalls.stalled(states, stall_timeout=5, now=4) is False  # something moved less than 5 s ago
 
 
+@pytest.mark.parametrize(
+    ("quiets", "expected"),
+    [
+        ([stalls.Quiet(6, False), stalls.Quiet(5, True)], True),  # every node quiet, a rank on node 1 waits
+        ([stalls.Quiet(6, False), stalls.Quiet(4, True)], False),  # node 1's ranks moved 4 s ago
+        ([stalls.Quiet(9, False), stalls.Quiet(9, False)], False),  # every rank computes: nobody waits
+        ([stalls.Quiet(5, True)], True),  # one node: the single-node rule
+    ],
+)
+def test_a_stall_across_nodes_needs_every_node_quiet_and_one_waiting(quiets: list[stalls.Quiet], expected: bool) -> None:
+    assert stalls.stall_of(quiets, stall_timeout=5) is expected
+
+
 SLOW_DUMPER = """
 import signal, sys, time
 path = sys.argv[1]
