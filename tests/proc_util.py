@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 import time
 
+# The first line of a script a test sends Ctrl-C to: Python turns SIGINT into KeyboardInterrupt only when the
+# process did not inherit it ignored, and a background shell's job or a pytest-xdist worker passes it on ignored.
+CTRL_C_HANDLER = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+
 
 def children_of(pid: int) -> list[int]:
     """Live (non-zombie) processes whose parent is `pid`."""

@@ -21,6 +21,7 @@ from levers9.launch import job
 from levers9.launch.leases import LeaseDir
 from levers9.launch.settings import lease_dir, runs_dir
 from tests import jobfns
+from tests.proc_util import CTRL_C_HANDLER
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -288,7 +289,7 @@ def _sigint_to_a_thread_that_is_not_main(pid: int) -> None:
 @pytest.mark.parametrize("delivered_to", ["the process", "a thread that is not main"])
 def test_ctrl_c_in_the_caller_stops_the_sweep_and_raises_keyboard_interrupt(tmp_path: Path, delivered_to: str) -> None:
     driver = subprocess.Popen(
-        [sys.executable, "-c", CTRL_C, str(tmp_path)], env=_env(), stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", CTRL_C_HANDLER + CTRL_C, str(tmp_path)], env=_env(), stdout=subprocess.PIPE, text=True
     )
     try:
         deadline = time.monotonic() + 60

@@ -30,7 +30,7 @@ from levers9.errors import (
 )
 from levers9.launch.settings import update_settings
 from tests import restartfns
-from tests.proc_util import children_of, left_behind, wait_gone
+from tests.proc_util import CTRL_C_HANDLER, children_of, left_behind, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -182,7 +182,7 @@ def test_ctrl_c_during_the_restart_delay_stops_everything(tmp_path: Path) -> Non
         dist.run(restartfns.always_killed_on_rank_1, {str(tmp_path)!r}, nprocs=2, max_restarts=1, restart_delay=60)
     """)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-c", CTRL_C_HANDLER + script], env=env, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     assert proc.stderr is not None
     lines = []
     for line in proc.stderr:

@@ -17,7 +17,7 @@ from levers9 import distributed as dist
 from levers9.distributed.stalls import board
 from levers9.errors import NotShippableError, RankCrashed, RankFailed, RunTimeout
 from tests import rankfns
-from tests.proc_util import children_of, left_behind, wait_gone
+from tests.proc_util import CTRL_C_HANDLER, children_of, left_behind, wait_gone
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -204,7 +204,7 @@ if __name__ == "__main__":
 
 def _start_driver(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], list[int]]:
     script = tmp_path / "driver.py"
-    script.write_text(DRIVER)
+    script.write_text(CTRL_C_HANDLER + DRIVER)
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), *extra], cwd=REPO, start_new_session=True)
     files = [tmp_path / f"rank-{r}" for r in range(2)]
     end = time.monotonic() + 30
