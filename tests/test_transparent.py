@@ -118,6 +118,11 @@ def _differences(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]
             added = sorted(set(ours["functions"]) - set(theirs["functions"]))
             if changed or added:
                 found[key] = {"changed": changed, "added": added}
+        elif isinstance(theirs[key], dict) and isinstance(ours[key], dict):
+            differing = {n: (ours[key].get(n), v) for n, v in theirs[key].items() if ours[key].get(n) != v}
+            differing.update({n: (v, None) for n, v in ours[key].items() if n not in theirs[key]})
+            if differing:
+                found[key] = differing
         elif ours[key] != theirs[key]:
             found[key] = (ours[key], theirs[key])
     return found
