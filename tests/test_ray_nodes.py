@@ -381,6 +381,8 @@ def park_then_remove_node_1(cluster: Any, pool: Any, marker: str, mark: Path, qu
     return future, address, time.monotonic()
 
 
+# Over 20 s (about 26 s on 2 idle cores): two runs, each losing a node to a real removal (5 s of heartbeat),
+# the first then waiting out queue_timeout=6, and three Ray nodes started on the way.
 @pytest.mark.timeout(360)
 def test_a_removed_node_is_replaced_within_queue_timeout_or_named(cluster: Any, on_cluster: str, tmp_path: Path) -> None:
     """A card node removed outright while the ranks run, max_restarts=1: with no node to replace it the restart
