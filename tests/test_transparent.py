@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,11 +28,21 @@ LIVE = {"initialized": True, "idiom_rank": 0, "world": 2, "group_world_set": Tru
 
 
 def _run(argv: list[str], timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
-    """A command with the repo importable and a $TMPDIR of its own (torchrun's agent leaves folders there)."""
+    """A command with the repo importable and a $TMPDIR of its own (torchrun's agent leaves folders there),
+    started with every signal at its default: a signal this test process inherited ignored (SIGHUP under
+    nohup, SIGQUIT in some runners) stays ignored in a levers9 rank, as exec keeps it, while torchrun's agent
+    installs handlers that its workers get back as defaults, so the comparisons would differ by the runner."""
     with tempfile.TemporaryDirectory() as tmp:
         full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                 "TMPDIR": tmp, "OMP_NUM_THREADS": "1", **env}  # fmt: skip
-        return subprocess.run(argv, cwd=REPO, env=full, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(argv, cwd=REPO, env=full, capture_output=True, text=True, timeout=timeout,
+                              preexec_fn=_signals_at_default)  # fmt: skip
+
+
+def _signals_at_default() -> None:
+    """In the child before exec: the signals a runner may pass on ignored back at their defaults."""
+    for number in (signal.SIGHUP, signal.SIGQUIT, signal.SIGINT):
+        signal.signal(number, signal.SIG_DFL)
 
 
 def _tagged(out: str, tag: str) -> list[Any]:
