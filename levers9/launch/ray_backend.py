@@ -538,7 +538,8 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[TaskStarted | TaskOutput |
     node = ray.util.get_node_ip_address()
     hosting = contextlib.ExitStack()  # a job across nodes: its control store and agents (ray_gang.host)
     try:
-        gang = hosting.enter_context(ray_gang.host(payload, node, spec.stop_grace)) if payload.get("gang") else None
+        gang_host = hosting.enter_context(ray_gang.host(payload, node, spec.stop_grace)) if payload.get("gang") else None
+        gang = None if gang_host is None else gang_host.context
         env = job_process.job_env(spec, [])
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)  # Ray's ids for this task; "" for a CPU job
         context = JobContext(
@@ -566,6 +567,8 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[TaskStarted | TaskOutput |
         )
         supervisor = Supervisor(watcher, [child], timeout=spec.timeout, grace=spec.stop_grace)
         while not supervisor.step(OUTPUT_EVERY):
+            if gang_host is not None:
+                gang_host.poll()  # a lost node's agent replaced, when the job process asks
             if lines:
                 yield TaskOutput(_drain(lines))
         if lines:

@@ -9,7 +9,7 @@ for at most queue_timeout. The job's own Ray task runs in bundle 0 and hosts the
 (`host`); it starts one agent task in every other bundle (`_agent`), which runs
 levers9.distributed.nodes.serve. `distributed.run` inside the job does the rest (see nodes.py). When a node
 is lost and the run restarts, a new agent is started in that node's bundle, which Ray places on another
-node once it knows the first is dead, within the job's queue_timeout (`_Agents`).
+node once it knows the first is dead, within the job's queue_timeout (`GangHost`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import os
 import shutil
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -204,10 +203,10 @@ def bundle_addresses(pg: Any) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def host(payload: dict[str, Any], address: str, stop_grace: float) -> Iterator[GangContext]:
-    """Host the job's control store on this node's address and start the agents of nodes 1..k-1; yields the
-    GangContext the job process gets. While the job runs, a lost node's agent is replaced when the job process
-    asks (`_Agents.replace`). At the end the agents are told the job is over, then cancelled."""
+def host(payload: dict[str, Any], address: str, stop_grace: float) -> Iterator[GangHost]:
+    """Host the job's control store on this node's address and start the agents of nodes 1..k-1; yields what the
+    task's loop needs: the GangContext the job process gets, and `poll()`, which replaces a lost node's agent
+    when the job process asks. At the end the agents are told the job is over, then cancelled."""
     import torch.distributed as td
 
     gang: dict[str, Any] = payload["gang"]
@@ -222,32 +221,28 @@ def host(payload: dict[str, Any], address: str, stop_grace: float) -> Iterator[G
     placed = bundle_addresses(gang["pg"])
     within = REPLACE_WAIT_S if spec.queue_timeout is None else spec.queue_timeout
     context = GangContext(address, port, (address, *placed[1:]), (int(gang["share"]),) * k, 0, within)
-    agents = _Agents(payload, context)
+    agents = GangHost(payload, context, store)
     try:
         for i in range(1, k):
             agents.launch(i, first_attempt=0)
-        agents.start_replacing()
-        yield context
+        yield agents
     finally:
-        agents.stop_replacing()
         with contextlib.suppress(Exception):
             store.set("end", "1")
         agents.wait_then_cancel(stop_grace + AGENT_EXIT_WAIT_S)
-        del store
+        del agents, store
 
 
-class _Agents:
-    """The agent tasks of nodes 1..k-1, one per placement-group bundle; launched again in its bundle when the job
-    process asks for a replacement of a lost node (`replace/<i>`), for at most the gang's replace_within s."""
+class GangHost:
+    """Node 0's Ray task's side of a job across nodes: the agent tasks of nodes 1..k-1, one per placement-group
+    bundle, each launched again in its bundle when the job process asks for a replacement of a lost node
+    (`replace/<i>`), for at most the gang's replace_within s. No thread: the task's loop calls `poll`."""
 
-    def __init__(self, payload: dict[str, Any], context: GangContext) -> None:
-        from levers9.distributed.nodes import control_client
-
-        self.payload, self.context = payload, context
-        self.store = control_client(context.control_addr, context.control_port)  # this object's own client
+    def __init__(self, payload: dict[str, Any], context: GangContext, store: Any) -> None:
+        self.payload, self.context, self.store = payload, context, store  # the control store, hosted here
         self.refs: dict[int, Any] = {}  # node -> its current agent task
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._serve_replacements, name="levers9-replacements", daemon=True)
+        self.pending: dict[int, tuple[int, float]] = {}  # node being replaced -> (attempt it starts at, deadline)
+        self.next_poll = 0.0
 
     def launch(self, node: int, first_attempt: int) -> None:
         """A new agent for `node` in its bundle, one generation newer than any before it (an older one exits)."""
@@ -261,43 +256,44 @@ class _Agents:
                          "generation": generation, "first_attempt": first_attempt}  # fmt: skip
         self.refs[node] = _agent_task.options(**opts).remote(agent_payload)
 
-    def start_replacing(self) -> None:
-        self.thread.start()
+    def poll(self) -> None:
+        """Answer each replace/<i> (at most every PG_POLL_S): cancel the lost agent, launch one in its bundle (again
+        if that one ends before it joins: Ray re-places a bundle of a dead node on another node, once it knows the
+        node is dead), and post noreplace/<i> when none joined within replace_within s, or at once with the error
+        when Ray refused the launch."""
+        now = time.monotonic()
+        if now < self.next_poll:
+            return
+        self.next_poll = now + PG_POLL_S
+        try:
+            self._poll(now)
+        except Exception as exc:  # the job process then fails naming the lost node and this error
+            for i in list(self.pending):
+                with contextlib.suppress(Exception):
+                    self.store.set(f"noreplace/{i}", f"starting its agent failed: {type(exc).__name__}: {exc}")
+                del self.pending[i]
 
-    def stop_replacing(self) -> None:
-        self.stopping.set()
-        if self.thread.is_alive():
-            self.thread.join(10)
-
-    def _serve_replacements(self) -> None:
-        """Answer each replace/<i>: cancel the lost agent, launch one in its bundle (again if that one ends before it
-        joins: Ray re-places a bundle of a dead node on another node, once it knows the node is dead), and post
-        noreplace/<i> when none joined within replace_within s."""
+    def _poll(self, now: float) -> None:
         import ray
 
-        pending: dict[int, tuple[int, float]] = {}  # node -> (attempt the new agent starts at, deadline)
-        while not self.stopping.wait(PG_POLL_S):
-            try:
-                for i in range(1, len(self.context.shares)):
-                    if i not in pending and self.store.check([f"replace/{i}"]):
-                        first_attempt = int(self.store.get(f"replace/{i}"))
-                        self.store.delete_key(f"replace/{i}")
-                        with contextlib.suppress(Exception):
-                            ray.cancel(self.refs[i], force=True)
-                        pending[i] = (first_attempt, time.monotonic() + self.context.replace_within)
-                        self.launch(i, first_attempt)
-                for i, (first_attempt, deadline) in list(pending.items()):
-                    if self.store.check([f"ready/{i}"]):
-                        del pending[i]
-                    elif time.monotonic() >= deadline:
-                        with contextlib.suppress(Exception):
-                            ray.cancel(self.refs[i], force=True)
-                        self.store.set(f"noreplace/{i}", "Ray placed no agent of levers9 on an alive node with the cards free")
-                        del pending[i]
-                    elif ray.wait([self.refs[i]], timeout=0)[0]:  # it ended before joining: its node died too
-                        self.launch(i, first_attempt)
-            except Exception:  # the control store is gone: the job is over
-                return
+        for i in range(1, len(self.context.shares)):
+            if i not in self.pending and self.store.check([f"replace/{i}"]):
+                first_attempt = int(self.store.get(f"replace/{i}"))
+                self.store.delete_key(f"replace/{i}")
+                with contextlib.suppress(Exception):
+                    ray.cancel(self.refs[i], force=True)
+                self.pending[i] = (first_attempt, now + self.context.replace_within)
+                self.launch(i, first_attempt)
+        for i, (first_attempt, deadline) in list(self.pending.items()):
+            if self.store.check([f"ready/{i}"]):
+                del self.pending[i]
+            elif now >= deadline:
+                with contextlib.suppress(Exception):
+                    ray.cancel(self.refs[i], force=True)
+                self.store.set(f"noreplace/{i}", "Ray placed no agent of levers9 on an alive node with the cards free")
+                del self.pending[i]
+            elif ray.wait([self.refs[i]], timeout=0)[0]:  # it ended before joining: its node died too
+                self.launch(i, first_attempt)
 
     def wait_then_cancel(self, within: float) -> None:
         """Give the agents that are not declared lost `within` s to end, then cancel every one."""
