@@ -294,8 +294,9 @@ class _NodeZero:
                     del self.lost[i]
                     waiting.remove(i)
                     log.warning("distributed.run: %s is replaced by %s", old, self._name(i))
-                elif self.store.check([f"noreplace/{i}"]) or time.monotonic() >= deadline:
-                    why = self.store.get(f"noreplace/{i}").decode() if self.store.check([f"noreplace/{i}"]) else ""
+                    continue
+                why = self.store.get(f"noreplace/{i}").decode() if self.store.check([f"noreplace/{i}"]) else None
+                if why is not None or time.monotonic() >= deadline:
                     raise self._lost_error(i, f"{self.lost[i]}; no node replaced it within {within:g} s (the job's "
                                               f"queue_timeout){': ' + why if why else ''}", FailureKind.QUEUE)  # fmt: skip
             time.sleep(POLL_EVERY_S)

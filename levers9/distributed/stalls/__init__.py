@@ -13,19 +13,19 @@ The three functions below are what `distributed.run`'s parent and ranks call.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from levers9.distributed.stalls.board import BoardFolder, RankSlot
 from levers9.distributed.stalls.lookup import find_board, live_boards, report_for_board
 from levers9.distributed.stalls.report import (
+    Quiet,
     collect_stacks,
     describe_ranks,
     enable_stack_dumps,
-    last_move,
+    quiet_of,
+    stall_of,
     stall_text,
     stalled,
-    waiting,
 )
 from levers9.distributed.stalls.sampler import start_recorder_sampler
 
@@ -69,30 +69,16 @@ def stalled_now(folder: BoardFolder, stall_timeout: float, now: float) -> bool:
     return stall_of([quiet_now(folder, now)], stall_timeout) and stall_of([quiet_confirmed(folder)], stall_timeout)
 
 
-@dataclasses.dataclass(frozen=True)
-class Quiet:
-    """How long a board's ranks have not issued or completed a collective, and whether one of them waits for one."""
-
-    seconds: float
-    waiting: bool
-
-
 def quiet_now(folder: BoardFolder, now: float) -> Quiet:
     """The board as last written (asking for recorder samples, at most once a second, while the ranks are quiet)."""
     states = folder.states()
     folder.sample_when_quiet(states, now)
-    return Quiet(now - last_move(states), waiting(states))
+    return quiet_of(states, now)
 
 
 def quiet_confirmed(folder: BoardFolder) -> Quiet:
     """The board after a fresh recorder sample from every rank (a few seconds at most)."""
-    fresh = folder.fresh_states(list(range(folder.nprocs)))
-    return Quiet(time.monotonic() - last_move(fresh), waiting(fresh))
-
-
-def stall_of(quiets: list[Quiet], stall_timeout: float) -> bool:
-    """A stall: every board (one per node) quiet for `stall_timeout` s, and a rank on one of them waiting."""
-    return min(q.seconds for q in quiets) >= stall_timeout and any(q.waiting for q in quiets)
+    return quiet_of(folder.fresh_states(list(range(folder.nprocs))), time.monotonic())
 
 
 def where_ranks_are(folder: BoardFolder, live: dict[int, int], names: list[str] | None = None) -> str:

@@ -159,6 +159,24 @@ def _counts(state: SlotState) -> str:
     return "no collective recorded yet"
 
 
+@dataclasses.dataclass(frozen=True)
+class Quiet:
+    """How long a board's ranks have not issued or completed a collective, and whether one of them waits for one."""
+
+    seconds: float
+    waiting: bool
+
+
+def quiet_of(states: list[SlotState], now: float) -> Quiet:
+    """These ranks' Quiet at `now`, from their slots."""
+    return Quiet(now - last_move(states), waiting(states))
+
+
+def stall_of(quiets: list[Quiet], stall_timeout: float) -> bool:
+    """A stall: every board (one per node) quiet for `stall_timeout` s, and a rank on one of them waiting."""
+    return min(q.seconds for q in quiets) >= stall_timeout and any(q.waiting for q in quiets)
+
+
 def stalled(states: list[SlotState], stall_timeout: float, now: float) -> bool:
     """True when nothing moved for `stall_timeout` seconds while at least one rank waits for a collective.
 
@@ -166,7 +184,7 @@ def stalled(states: list[SlotState], stall_timeout: float, now: float) -> bool:
     blocking calls and NCCL's enqueued work alike, so the rank ahead may wait further on, e.g. in
     `.item()`), or inside levers9's own wait for the group to form.
     """
-    return now - last_move(states) >= stall_timeout and waiting(states)
+    return stall_of([quiet_of(states, now)], stall_timeout)
 
 
 def last_move(states: list[SlotState]) -> float:
