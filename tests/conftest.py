@@ -48,7 +48,7 @@ LAUNCHER_NAMES = (
 #   procs      starts processes (ranks, jobs, forked children, the CLI as a subprocess)
 #   launchers  runs torchrun, accelerate launch or `levers9 run` as subprocesses, side by side
 #   notebook   runs a Jupyter kernel
-#   ray        uses the session's local Ray (tests/ray_cluster.py); these run last
+#   ray        uses the session's local Ray (tests/ray_cluster.py); last, or on a worker of their own with -n
 TIERS = ("fast", "procs", "launchers", "notebook", "ray")
 # A module not named here is "procs" (the safe guess for a new test file: it is not in the fast tier).
 TIER_BY_MODULE = {
@@ -131,11 +131,16 @@ def tier_of(item: pytest.Item) -> str:
     return _by_test(item, TIER_BY_TEST) or TIER_BY_MODULE.get(module, "procs")
 
 
+# The order tests run in, by tier: the costly ones first, so that with several workers the short ones fill the
+# end, and `ray` last. A process that has run `ray.init` must start nothing by fork afterwards (Ray's gRPC state
+# and its SIGSEGV handler are copied into the child, which then crashes or reports a crash in Ray's words): a
+# run without workers runs the Ray tests after everything else, and with workers they run on a worker of
+# their own (tests/xdist_schedule.py).
+RUN_ORDER = ("launchers", "notebook", "procs", "fast", "ray")
+
+
 def mark_tiers(items: list[pytest.Item], folder: Path) -> None:
-    """Give every test under `folder` its tier's marker and its xdist group, and put the `ray` ones last.
-    A process that has run `ray.init` must start nothing by fork afterwards (Ray's gRPC state and its
-    SIGSEGV handler are copied into the child, which then crashes or reports a crash in Ray's words), so
-    the worker that runs the Ray group, and a run without workers, run it after everything else."""
+    """Give every test under `folder` its tier's marker and its xdist group, and sort all of them by RUN_ORDER."""
     for item in items:
         if folder in item.path.parents:
             tier = tier_of(item)
@@ -144,11 +149,21 @@ def mark_tiers(items: list[pytest.Item], folder: Path) -> None:
             group = xdist_group_of(item, tier)
             if group is not None and item.get_closest_marker("xdist_group") is None:
                 item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
+    items.sort(key=lambda item: RUN_ORDER.index(tier_of(item)))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     mark_tiers(items, Path(__file__).parent)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """With `--dist loadgroup`, the Ray group starts first, on a worker of its own (tests/xdist_schedule.py)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from tests.xdist_schedule import RayApartScheduling
+
+    return RayApartScheduling(config, log)
 
 
 def strip_launcher_env(env: dict[str, str] | os._Environ[str]) -> None:

@@ -1,0 +1,45 @@
+"""How `pytest -n N --dist loadgroup` hands the suite to its workers: the Ray group first, on a worker of its own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from xdist.scheduler import LoadGroupScheduling
+
+RAY_GROUP = "ray"
+
+
+class RayApartScheduling(LoadGroupScheduling):
+    """`--dist loadgroup`, except that the `ray` group goes, at the start, to one worker that runs nothing else.
+
+    The Ray tests are the suite's longest chain (the session's Ray, then a two-node cluster), so they start
+    first rather than last; and a process that has run `ray.init` must start nothing by fork afterwards, so
+    their worker stops when they end. The other workers share every other test, in collection order. With
+    one worker the Ray group simply runs last, as in a run without workers.
+    """
+
+    def __init__(self, config: Any, log: Any = None) -> None:
+        super().__init__(config, log)
+        self.ray_worker: Any = None
+
+    def _assign_work_unit(self, node: Any) -> None:
+        """Give `node` the Ray group if no worker has it and another worker is left for the rest, else the next unit."""
+        others = [scope for scope in self.workqueue if scope != RAY_GROUP]
+        takes_ray = RAY_GROUP in self.workqueue and self.ray_worker is None and (len(self.nodes) > 1 or not others)
+        scope = RAY_GROUP if takes_ray or not others else others[0]
+        work_unit = self.workqueue.pop(scope)
+        if scope == RAY_GROUP:
+            self.ray_worker = node
+        self.assigned_work.setdefault(node, {})[scope] = work_unit
+        collection = self.registered_collections[node]
+        node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
+
+    def _reschedule(self, node: Any) -> None:
+        """The Ray worker takes no more work and stops when its group is done; the others work as loadgroup's do."""
+        if node.shutting_down:
+            return
+        if node is self.ray_worker and len(self.nodes) > 1:
+            if not self._pending_of(self.assigned_work[node]):
+                node.shutdown()
+            return
+        super()._reschedule(node)
