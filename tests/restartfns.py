@@ -33,7 +33,17 @@ def record_attempt(folder: str) -> None:
         "pid": os.getpid(),
     }
     path = Path(folder) / f"attempt-{dist.restart_count()}-rank-{dist.rank()}.json"
-    path.write_text(json.dumps(seen))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(seen))
+    tmp.rename(path)
+    # Every rank's record is written before any rank goes on (a rank that kills itself next would otherwise
+    # end the attempt before a slower rank wrote its own, as on a loaded machine): a barrier on files.
+    others = [path.with_name(f"attempt-{dist.restart_count()}-rank-{r}.json") for r in range(dist.world_size())]
+    deadline = time.monotonic() + 60
+    while not all(other.exists() for other in others):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every rank recorded attempt {dist.restart_count()} in 60 s: {others}")
+        time.sleep(0.01)
 
 
 def train_with_checkpoints(folder: str) -> dict[str, Any]:
