@@ -23,16 +23,14 @@ class RayApartScheduling(LoadGroupScheduling):
         self.ray_worker: Any = None
 
     def _assign_work_unit(self, node: Any) -> None:
-        """Give `node` the Ray group if no worker has it and another worker is left for the rest, else the next unit."""
-        others = [scope for scope in self.workqueue if scope != RAY_GROUP]
-        takes_ray = RAY_GROUP in self.workqueue and self.ray_worker is None and (len(self.nodes) > 1 or not others)
-        scope = RAY_GROUP if takes_ray or not others else others[0]
-        work_unit = self.workqueue.pop(scope)
+        """Give `node` the Ray group if no worker has it yet and another worker is left for the rest, else the
+        next other unit (the Ray group only when nothing else is left)."""
+        takes_ray = RAY_GROUP in self.workqueue and self.ray_worker is None and len(self.nodes) > 1
+        scope = RAY_GROUP if takes_ray else next((s for s in self.workqueue if s != RAY_GROUP), RAY_GROUP)
         if scope == RAY_GROUP:
             self.ray_worker = node
-        self.assigned_work.setdefault(node, {})[scope] = work_unit
-        collection = self.registered_collections[node]
-        node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
+        self.workqueue.move_to_end(scope, last=False)  # loadgroup's own assignment takes the first unit
+        super()._assign_work_unit(node)
 
     def _reschedule(self, node: Any) -> None:
         """The Ray worker takes no more work and stops when its group is done; the others work as loadgroup's do."""
