@@ -139,21 +139,24 @@ def tier_of(item: pytest.Item) -> str:
 RUN_ORDER = ("launchers", "notebook", "procs", "fast", "ray")
 
 
-def mark_tiers(items: list[pytest.Item], folder: Path) -> None:
-    """Give every test under `folder` its tier's marker and its xdist group, and sort all of them by RUN_ORDER."""
+def mark_tiers(items: list[pytest.Item]) -> None:
+    """Give every test its tier's marker and its xdist group, and sort them all by RUN_ORDER."""
     for item in items:
-        if folder in item.path.parents:
-            tier = tier_of(item)
-            if item.get_closest_marker(tier) is None:
-                item.add_marker(getattr(pytest.mark, tier))
-            group = xdist_group_of(item, tier)
-            if group is not None and item.get_closest_marker("xdist_group") is None:
-                item.add_marker(pytest.mark.xdist_group(group))
+        tier = tier_of(item)
+        if item.get_closest_marker(tier) is None:
+            item.add_marker(getattr(pytest.mark, tier))
+        group = xdist_group_of(item, tier)
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: RUN_ORDER.index(tier_of(item)))
 
 
+# First among the hooks: a pytest-xdist worker turns each test's xdist_group marker into its group in its own
+# pytest_collection_modifyitems, which must see the markers given here (tests/test_xdist_schedule.py). The
+# compat tests' conftest registers this same hook; marking twice changes nothing.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    mark_tiers(items, Path(__file__).parent)
+    mark_tiers(items)
 
 
 @pytest.hookimpl(optionalhook=True)
