@@ -46,6 +46,19 @@ def report_once_started(folder: str, tag: Any, seconds: float) -> dict[str, Any]
     return report(tag, seconds)
 
 
+def report_once_four_run(folder: str, tag: Any, seconds: float) -> dict[str, Any]:
+    """`report`, once four cells have written folder/started-<tag> (four cards in use at one time);
+    a cell that waits 120 s for them raises, so a backend that runs fewer at once fails, never hangs."""
+    write_atomically(Path(folder, f"started-{tag}"), "")
+    deadline = time.monotonic() + 120
+    while len(list(Path(folder).glob("started-*"))) < 4:
+        if time.monotonic() > deadline:
+            seen = sorted(p.name for p in Path(folder).glob("started-*"))
+            raise RuntimeError(f"cell {tag}: waited 120 s for four cells running at once; started: {seen}")
+        time.sleep(0.02)
+    return report(tag, seconds)
+
+
 def add(a: int, b: int = 0) -> int:
     return a + b
 

@@ -85,17 +85,15 @@ def _wait_dead(pids: list[int], within: float) -> list[int]:
     return alive
 
 
-def test_map_runs_each_cell_on_its_own_card_in_input_order(backend: str) -> None:
-    fn = job(gpu="RTXPro6000", gpu_count=1, backend=backend)(jobfns.report)
-    cells = [(i, 0.6 - 0.1 * (i % 4)) for i in range(8)]  # later cells finish first
+def test_map_runs_each_cell_on_its_own_card_in_input_order(backend: str, tmp_path: Path) -> None:
+    # eight cells on four cards, four at a time: no cell goes on before four have started
+    fn = job(gpu="RTXPro6000", gpu_count=1, backend=backend)(jobfns.report_once_four_run)
+    cells = [(str(tmp_path), i, 0.6 - 0.1 * (i % 4)) for i in range(8)]  # later cells finish first
     results = list(fn.map(cells))
     assert [r["tag"] for r in results] == list(range(8))
     assert all(r["cards"] in {"0", "1", "2", "3"} for r in results)
     assert all(r["order"] == "PCI_BUS_ID" and r["gpu_count"] == "1" for r in results)
     _overlapping_jobs_share_no_card(results)
-    # eight cells on four cards: about two rounds, not eight
-    span = max(r["end"] for r in results) - min(r["start"] for r in results)
-    assert span < 8 * 0.3
 
 
 def test_cells_expand_tuple_dict_and_single_argument(backend: str) -> None:
@@ -319,8 +317,10 @@ def test_the_callers_death_ends_its_jobs(backend: str, tmp_path: Path) -> None:
         if driver.poll() is None:
             driver.kill()
             driver.wait()
-    fn = job(gpu="RTXPro6000", queue_timeout=10, backend=backend)(jobfns.report)
-    assert len(list(fn.map([(i, 0) for i in range(4)]))) == 4  # their cards are free again
+    # their cards are free again: the map waits for them (Ray frees a dead driver's cards a while after
+    # its processes end, 10 s and more on a loaded machine), and the test's time limit fails a leak
+    fn = job(gpu="RTXPro6000", queue_timeout=None, backend=backend)(jobfns.report)
+    assert len(list(fn.map([(i, 0) for i in range(4)]))) == 4
 
 
 def test_output_is_streamed_with_the_cell_as_prefix(backend: str, capfd: pytest.CaptureFixture[str]) -> None:
