@@ -280,12 +280,14 @@ def test_leaving_the_loop_cancels_the_rest(backend: str, tmp_path: Path) -> None
 def test_dropping_the_results_cancels_the_rest(backend: str, tmp_path: Path) -> None:
     fn = job(gpu="RTXPro6000", stop_grace=1.0, backend=backend)(jobfns.quick_or_slow)
     results = fn.map([(str(tmp_path), i) for i in range(1, 4)])
-    deadline = time.monotonic() + 20
+    # a wait for the three cells to start, not a race: on Ray, with two three-worker suites on 2 cores,
+    # none had started 20 s in; 120 s is for a backend that never starts them
+    deadline = time.monotonic() + 120
     while len(list(tmp_path.glob("*.pid"))) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     del results
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
-    assert len(pids) == 3
+    assert len(pids) == 3, f"{len(pids)} of the 3 cells had started after 120 s"
     assert _wait_dead(pids, 5) == []
 
 
