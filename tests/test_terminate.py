@@ -29,7 +29,9 @@ def train(folder):
     jobfns.save_on_sigterm(folder, dist.rank())
 
 if __name__ == "__main__":
-    dist.run(train, sys.argv[1], nprocs=2)
+    # 30 s of grace, as SWEEP_CALLER's: the 5 s default was once too short for a rank to run its handler
+    # with two three-worker suites on 2 cores
+    dist.run(train, sys.argv[1], nprocs=2, stop_grace=30)
 """
 
 SCRIPT = """
