@@ -58,11 +58,6 @@ def _overlapping_jobs_share_no_card(results: list[dict[str, Any]]) -> None:
                 assert not shared, f"{a['tag']} and {b['tag']} overlapped in time on card(s) {shared}"
 
 
-def _most_at_once(results: list[dict[str, Any]]) -> int:
-    """The most cells that were running at one instant, from each cell's own start and end times."""
-    return max(sum(1 for b in results if b["start"] <= a["start"] < b["end"]) for a in results)
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
