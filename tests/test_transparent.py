@@ -117,6 +117,10 @@ def test_init_group_must_be_a_bool() -> None:
 def _state(mode: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, *(launcher or []), str(SCRIPTS / "torch_state.py"), mode]
     done = _run(argv, timeout=180)
+    if launcher and done.returncode != 0 and "Gloo connectFullMesh failed" in done.stderr:
+        # torchrun, the reference, not levers9: once, with a second suite beside this one on 2 cores, its
+        # workers' own init_process_group("gloo") lost the mesh ("Connection closed by peer"). Run it again.
+        done = _run(argv, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
