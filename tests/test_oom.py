@@ -4,6 +4,9 @@ rise in the counter is reported as a plain SIGKILL."""
 
 from __future__ import annotations
 
+import functools
+import select
+import signal
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,9 @@ import pytest
 from levers9 import distributed as dist
 from levers9.errors import JobCrashed, RankCrashed
 from levers9.launch import job
-from levers9.procs import oom
+from levers9.procs import oom, start
+from levers9.procs.supervise import Supervisor
+from levers9.procs.watch import Watcher
 from tests import jobfns, rankfns
 
 V2_EVENTS = "low 0\nhigh 0\nmax 3\noom 1\noom_kill {n}\noom_group_kill 0\n"
@@ -55,6 +60,25 @@ def test_a_job_the_oom_killer_took_is_named(cgroup: Path) -> None:
         crash.remote(str(cgroup))
     text = str(info.value)
     assert f"was killed by SIGKILL; {OOM_WORDS} (count 0 → 1)" in text and "allocating" in text
+
+
+@pytest.mark.timeout(60)
+def test_the_count_before_is_read_before_the_child_starts(cgroup: Path) -> None:
+    """Seen with a second suite beside this one on 2 cores: a job killed at once was dead before its supervisor
+    read the cgroup's count, so the count it started from already held its own kill, and it was called a plain
+    SIGKILL. Here the child is dead before the supervisor exists."""
+    watcher = Watcher(lambda child, stream, line: None)
+    try:
+        child = watcher.add(start.start(functools.partial(jobfns.killed_like_the_oom_killer, str(cgroup)),
+                                        method=start.StartMethod("fork")))  # fmt: skip
+        assert child.pidfd is not None
+        assert select.select([child.pidfd], [], [], 30)[0], "the child did not end within 30 s"
+        assert child.poll() and child.signal == signal.SIGKILL
+        outcome = Supervisor(watcher, [child], timeout=None, grace=1.0).run()[0]
+    finally:
+        watcher.close()
+    assert outcome.oom_counts == (0, 1)
+    assert OOM_WORDS in oom.killed_by(signal.SIGKILL, *outcome.oom_counts)
 
 
 @pytest.mark.timeout(60)

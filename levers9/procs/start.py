@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from levers9.errors import ConfigError
-from levers9.procs import child, fds
+from levers9.procs import child, fds, oom
 from levers9.procs.watch import Child
 
 START_VAR = "LEVERS9_START_METHOD"
@@ -154,6 +154,7 @@ def start(
     keeps the descriptors in `keep` (lock files it must hold) besides its own pipes.
     """
     env = dict(env or {})
+    oom_before = oom.oom_kills()  # before the child runs: one the OOM killer takes at once still raises the count
     msg_r, msg_w = fds.pipe()
     out_r, out_w = fds.pipe()
     err_r, err_w = fds.pipe()
@@ -164,12 +165,12 @@ def start(
             child.flush_std_streams()
             keep_fds = (msg_w, out_w, err_w, lifeline, *keep)
             pid = _on_forker(lambda: _fork(keep_fds, lambda: child.forked_main(target, ends, env)))
-            handle = Child(pid, None, msg_r, out_r, err_r, name)
+            handle = Child(pid, None, msg_r, out_r, err_r, name, oom_before)
         else:
             if shipped is None:
                 raise ValueError("start(method=spawn) needs shipped=failure.ship(target)")
             popen = _on_forker(lambda: _exec(ends, env, keep))
-            handle = Child(popen.pid, popen, msg_r, out_r, err_r, name)
+            handle = Child(popen.pid, popen, msg_r, out_r, err_r, name, oom_before)
             assert popen.stdin is not None
             with contextlib.suppress(BrokenPipeError):
                 pickle.dump((list(sys.path), os.getcwd(), ends, env, shipped), popen.stdin, protocol=pickle.HIGHEST_PROTOCOL)

@@ -45,7 +45,6 @@ class Supervisor:
         self.stop_on_failure, self.should_stop, self.stalled, self.before_stop = stop_on_failure, should_stop, stalled, before_stop
         self.started = time.monotonic()
         self.deadline = None if timeout is None else self.started + timeout
-        self.oom_before = oom.oom_kills()
         self.stopped_for: StopReason | None = None
         self.over = False
         self._stopped_pids: set[int] = set()  # children still running when they were stopped
@@ -110,5 +109,5 @@ class Supervisor:
             failure=child.failure,
             reported=child.reported,
             stopped_for=self.stopped_for if child.pid in self._stopped_pids else None,
-            oom_counts=(self.oom_before, oom_after),
+            oom_counts=(child.oom_before, oom_after),
         )

@@ -34,8 +34,12 @@ STUCK_S = 1.0  # once children were stopped early, output the caller's stream ha
 class Child:
     """A started child: its pid, pipes, the last lines it printed, what it sent back and how it ended."""
 
-    def __init__(self, pid: int, popen: subprocess.Popen[bytes] | None, msg_fd: int, out_fd: int, err_fd: int, name: str) -> None:
+    def __init__(
+        self, pid: int, popen: subprocess.Popen[bytes] | None, msg_fd: int, out_fd: int, err_fd: int, name: str,
+        oom_before: int | None = None,
+    ) -> None:
         self.pid, self.popen, self.name = pid, popen, name
+        self.oom_before = oom_before  # the cgroup's OOM-kill count read just before the child started (oom.py)
         self.msg_fd, self.out_fd, self.err_fd = msg_fd, out_fd, err_fd
         self.reader = FrameReader()
         self.cutters = {out_fd: lines.LineCutter(), err_fd: lines.LineCutter()}
