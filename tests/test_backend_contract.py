@@ -302,7 +302,8 @@ def test_the_callers_death_ends_its_jobs(backend: str, tmp_path: Path) -> None:
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path), backend], env=env)
     try:
         deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("*.child"))) < 2 and time.monotonic() < deadline:
+        # each job writes <tag>.child, then <tag>.pid: wait for both of both jobs
+        while len(list(tmp_path.glob("*.child"))) + len(list(tmp_path.glob("*.pid"))) < 4 and time.monotonic() < deadline:
             assert driver.poll() is None, "the driver exited early"
             time.sleep(0.05)
         pids = [int(p.read_text()) for p in (*tmp_path.glob("*.pid"), *tmp_path.glob("*.child"))]
