@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
+import signal
 import time
 
 # The first line of a script a test sends Ctrl-C to: Python turns SIGINT into KeyboardInterrupt only when the
 # process did not inherit it ignored, and a background shell's job or a pytest-xdist worker passes it on ignored.
 CTRL_C_HANDLER = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+SYS_TGKILL = {"x86_64": 234, "aarch64": 131}  # tgkill(2): a signal to one thread of another process
+
+
+def sigint_to_a_thread_that_is_not_main(pid: int) -> None:
+    """What the kernel may do with a Ctrl-C: hand the process's SIGINT to any thread not blocking it."""
+    others = [int(tid) for tid in os.listdir(f"/proc/{pid}/task") if int(tid) != pid]
+    assert others, "the process has no thread besides its main one"
+    assert ctypes.CDLL(None, use_errno=True).syscall(SYS_TGKILL[platform.machine()], pid, others[-1], signal.SIGINT) == 0
 
 
 def children_of(pid: int) -> list[int]:

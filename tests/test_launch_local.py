@@ -3,10 +3,8 @@ log folders, queue timeouts and the progress line."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -21,7 +19,7 @@ from levers9.launch import job
 from levers9.launch.leases import LeaseDir
 from levers9.launch.settings import lease_dir, runs_dir
 from tests import jobfns
-from tests.proc_util import CTRL_C_HANDLER
+from tests.proc_util import CTRL_C_HANDLER, sigint_to_a_thread_that_is_not_main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -276,16 +274,6 @@ except KeyboardInterrupt:
 """
 
 
-SYS_TGKILL = {"x86_64": 234, "aarch64": 131}  # tgkill(2): a signal to one thread of another process
-
-
-def _sigint_to_a_thread_that_is_not_main(pid: int) -> None:
-    """What the kernel may do with a Ctrl-C: hand the process's SIGINT to any thread not blocking it."""
-    others = [int(tid) for tid in os.listdir(f"/proc/{pid}/task") if int(tid) != pid]
-    assert others, "the caller has no thread besides its main one"
-    assert ctypes.CDLL(None, use_errno=True).syscall(SYS_TGKILL[platform.machine()], pid, others[-1], signal.SIGINT) == 0
-
-
 @pytest.mark.parametrize("delivered_to", ["the process", "a thread that is not main"])
 def test_ctrl_c_in_the_caller_stops_the_sweep_and_raises_keyboard_interrupt(tmp_path: Path, delivered_to: str) -> None:
     driver = subprocess.Popen(
@@ -299,7 +287,7 @@ def test_ctrl_c_in_the_caller_stops_the_sweep_and_raises_keyboard_interrupt(tmp_
         if delivered_to == "the process":
             driver.send_signal(signal.SIGINT)
         else:
-            _sigint_to_a_thread_that_is_not_main(driver.pid)
+            sigint_to_a_thread_that_is_not_main(driver.pid)
         out, _ = driver.communicate(timeout=30)
     finally:
         if driver.poll() is None:

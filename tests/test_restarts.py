@@ -30,7 +30,13 @@ from levers9.errors import (
 )
 from levers9.launch.settings import update_settings
 from tests import restartfns
-from tests.proc_util import CTRL_C_HANDLER, children_of, left_behind, wait_gone
+from tests.proc_util import (
+    CTRL_C_HANDLER,
+    children_of,
+    left_behind,
+    sigint_to_a_thread_that_is_not_main,
+    wait_gone,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -175,7 +181,8 @@ def test_job_max_restarts_reaches_distributed_run_inside_the_job(tmp_path: Path,
 
 
 @pytest.mark.timeout(60)
-def test_ctrl_c_during_the_restart_delay_stops_everything(tmp_path: Path) -> None:
+@pytest.mark.parametrize("delivered_to", ["the process", "a thread that is not main"])
+def test_ctrl_c_during_the_restart_delay_stops_everything(tmp_path: Path, delivered_to: str) -> None:
     script = textwrap.dedent(f"""
         from levers9 import distributed as dist
         from tests import restartfns
@@ -192,8 +199,16 @@ def test_ctrl_c_during_the_restart_delay_stops_everything(tmp_path: Path) -> Non
     else:
         pytest.fail("no restart line:\n" + "".join(lines))
     started = time.monotonic()
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=20)
+    if delivered_to == "the process":
+        proc.send_signal(signal.SIGINT)
+    else:  # the forker thread: the main thread sleeping out the delay must still raise it
+        sigint_to_a_thread_that_is_not_main(proc.pid)
+    try:
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert time.monotonic() - started < 10
     assert proc.returncode != 0 and "KeyboardInterrupt" in err
     assert sorted(attempts_seen(tmp_path)) == [(0, 0), (0, 1)], "a second attempt started"

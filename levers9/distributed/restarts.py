@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from levers9.errors import FailureKind, NodeLost, RankFailed, RankFailure, RunTimeout, StallError, add_note
+from levers9.procs import waits
 from levers9.retries import RESTART_WORDS, RetryPolicy, run_with_retries
 
 log = logging.getLogger("levers9.distributed")
@@ -88,8 +89,8 @@ def run_attempts(
         )  # fmt: skip
         return True
 
-    try:  # between attempts no rank runs: Ctrl-C in the wait ends the run with nothing left behind
-        return run_with_retries(policy, attempt, kind_of_error=kind_of_error, before_retry=before_retry, wait=time.sleep)
+    try:  # between attempts no rank runs: Ctrl-C in the wait (whichever thread got it) ends the run, nothing left
+        return run_with_retries(policy, attempt, kind_of_error=kind_of_error, before_retry=before_retry, wait=waits.sleep)
     except Exception as exc:
         record(exc)
         final = final_error(exc, history, policy)

@@ -45,6 +45,7 @@ from levers9.launch.progress import Mode, Reporter, choose_mode
 from levers9.launch.runs import RunRecord
 from levers9.launch.settings import load_settings
 from levers9.launch.spec import JobSpec, build_spec
+from levers9.procs.waits import WAKE_S
 from levers9.procs.watch import exit_on_terminate
 from levers9.retries import RetryPolicy
 
@@ -387,14 +388,10 @@ def _put(target: queue.SimpleQueue[int], index: int, _future: Future[Any]) -> No
     target.put(index)
 
 
-# The caller's waits wake this often. A Ctrl-C that the kernel hands to one of levers9's threads is run
-# by the main thread only when it wakes; a wait without a timeout slept through it until a cell ended.
-WAKE_S = 0.1
-
-
 def _done(future: Future[R]) -> Future[R]:
-    """`future`, once it is done (or cancelled), waited for in WAKE_S steps; SIGTERM or SIGHUP to this
-    process meanwhile raises SystemExit, which cancels the sweep as Ctrl-C does (see exit_on_terminate)."""
+    """`future`, once it is done (or cancelled), waited for in WAKE_S steps (levers9.procs.waits: a Ctrl-C
+    another thread got still ends the wait); SIGTERM or SIGHUP to this process meanwhile raises SystemExit,
+    which cancels the sweep as Ctrl-C does (see exit_on_terminate)."""
     if not future.done():  # a finished cell's result costs no signal-handler changes
         with exit_on_terminate():
             while not future.done():
