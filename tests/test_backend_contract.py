@@ -286,6 +286,22 @@ def test_dropping_the_results_cancels_the_rest(backend: str, tmp_path: Path) -> 
     assert _wait_dead(pids, 5) == []
 
 
+
+def test_more_cells_than_cards_start_in_input_order(backend: str, tmp_path: Path) -> None:
+    # twelve cells that hold their card for 600 s: once four have started no other can, and the four must be
+    # the first four (on Ray more tasks than cards are queued in Ray, in the order levers9 submits them)
+    fn = job(gpu="RTXPro6000", stop_grace=1.0, backend=backend)(jobfns.quick_or_slow)
+    results = fn.map([(str(tmp_path), i) for i in range(1, 13)])
+    try:
+        deadline = time.monotonic() + 120  # for a backend that never starts four
+        while len(list(tmp_path.glob("*.pid"))) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started = sorted(int(p.stem) for p in tmp_path.glob("*.pid"))
+    finally:
+        results.close()
+    assert started == [1, 2, 3, 4], f"cells {started} took the four cards; expected the first four, 1 to 4"
+    assert _wait_dead([int(p.read_text()) for p in tmp_path.glob("*.pid")], 5) == []
+
 DRIVER = """
 import sys
 from tests import jobfns, ray_cluster

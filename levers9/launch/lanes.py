@@ -1,6 +1,7 @@
 """Both backends' dispatcher: a batch's cells run in input order on a fixed number of lanes (threads).
 
-A lane takes the next cell, runs it to its end (waiting for cards, attempts, retries), then takes the
+A lane takes the next cell (the cell then takes its place in the backend's queue, before the next lane
+can take one, so cells queue in input order whichever lane thread runs first), runs it to its end (waiting for cards, attempts, retries), then takes the
 next. With as many lanes as the batch could ever run at once, threads and open descriptors depend on
 the machine or the cluster, never on the number of cells: a cell queued behind the lanes holds
 nothing, and a cancelled batch cancels its queued cells at once instead of one by one.
@@ -18,9 +19,12 @@ from levers9.launch.backend import Batch
 
 
 class CellRunner(Protocol):
-    """One cell's work: `run()` resolves `future`, whatever happens."""
+    """One cell's work: `take_place()` when a lane takes it (never raises), then `run()`, which resolves `future`
+    whatever happens."""
 
     future: Future[Any]
+
+    def take_place(self) -> None: ...
 
     def run(self) -> None: ...
 
@@ -32,7 +36,11 @@ def dispatch(batch: Batch, runners: Sequence[CellRunner], lanes: int) -> None:
 
     def next_runner() -> CellRunner | None:
         with lock:
-            return queue.popleft() if queue else None
+            if not queue:
+                return None
+            runner = queue.popleft()
+            runner.take_place()  # under the lock: places are taken in input order
+            return runner
 
     def lane() -> None:
         while (runner := next_runner()) is not None:

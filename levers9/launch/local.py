@@ -95,6 +95,10 @@ class _LocalCell:
     def stopped(self) -> bool:
         return self.batch.cancel.cancelled or self.future.cancelled()
 
+    def take_place(self) -> None:
+        """Nothing yet: a local cell queues for its cards (a lease ticket) when an attempt starts, and there are
+        never more lanes than jobs the eligible cards can hold at once."""
+
     def run(self) -> None:
         """Attempt the cell until it succeeds, fails for good or is cancelled; always resolves the Future."""
         outcomes.attempt_cell(self.batch, self.cell, self.future, self._attempt, log)

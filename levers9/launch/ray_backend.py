@@ -283,11 +283,13 @@ def _mem(memory: int | None) -> str:
 @dataclasses.dataclass(eq=False)
 class _Entry:
     shape: tuple[Any, ...]
+    submitted: bool = False  # its task was handed to Ray
 
 
 class _Admission:
     """First come, first served across shapes: a task is submitted only when every earlier task that
-    has not started yet has the same shape (Ray keeps one shape's queue in order)."""
+    has not started yet has the same shape and was submitted already (Ray keeps one shape's queue in the
+    order tasks were submitted, so tasks are handed to Ray in the order cells entered here)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -304,11 +306,17 @@ class _Admission:
         with self._cond:
             while True:
                 ahead = self._queue[: self._queue.index(entry)]
-                if all(e.shape == entry.shape for e in ahead):
+                if all(e.shape == entry.shape and e.submitted for e in ahead):
                     return True
                 if stop() or (deadline is not None and time.monotonic() >= deadline):
                     return False
                 self._cond.wait(0.1)
+
+    def submitted(self, entry: _Entry) -> None:
+        """`entry`'s task was handed to Ray: the entries behind it may be submitted now."""
+        with self._cond:
+            entry.submitted = True
+            self._cond.notify_all()
 
     def leave(self, entry: _Entry) -> None:
         with self._cond:
@@ -377,7 +385,7 @@ class _RayCell:
     ) -> None:  # fmt: skip
         self.backend, self.batch, self.cell, self.plan = backend, batch, cell, plan
         self.payload, self.run_dir = payload, run_dir
-        self.entry = _Entry(plan.shape)  # in the admission queue only while a lane runs this cell
+        self.entry = _Entry(plan.shape)  # in the admission queue only from when a lane takes this cell
         self.label = batch.cell_label(cell)
         self.future: Future[Any] = Future()
         self.current: _RayTask | None = None
@@ -390,9 +398,12 @@ class _RayCell:
     def stopped(self) -> bool:
         return self.batch.cancel.cancelled or self.future.cancelled()
 
+    def take_place(self) -> None:
+        """Enter the admission queue as a lane takes this cell (lanes take cells in input order, one at a time)."""
+        self.entry = self.backend.admission.enter(self.plan.shape)
+
     def run(self) -> None:
         """Attempt the cell until it succeeds, fails for good or is cancelled; always resolves the Future."""
-        self.entry = self.backend.admission.enter(self.plan.shape)
         try:
             outcomes.attempt_cell(self.batch, self.cell, self.future, self._attempt, log)
         finally:
@@ -424,6 +435,7 @@ class _RayCell:
             if pg is not None:
                 ray_gang.release(pg)
             raise
+        self.backend.admission.submitted(self.entry)
         current = self.current = _RayTask(gen)
         unregister = self.batch.cancel.on_cancel(lambda: current.kill("cancel"))
         if self.future.cancelled():
