@@ -1,10 +1,11 @@
 """Both backends' dispatcher: a batch's cells run in input order on a fixed number of lanes (threads).
 
-A lane takes the next cell (the cell then takes its place in the backend's queue, before the next lane
-can take one, so cells queue in input order whichever lane thread runs first), runs it to its end (waiting for cards, attempts, retries), then takes the
-next. With as many lanes as the batch could ever run at once, threads and open descriptors depend on
-the machine or the cluster, never on the number of cells: a cell queued behind the lanes holds
-nothing, and a cancelled batch cancels its queued cells at once instead of one by one.
+A lane takes the next cell, which takes its place in the backend's queue before the next lane can take
+one (so cells queue in input order, whichever lane thread runs first), runs it to its end (waiting for
+cards, attempts, retries), then takes the next. With as many lanes as the batch could ever run at
+once, threads and open descriptors depend on the machine or the cluster, never on the number of cells:
+a cell queued behind the lanes holds nothing, and a cancelled batch cancels its queued cells at once
+instead of one by one.
 """
 
 from __future__ import annotations

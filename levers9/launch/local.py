@@ -96,8 +96,9 @@ class _LocalCell:
         return self.batch.cancel.cancelled or self.future.cancelled()
 
     def take_place(self) -> None:
-        """Nothing yet: a local cell queues for its cards (a lease ticket) when an attempt starts, and there are
-        never more lanes than jobs the eligible cards can hold at once."""
+        """Nothing yet: a local cell queues for its cards (a lease ticket) when an attempt starts. Lanes never
+        outnumber the jobs the eligible cards hold at once, so each taken cell gets cards as soon as no other
+        caller holds them (while another caller holds some, the lanes' cells are served in ticket order)."""
 
     def run(self) -> None:
         """Attempt the cell until it succeeds, fails for good or is cancelled; always resolves the Future."""
