@@ -286,7 +286,6 @@ def test_dropping_the_results_cancels_the_rest(backend: str, tmp_path: Path) -> 
     assert _wait_dead(pids, 5) == []
 
 
-
 def test_more_cells_than_cards_start_in_input_order(backend: str, tmp_path: Path) -> None:
     # twelve cells that hold their card for 600 s: once four have started no other can, and the four must be
     # the first four (on Ray more tasks than cards are queued in Ray, in the order levers9 submits them)
@@ -301,6 +300,7 @@ def test_more_cells_than_cards_start_in_input_order(backend: str, tmp_path: Path
         results.close()
     assert started == [1, 2, 3, 4], f"cells {started} took the four cards; expected the first four, 1 to 4"
     assert _wait_dead([int(p.read_text()) for p in tmp_path.glob("*.pid")], 5) == []
+
 
 DRIVER = """
 import sys

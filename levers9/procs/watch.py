@@ -36,10 +36,10 @@ class Child:
 
     def __init__(
         self, pid: int, popen: subprocess.Popen[bytes] | None, msg_fd: int, out_fd: int, err_fd: int, name: str,
-        oom_before: int | None = None,
+        oom_before: int | None,
     ) -> None:
         self.pid, self.popen, self.name = pid, popen, name
-        self.oom_before = oom_before  # the cgroup's OOM-kill count read just before the child started (oom.py)
+        self.oom_before = oom_before  # the cgroup's OOM-kill count read just before the child started (None: unreadable)
         self.msg_fd, self.out_fd, self.err_fd = msg_fd, out_fd, err_fd
         self.reader = FrameReader()
         self.cutters = {out_fd: lines.LineCutter(), err_fd: lines.LineCutter()}
