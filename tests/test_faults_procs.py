@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,7 @@ from levers9 import distributed as dist
 from levers9.errors import JobTimeout, RunTimeout
 from levers9.launch import job
 from levers9.procs import failure, start
-from levers9.procs.watch import Watcher
+from levers9.procs.watch import Child, Watcher
 from tests import procfns
 from tests.proc_util import alive, children_of, is_torch_chatter, left_behind, wait_gone
 
@@ -236,6 +236,73 @@ def test_a_ranks_daemon_does_not_outlive_distributed_run(tmp_path: Path, ending:
         no_strays.extend(_pids(tmp_path, "daemon"))
     assert len(no_strays) == 2
     assert wait_gone(no_strays, 5) == []
+
+
+# ---- a child's pid, once reaped ----
+
+NEXT_PID = Path("/proc/sys/kernel/ns_last_pid")  # the kernel gives the next process this number plus one (root)
+
+
+def _start(watcher: Watcher, target: Callable[[], object]) -> Child:
+    method = start.choose()
+    return watcher.add(start.start(target, method=method, shipped=None if method.forks else failure.ship(target)))
+
+
+def _group_leader_with_pid(pid: int) -> subprocess.Popen[bytes] | None:
+    """`sleep 120` leading a session (and process group) of its own, with pid `pid` (a free number); None
+    if another process on the machine took the number first."""
+    NEXT_PID.write_text(str(pid - 1))
+    proc = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    if proc.pid == pid:
+        return proc
+    proc.kill()
+    proc.wait()
+    return None
+
+
+@pytest.mark.skipif(not os.access(NEXT_PID, os.W_OK), reason="choosing the next pid (ns_last_pid) needs root")
+@pytest.mark.timeout(60)
+def test_stop_never_signals_the_group_that_took_the_pid_of_a_child_reaped_earlier() -> None:
+    """A child that ended early is reaped and its number is free; a later process with that number, leading a
+    group of its own (a Ray worker does), must survive the stop() that ends the other children."""
+    watcher = Watcher(lambda child, stream, line: None)
+    other: subprocess.Popen[bytes] | None = None
+    try:
+        quick = _start(watcher, functools.partial(procfns.add, 1, 2))
+        slow = _start(watcher, functools.partial(time.sleep, 600))
+        assert watcher.wait([quick], 30) and not slow.poll()
+        for _ in range(20):
+            other = _group_leader_with_pid(quick.pid)
+            if other is not None:
+                break
+        assert other is not None, f"no process could be started with pid {quick.pid} in 20 tries"
+        watcher.stop(0)
+        assert slow.poll()  # stopped
+        assert other.poll() is None, f"stop() killed pid {other.pid}'s group, once a reaped child's number"
+    finally:
+        watcher.stop(0)
+        watcher.close()
+        if other is not None:
+            other.kill()
+            other.wait()
+
+
+@pytest.mark.timeout(60)
+def test_what_a_killed_child_left_in_its_group_dies_as_the_child_is_reaped(tmp_path: Path, no_strays: list[int]) -> None:
+    """A child SIGKILLed from outside cannot end its own descendants: its group's leftovers (here `sleep 120`,
+    and the child's watchdog) are SIGKILLed by the reaping itself, not left until stop()."""
+    watcher = Watcher(lambda child, stream, line: None)
+    try:
+        child = _start(watcher, functools.partial(procfns.grandchild_then_hang, str(tmp_path)))
+        grandchild = procfns.wait_for(str(tmp_path / "grandchild"))
+        no_strays.append(grandchild)
+        assert procfns.wait_for(str(tmp_path / "job")) == child.pid
+        os.kill(child.pid, signal.SIGKILL)
+        assert watcher.wait([child], 30) and child.signal == signal.SIGKILL
+        assert wait_gone([grandchild], 10) == [], "the killed child's grandchild outlived its reaping"
+    finally:
+        watcher.stop(0)
+        watcher.close()
 
 
 # ---- a helper the caller forked ----

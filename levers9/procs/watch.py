@@ -68,16 +68,22 @@ class Child:
         self._tail_open[fd] = not finished
 
     def poll(self) -> bool:
-        """Reap the child if it has exited; True once it has."""
+        """Reap the child if it has exited, SIGKILLing what is left in its process group first (its watchdog,
+        grandchildren of a child that died abruptly); True once it has. The group is signalled while the
+        unreaped child still holds its pid: once reaped, the number is free, and a process that takes it
+        later and leads a group of its own (another program, a Ray worker) must never be signalled."""
         if self.status is not None:
             return True
         try:
-            pid, raw = os.waitpid(self.pid, os.WNOHANG)
+            exited = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
             self.status = (None, None)
             return True
-        if pid == 0:
+        if exited is None:
             return False
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        _, raw = os.waitpid(self.pid, 0)
         code = os.waitstatus_to_exitcode(raw)
         if self.popen is not None:
             self.popen.returncode = code  # reaped here: the Popen must not wait for it again
@@ -281,8 +287,9 @@ class Watcher:
 
     def stop(self, grace: float) -> None:
         """SIGTERM every live child's process group and its descendants outside it, SIGKILL them after
-        `grace` s, reap the children, and SIGKILL whatever is left in their groups (grandchildren that
-        ignored SIGTERM). Descendants outside a child's group are found while it lives (see tree.py)."""
+        `grace` s, and reap the children (`poll` SIGKILLs what is left in each one's group, grandchildren
+        that ignored SIGTERM, just before). Descendants outside a child's group are found while it lives
+        (see tree.py). No group of a child reaped earlier is signalled: its number may be another's now."""
         live = [c for c in self.children if not c.poll()]
         self._stopped_early = self._stopped_early or bool(live)
         strays = {c.pid: tree.outside_group(c.pid) for c in live}
@@ -298,8 +305,8 @@ class Watcher:
                 self.wait(live, None)
         finally:
             for child in self.children:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(child.pid, signal.SIGKILL)
+                if child.status is None:  # not reaped (an interrupt came): it still holds its pid
+                    child.signal_tree(signal.SIGKILL)
             for pidfds in strays.values():
                 tree.kill_trees(pidfds)
 
