@@ -18,6 +18,7 @@ import signal
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,8 +41,10 @@ _TMPDIR: list[str] = []  # the cluster's temp root: nodes added later keep their
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Any]:
-    """Two Ray nodes, 2 simulated cards each, short health checks; everything removed afterwards."""
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Two Ray nodes, 2 simulated cards each, short health checks; everything removed afterwards (Ray's logs
+    kept in pytest's temp folder when a test of the module failed: see `keep_ray_logs`)."""
+    failed_before = request.session.testsfailed
     import ray
     from ray.cluster_utils import Cluster
 
@@ -74,7 +77,30 @@ def cluster() -> Iterator[Any]:
     finally:
         ray.shutdown()
         made.shutdown()
+        if request.session.testsfailed > failed_before:
+            keep_ray_logs(Path(root), tmp_path_factory.mktemp("ray-nodes-logs"))
         shutil.rmtree(root, ignore_errors=True)
+
+
+def keep_ray_logs(root: Path, into: Path) -> None:
+    """Copy the cluster's Ray logs to `into`, and warn (pytest's warnings summary shows it, in CI too) with
+    every worker Ray saw die of a system error: when, where, and the last lines of its own logs. The
+    tests kill three workers on purpose (an agent, a frozen node's, the store host); any other is news."""
+    logs = sorted(root.glob("ray/session_*/logs"))
+    lines = [f"a test of {__name__} failed; Ray's logs of its cluster are kept in {into}"]
+    for folder in logs:
+        shutil.copytree(folder, into / folder.parent.name, ignore=shutil.ignore_patterns("events", "old"))
+        for exit_line in (folder / "gcs_server.out").read_text(errors="replace").splitlines():
+            found = re.search(r"^\[([^\]]+)\].*Reporting worker exit, worker id = (\w+).*?address = ([\d.]+), "
+                              r"exit_type = SYSTEM_ERROR", exit_line)  # fmt: skip
+            if found is None:
+                continue
+            when, worker, address = found.groups()
+            lines.append(f"worker {worker[:12]} on {address} died at {when}:")
+            for own in sorted(folder.glob(f"*{worker}*")):
+                tail = own.read_text(errors="replace").splitlines()[-6:]
+                lines += [f"  {own.name}:"] + [f"    {line[:300]}" for line in tail]
+    warnings.warn("\n".join(lines), stacklevel=1)
 
 
 @pytest.fixture
