@@ -60,6 +60,29 @@ def train_twice(cfg: dict[str, Any]) -> Any:
     return [dist.run(globals()[cfg["fn"]], cfg) for _ in range(2)]
 
 
+def train_then_hold(cfg: dict[str, Any]) -> Any:
+    """A job body: dist.run of `mark_parent` on every card; then write the control store's address and port and
+    this process's parent (node 0's Ray task) to cfg['mark'], and return the result once cfg['mark'].go exists."""
+    from levers9 import distributed as dist
+    from levers9.context import current_job
+
+    result = dist.run(mark_parent, cfg)
+    job = current_job()
+    assert job is not None and job.gang is not None
+    Path(cfg["mark"]).write_text(f"{job.gang.control_addr} {job.gang.control_port} {os.getppid()}")
+    while not Path(cfg["mark"] + ".go").exists():
+        time.sleep(0.02)
+    return result
+
+
+def mark_parent(cfg: dict[str, Any]) -> float:
+    """Write this rank's pid, its parent's and its Ray node to cfg['mark'].<rank>; return the mean of the ranks."""
+    from levers9 import distributed as dist
+
+    Path(cfg["mark"] + f".{dist.rank()}").write_text(f"{os.getpid()} {os.getppid()} {ray_node_of_this_process()}")
+    return float(dist.all_reduce_mean(float(dist.rank())))
+
+
 def fail_first(cfg: dict[str, Any]) -> dict[str, Any]:
     """Rank 3 raises in the first attempt only; later attempts return the mean of the ranks and the attempt."""
     from levers9 import distributed as dist

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -488,6 +489,43 @@ def test_losing_the_store_host_ends_every_node(on_cluster: str, tmp_path: Path) 
     print(f"store host killed: the caller knew after {seconds:.2f} s")
     nothing_left(on_cluster)
     print(f"and nothing of the job was left on either node after {time.monotonic() - killed:.2f} s")
+
+
+@pytest.mark.timeout(180)
+def test_a_node_task_that_dies_after_the_job_ended_keeps_the_jobs_result(
+    on_cluster: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The job's outcome has reached the caller; node 0's Ray task then waits for node 1's agent to end (frozen
+    here) and its worker dies: the caller gets the job's result and a warning, not a lost job to run again."""
+    import concurrent.futures
+    import datetime
+
+    import torch.distributed as td
+
+    mark = tmp_path / "held"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(job(gpu=TYPE, gpu_count=4, backend="ray", timeout=150, env={"L9_NODES_TEST": on_cluster},
+                                 stop_grace=2.0)(nodefns.train_then_hold).remote, {"mark": str(mark)})  # fmt: skip
+        address, port, host = wait_for(mark).split()
+        agent = int(Path(f"{mark}.2").read_text().split()[1])  # rank 2's parent: node 1's agent
+        os.kill(agent, signal.SIGSTOP)  # dist.run is over: nothing watches the agent until the task's clean-up
+        try:
+            (tmp_path / "held.go").touch()
+            store = td.TCPStore(address, int(port), None, False, datetime.timedelta(seconds=30))
+            deadline = time.monotonic() + 60
+            while not store.check(["end"]):  # set by node 0's task after the job ended, before it waits for agents
+                assert time.monotonic() < deadline, "node 0's task never told the agents the job is over"
+                time.sleep(0.02)
+            del store
+            os.kill(int(host), signal.SIGKILL)
+            with caplog.at_level(logging.WARNING, logger="levers9.launch.ray"):
+                result = future.result(timeout=60)
+        finally:
+            os.kill(agent, signal.SIGCONT)
+    assert result == 1.5  # rank 0's value: the mean of the four ranks
+    assert "the Ray task that ran it died after the job had ended" in caplog.text
+    assert "the job's outcome stands" in caplog.text
+    nothing_left(on_cluster)
 
 
 @pytest.mark.timeout(180)

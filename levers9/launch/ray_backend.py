@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import ray
 
@@ -495,22 +495,10 @@ class _RayCell:
                     elif isinstance(item, TaskEnded):
                         end = item
         except ray.exceptions.RayError as exc:
-            if current.killed_for == "cancel" or self.stopped():
-                raise Cancelled() from None
-            if current.killed_for == "queue":
-                raise self._queue_timeout() from None
-            if isinstance(exc, ray.exceptions.TaskCancelledError):
-                raise Cancelled() from None
-            if isinstance(exc, ray.exceptions.RayTaskError):
-                raise exc.as_instanceof_cause() from None  # levers9's own task code failed
-            raise JobCrashed(
-                f"{self.label}: the Ray task running it was lost ({type(exc).__name__}: "
-                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); {run.attempts}. The node may "
-                f"have died or run out of memory. Last output:\n{tail.last_output}\n{run.where}",
-                JobFailure(cell=cell.index, pid=0 if info is None else info.pid, output_tail=tail.text,
-                            kind=FailureKind.LOST),
-                kind=FailureKind.LOST,
-            ) from exc
+            if end is None:
+                self._raise_lost(exc, current, run, info, tail)
+            log.warning("%s: the Ray task that ran it died after the job had ended (%s: %s); the job's outcome "
+                        "stands.", self.label, type(exc).__name__, _first_line(exc))  # only its clean-up was cut short
         if end is None:
             if current.killed_for == "cancel" or self.stopped():
                 raise Cancelled()
@@ -520,6 +508,32 @@ class _RayCell:
         node = "?" if info is None else info.node
         meta = {} if info is None else {"node": info.node, "node_id": info.node_id, "cards": info.cards, "started": info.time}
         return outcomes.finish(run, end.outcome, tail, spec.timeout, {**meta, "ended": end.time}, node)
+
+    def _raise_lost(self, exc: Exception, current: _RayTask, run: outcomes.JobAttempt, info: TaskStarted | None,
+                    tail: OutputTail) -> NoReturn:  # fmt: skip
+        """Raise what the Ray task's end before the job's outcome means: a cancel or queue timeout of this
+        process's, levers9's own task code failing, or the task lost (its worker or its node died)."""
+        if current.killed_for == "cancel" or self.stopped():
+            raise Cancelled() from None
+        if current.killed_for == "queue":
+            raise self._queue_timeout() from None
+        if isinstance(exc, ray.exceptions.TaskCancelledError):
+            raise Cancelled() from None
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            raise exc.as_instanceof_cause() from None  # levers9's own task code failed
+        raise JobCrashed(
+            f"{self.label}: the Ray task running it was lost ({type(exc).__name__}: {_first_line(exc)}); "
+            f"{run.attempts}. The node may have died or run out of memory. Last output:\n{tail.last_output}\n"
+            f"{run.where}",
+            JobFailure(cell=self.cell.index, pid=0 if info is None else info.pid, output_tail=tail.text,
+                       kind=FailureKind.LOST),
+            kind=FailureKind.LOST,
+        ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _free_gpus() -> str:
