@@ -85,8 +85,8 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 def keep_ray_logs(root: Path, into: Path) -> None:
     """Copy the cluster's Ray logs to `into`, and warn (pytest's warnings summary shows it, in CI too) with
-    every worker Ray saw die of a system error: when, where, and the last lines of its own logs. The
-    tests kill three workers on purpose (an agent, a frozen node's, the store host); any other is news."""
+    every worker Ray saw die of a system error: when, where, and the last lines of its own logs. Some
+    tests kill workers on purpose (agents, the store host, a node task after its job); any other death is news."""
     logs = sorted(root.glob("ray/session_*/logs"))
     lines = [f"a test of {__name__} failed; Ray's logs of its cluster are kept in {into}"]
     for folder in logs:
