@@ -237,6 +237,13 @@ def raise_once(marker: str) -> str:
     return f"ok after {attempts + 1} attempts"
 
 
+def signals_the_parent_catches() -> list[int]:
+    """The signals this process's parent (the job's caller) has a handler for now, from /proc (SigCgt)."""
+    with open(f"/proc/{os.getppid()}/status") as f:
+        mask = int(next(line for line in f if line.startswith("SigCgt:")).split()[1], 16)
+    return [signum for signum in range(1, 65) if mask & (1 << (signum - 1))]
+
+
 def save_on_sigterm(folder: str, name: Any) -> None:
     """Training that saves a checkpoint when told to stop, as a preemptible job does: on SIGTERM write
     folder/saved-<name> and exit 0. Writes folder/ready-<name> (its pid) once the handler is in place."""

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from levers9.procs.watch import exit_on_terminate
+from tests import jobfns
 from tests.proc_util import wait_gone
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,6 +144,18 @@ def test_a_handler_the_caller_installed_is_kept_and_the_default_comes_back_after
         assert signal.getsignal(signal.SIGHUP) is own
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+def test_remote_catches_sigterm_and_sighup_before_its_job_starts() -> None:
+    """Once the job runs, a SIGTERM or SIGHUP to the caller must give it its grace: the handler is in place from
+    before the job starts (it was installed only when the caller began to wait, and a signal sent as soon as the
+    job ran, on a loaded machine, once killed the caller outright), and gone again afterwards."""
+    from levers9.launch import job
+
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    caught = job(stream_output=False)(jobfns.signals_the_parent_catches).remote()
+    assert signal.SIGTERM in caught and signal.SIGHUP in caught
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
 
 
 def test_outside_the_main_thread_nothing_is_installed() -> None:

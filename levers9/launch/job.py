@@ -80,16 +80,17 @@ class JobFunction(Generic[P, R]):
         """
         cell = Cell(0, tuple(args), dict(kwargs))
         check_cell(self.func, cell, label=f"{self.spec.name}{cell.describe()}")
-        futures, cancel, _reporter, record = self._submit([cell], label="")
-        try:
-            return _done(futures[0]).result()
-        finally:
-            cancel.cancel()
-            with contextlib.suppress(Exception):  # interrupted: the job is stopped (stop_grace) before this returns
-                _done(futures[0]).exception()
-            # The future wakes this thread before its done-callback closes the run's record: wait for that,
-            # so the record is whole, and any warning about what a full disk lost is said, before we return.
-            record.closed.wait(RECORD_WAIT)
+        with exit_on_terminate():  # from before the job starts: a SIGTERM once it runs always gives it its grace
+            futures, cancel, _reporter, record = self._submit([cell], label="")
+            try:
+                return _done(futures[0]).result()
+            finally:
+                cancel.cancel()
+                with contextlib.suppress(Exception):  # interrupted: the job is stopped (stop_grace) before this returns
+                    _done(futures[0]).exception()
+                # The future wakes this thread before its done-callback closes the run's record: wait for that,
+                # so the record is whole, and any warning about what a full disk lost is said, before we return.
+                record.closed.wait(RECORD_WAIT)
 
     def spawn(self, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         """Start one job and return a concurrent.futures.Future for its result (cancel() works while it queues).
@@ -212,16 +213,20 @@ class JobFunction(Generic[P, R]):
             record.discard()  # refused (infeasible, not shippable, ...): bad input leaves nothing behind
             raise
         futures: list[Future[Any]] = []
-        for cell in cells:
-            if cell.index in reused:
-                future: Future[Any] = Future()
-                future.set_running_or_notify_cancel()
-                future.set_result(reused[cell.index])
-            else:
-                future = next(submitted)
-                future.add_done_callback(functools.partial(record.store, cell))
-            futures.append(future)
-        _close_when_done(futures, record)
+        try:
+            for cell in cells:
+                if cell.index in reused:
+                    future: Future[Any] = Future()
+                    future.set_running_or_notify_cancel()
+                    future.set_result(reused[cell.index])
+                else:
+                    future = next(submitted)
+                    future.add_done_callback(functools.partial(record.store, cell))
+                futures.append(future)
+            _close_when_done(futures, record)
+        except BaseException:  # a SIGTERM (SystemExit) or Ctrl-C here: no caller will cancel what started
+            batch.cancel.cancel()
+            raise
         return futures, batch.cancel, reporter, record
 
     def __reduce__(self) -> tuple[Any, ...]:
