@@ -75,15 +75,14 @@ class Child:
         if self.status is not None:
             return True
         try:
-            exited = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
+            if os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                return False
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+            _, raw = os.waitpid(self.pid, 0)
+        except ChildProcessError:  # reaped by someone else (the caller's own os.wait())
             self.status = (None, None)
             return True
-        if exited is None:
-            return False
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-        _, raw = os.waitpid(self.pid, 0)
         code = os.waitstatus_to_exitcode(raw)
         if self.popen is not None:
             self.popen.returncode = code  # reaped here: the Popen must not wait for it again
