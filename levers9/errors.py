@@ -254,6 +254,13 @@ class RemoteError(JobError, RuntimeError):
         self.remote_traceback = traceback
 
 
+def first_line(text: str, limit: int | None = None) -> str:
+    """The first line of `text` (stripped; "" for none), cut to `limit` characters with "..." when longer."""
+    stripped = text.strip()
+    line = stripped.splitlines()[0] if stripped else ""
+    return line if limit is None or len(line) <= limit else line[: limit - 3] + "..."
+
+
 def add_note(exc: BaseException, note: str) -> None:
     """BaseException.add_note, also on Python 3.10."""
     if hasattr(exc, "add_note"):

@@ -21,9 +21,20 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from levers9.errors import FailureKind, NodeLost, RankFailed, RankFailure, RunTimeout, StallError, add_note
+from levers9.errors import (
+    FailureKind,
+    NodeLost,
+    RankFailed,
+    RankFailure,
+    RunTimeout,
+    StallError,
+    add_note,
+    first_line,
+)
 from levers9.procs import waits
 from levers9.retries import RESTART_WORDS, RetryPolicy, run_with_retries
+
+FIRST_LINE_CHARS = 160  # of a failure's message, in the one-line account of an attempt
 
 log = logging.getLogger("levers9.distributed")
 T = TypeVar("T")
@@ -119,22 +130,17 @@ def cause_of(exc: BaseException, timeout: float | None, stall_timeout: float | N
         return f"lost node {exc.node} (ranks {', '.join(map(str, exc.ranks))})"
     wrapper = exc if isinstance(exc, RankFailed) else exc.__cause__
     if not isinstance(wrapper, RankFailed) or wrapper.failure is None:
-        return f"{type(exc).__name__}: {_first_line(str(exc))}"
+        return f"{type(exc).__name__}: {first_line(str(exc), FIRST_LINE_CHARS)}"
     return _phrase(wrapper.failure)
 
 
 def _phrase(failure: RankFailure) -> str:
     phrase = f"rank {failure.rank} (pid {failure.pid}) {failure.how()}"
     if failure.exc_type and failure.message:
-        phrase += f": {_first_line(failure.message)}"
+        phrase += f": {first_line(failure.message, FIRST_LINE_CHARS)}"
     if failure.oom_killed:
         phrase += " (the out-of-memory killer)"
     return phrase
-
-
-def _first_line(text: str, limit: int = 160) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def final_error(exc: Exception, attempts: list[FailedAttempt], policy: RetryPolicy) -> Exception:

@@ -26,6 +26,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from levers9.errors import first_line
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 
@@ -127,7 +128,7 @@ class Reporter:
             self.done += 1
             self.failed += not ok
             if error is not None:
-                view.last = _first_line(f"{type(error).__name__}: {error}")
+                view.last = first_line(f"{type(error).__name__}: {error}")
             took = "" if view.took is None else f" in {view.took:.1f} s"
             what = f"done{took}" if ok else f"failed{took}: {view.last}"
             summary = f"[{self.done - self.failed}/{self.total} done, {self.failed} failed]"
@@ -226,11 +227,6 @@ def _span(indices: list[int]) -> str:
 
 def _short(text: str, width: int = 40) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def _first_line(text: str) -> str:
-    lines = text.strip().splitlines()
-    return lines[0] if lines else ""
 
 
 def _duration(seconds: float) -> str:

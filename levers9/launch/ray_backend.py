@@ -51,6 +51,7 @@ from levers9.errors import (
     JobFailure,
     JobTimeout,
     NotShippableError,
+    first_line,
 )
 from levers9.launch import job_process, outcomes, ray_gang, runs
 from levers9.launch.backend import Batch
@@ -498,7 +499,7 @@ class _RayCell:
             if end is None:
                 self._raise_lost(exc, current, run, info, tail)
             log.warning("%s: the Ray task that ran it died after the job had ended (%s: %s); the job's outcome "
-                        "stands.", self.label, type(exc).__name__, _first_line(exc))  # only its clean-up was cut short
+                        "stands.", self.label, type(exc).__name__, first_line(str(exc)))  # only its clean-up was cut short
         if end is None:
             if current.killed_for == "cancel" or self.stopped():
                 raise Cancelled()
@@ -522,18 +523,13 @@ class _RayCell:
         if isinstance(exc, ray.exceptions.RayTaskError):
             raise exc.as_instanceof_cause() from None  # levers9's own task code failed
         raise JobCrashed(
-            f"{self.label}: the Ray task running it was lost ({type(exc).__name__}: {_first_line(exc)}); "
+            f"{self.label}: the Ray task running it was lost ({type(exc).__name__}: {first_line(str(exc))}); "
             f"{run.attempts}. The node may have died or run out of memory. Last output:\n{tail.last_output}\n"
             f"{run.where}",
             JobFailure(cell=self.cell.index, pid=0 if info is None else info.pid, output_tail=tail.text,
                        kind=FailureKind.LOST),
             kind=FailureKind.LOST,
         ) from exc
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def _free_gpus() -> str:
