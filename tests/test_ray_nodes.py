@@ -240,7 +240,6 @@ def test_ranks_talk_on_the_interface_that_carries_the_node_address() -> None:
 # ---- on the two-node cluster ---------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.timeout(180)
 def test_four_cards_run_as_two_nodes_of_two(on_cluster: str) -> None:
     ranks = gang_job(on_cluster).remote({"fn": "describe_rank"})
