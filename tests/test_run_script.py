@@ -67,6 +67,8 @@ def _lines(out: str, marker: str) -> list[str]:
 # -- scripts nobody here wrote, under both launchers ---------------------------------------------
 
 
+# Over 20 s in the three-worker suite (test_sync.py about 9 s alone on 2 idle cores): accelerate's own
+# script under `levers9 run`, then under torchrun as the reference, each rank importing torch and accelerate.
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("script", "marker"), [("test_ops.py", "testing "), ("test_sync.py", "dtype")])
 def test_accelerate_test_scripts_pass_as_under_torchrun(script: str, marker: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,6 +94,8 @@ def test_accelerate_test_scripts_pass_as_under_torchrun(script: str, marker: str
     assert not missing, missing
 
 
+# Over 20 s in the three-worker suite (about 9 s alone on 2 idle cores): the tutorial under `levers9 run`,
+# then under torchrun as the reference (its agent and both ranks each import torch).
 @pytest.mark.timeout(180)
 def test_ddp_tutorial_script_gives_torchrun_outcome() -> None:
     path = str(SCRIPTS / "elastic_ddp.py")
