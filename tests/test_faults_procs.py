@@ -305,6 +305,33 @@ def test_what_a_killed_child_left_in_its_group_dies_as_the_child_is_reaped(tmp_p
         watcher.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_child_reaped_by_the_callers_own_wait_between_polls_two_wait_calls_ends_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The caller's own `os.wait()` (in another thread) may reap a child after `poll()` saw it exit and before
+    `poll()` reaps it: `poll()` then says it ended, with its status unknown, instead of raising from the pump.
+    The other thread's wait is made to land in that window by running it in `os.killpg`, the one call between."""
+    watcher = Watcher(lambda child, stream, line: None)
+    try:
+        child = _start(watcher, functools.partial(procfns.add, 1, 2))
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # it has exited and is not reaped yet
+        real_killpg = os.killpg
+
+        def reaped_by_the_caller_first(pid: int, signum: int) -> None:
+            os.waitpid(pid, 0)
+            real_killpg(pid, signum)
+
+        monkeypatch.setattr(os, "killpg", reaped_by_the_caller_first)
+        assert child.poll() and child.status == (None, None)
+        monkeypatch.undo()
+        assert watcher.wait([child], 5)
+    finally:
+        monkeypatch.undo()
+        watcher.stop(0)
+        watcher.close()
+
+
 # ---- a helper the caller forked ----
 
 HELPER_CALLER = """
