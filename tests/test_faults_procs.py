@@ -324,7 +324,6 @@ def test_a_child_reaped_by_the_callers_own_wait_between_polls_two_wait_calls_end
 
         monkeypatch.setattr(os, "killpg", reaped_by_the_caller_first)
         assert child.poll() and child.status == (None, None)
-        monkeypatch.undo()
         assert watcher.wait([child], 5)
     finally:
         monkeypatch.undo()
