@@ -378,6 +378,8 @@ def test_a_frozen_node_is_named_by_the_heartbeat(on_cluster: str, tmp_path: Path
     nothing_left(on_cluster)
 
 
+# Over 20 s in the three-worker suite (about 12 s alone on 2 idle cores): a 4-rank job on two Ray nodes, the
+# agent on node 1 killed, and a restart that starts a new agent there before every rank runs fn again.
 @pytest.mark.timeout(180)
 def test_a_lost_agent_is_replaced_and_the_restart_runs_on_every_node(on_cluster: str, tmp_path: Path) -> None:
     import concurrent.futures

@@ -102,6 +102,8 @@ def test_a_thousand_cells_run_with_bounded_descriptors_and_threads(tmp_path: Pat
     assert grew["threads"] <= 4 + 2, report  # 4 lanes and the sampler
 
 
+# Over 20 s in the three-worker suite (about 8 s alone on 2 idle cores): 204 real Ray tasks, each starting
+# its cell's job process, four at a time on the session Ray's four logical cards.
 @pytest.mark.ray
 @pytest.mark.timeout(240)
 def test_a_big_sweep_on_ray_runs_on_lanes_not_a_thread_per_cell(
