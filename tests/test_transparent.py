@@ -143,6 +143,8 @@ def _differences(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]
     return found
 
 
+# Near 20 s in the three-worker suite (16 s on 2026-12-04, about 8 s alone on 2 idle cores): the state script
+# four ways (plain, imported, under distributed.run, under torchrun), nine interpreters importing torch.
 @pytest.mark.timeout(300)
 def test_levers9_leaves_torch_and_the_process_as_a_process_that_never_imported_it() -> None:
     """Measured on the last round's code: 29 torch callables replaced in every rank, the env:// handler and
