@@ -141,7 +141,7 @@ def main(args: argparse.Namespace) -> int:
             what="levers9 run",
         )
         count, backend = scripts.resolve_nprocs(args.nproc_per_node, None, flag="--nproc-per-node")
-        target = scripts.with_omp_default(target, count)
+        scripts.say_one_thread_each(count)
         from levers9.distributed.spawner import run
 
         run(

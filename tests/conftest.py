@@ -65,6 +65,7 @@ TIER_BY_MODULE = {
     "test_examples": "launchers",
     "test_run_everywhere": "launchers",
     "test_run_script": "launchers",
+    "test_fresh_rank": "launchers",
     "test_terminate": "launchers",
     "test_transparent": "launchers",
     "test_contract": "launchers",

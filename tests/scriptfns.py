@@ -134,3 +134,65 @@ def spawned_sees(index: int) -> dict[str, Any]:
         "initialized": td.is_initialized(),
         "index": index,
     }
+
+
+def fresh_record(args: tuple[str, int | None, int | None]) -> None:
+    """tests/scripts/fresh_process.py's record(), as a distributed.run fn."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fresh_process", SCRIPTS / "fresh_process.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.record(*args)
+
+
+def torch_draw() -> list[float]:
+    """Three unseeded draws from torch's default generator (a job cell's or a rank's own)."""
+    import torch
+
+    return torch.rand(3).tolist()
+
+
+def peer_killed(mode: str) -> None:
+    """Rank 1 ends by a signal ("kill": SIGKILL, "int": SIGINT) after a first barrier; rank 0 reacts to the lost
+    peer as many scripts do, with sys.exit(1)."""
+    import signal
+    import sys
+    import time
+
+    import torch.distributed as td
+
+    td.barrier()
+    if td.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGINT)
+        time.sleep(30)
+    try:
+        for _ in range(1000):
+            td.barrier()
+    except Exception:
+        sys.exit(1)
+
+
+def two_ranks_raise() -> None:
+    """Ranks 1 and 2 raise, each its own error; rank 0 waits in a barrier."""
+    import torch.distributed as td
+
+    if td.get_rank() in (1, 2):
+        raise ValueError(f"rank {td.get_rank()} could not read its shard")
+    td.barrier()
+
+
+def leaves_a_thread_running(seconds: float) -> str:
+    """Returns at once, leaving a non-daemon thread that runs for `seconds`."""
+    import threading
+    import time
+
+    threading.Thread(target=time.sleep, args=(seconds,), name="slow-uploader").start()
+    return "returned"
+
+
+def thread_count() -> tuple[int, str | None]:
+    import torch
+
+    return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")

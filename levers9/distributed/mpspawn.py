@@ -21,6 +21,8 @@ def spawn(
     join: bool = True,
     daemon: bool = False,
     start_method: str | None = None,
+    *,
+    prefix_output: bool = False,
 ) -> Any:
     """Call `fn(i, *args)` in `nprocs` processes (i = 0 .. nprocs-1) and wait for all of them.
 
@@ -38,6 +40,8 @@ def spawn(
         daemon: Accepted for compatibility; ranks always end with the caller.
         start_method: None (the default) forks where that is safe and starts fresh interpreters
             otherwise; "fork" or "spawn" insist ("forkserver" counts as "spawn").
+        prefix_output: Put "[rank N] " before lines from processes other than 0 (default off: a
+            process's output passes through as under mp.spawn).
 
     Returns:
         What fn returned in process 0.
@@ -63,7 +67,7 @@ def spawn(
         start_method = "spawn"
     from levers9.distributed.spawner import spawn_ranks
 
-    return spawn_ranks(functools.partial(_call_with_rank, fn, args), nprocs, start_method)
+    return spawn_ranks(functools.partial(_call_with_rank, fn, args), nprocs, start_method, prefix_output)
 
 
 def _call_with_rank(fn: Callable[..., Any], args: tuple[Any, ...], rank: int) -> Any:

@@ -60,8 +60,9 @@ from levers9.errors import (
 )
 from levers9.procs import start
 from levers9.procs.failure import Failure, raise_rank_exception, ship, unship
-from levers9.procs.outcome import Outcome, kind_of
-from levers9.procs.watch import Child, Watcher, exit_on_terminate
+from levers9.procs.outcome import Outcome, consequence, kind_of
+from levers9.procs.supervise import ROOT_CAUSE_WINDOW_S
+from levers9.procs.watch import Child, Watcher, exit_on_terminate, output_excerpt
 from levers9.retries import RetryPolicy
 
 log = logging.getLogger("levers9.distributed")
@@ -70,10 +71,8 @@ HEARTBEAT_EVERY_S = 0.5  # an agent bumps its counter this often
 LOST_AFTER_S = 5.0  # a counter that did not move for this long: the node is lost
 JOIN_TIMEOUT_S = 120.0  # agents that have not joined by then are named
 POLL_EVERY_S = 0.1  # node 0 reads the control store this often
-ROOT_CAUSE_WINDOW_S = 0.15  # as on one node: an agent waits this long for an earlier failure of its own ranks
 # node 0 waits longer: an agent's report of an earlier failure is on its way (its window, then node 0's poll)
 ACROSS_NODES_WINDOW_S = ROOT_CAUSE_WINDOW_S + 2 * POLL_EVERY_S + 0.15
-REPORT_LINES = 40
 ANSWER_WAIT_S = 10.0  # how long node 0 waits for the other nodes' fresh samples and stack reports
 SOCKET_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
@@ -151,15 +150,8 @@ class Report:
         return RankFailure(rank=self.rank, pid=self.pid, exitcode=self.exitcode if f is None else f.exitcode,
                            signal=self.signal if f is None else None,
                            exc_type=None if f is None or f.is_exit else f.exc_type, message="" if f is None else f.message,
-                           traceback="" if f is None else f.traceback, output_tail=_excerpt(list(self.tail)),
+                           traceback="" if f is None else f.traceback, output_tail=output_excerpt(list(self.tail)),
                            kind=kind_of(Outcome(self.pid, self.exitcode, self.signal, failure=f, reported=True)))  # fmt: skip
-
-
-def _excerpt(lines: list[str]) -> str:
-    starts = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
-    if starts:
-        return "\n".join(lines[starts[-1] : starts[-1] + REPORT_LINES])
-    return "\n".join(lines[-REPORT_LINES:])
 
 
 def report_of(child: Child, rank: int, node: int, address: str) -> Report:
@@ -175,8 +167,9 @@ def where_on_node(board: stalls.BoardFolder, ranks: list[Child], first: int, nod
 
 
 def root_of(reports: list[Report]) -> Report:
-    """The first failure in time; errors caused only by losing a peer come last."""
-    return min(reports, key=lambda r: (r.peer_loss, r.wall))
+    """The first failure in time, by outcome.root_cause's rule: failures of its own before exits, and errors
+    caused only by losing a peer last."""
+    return min(reports, key=lambda r: (consequence(r.failure), r.wall))
 
 
 # ---- node 0: the job process -------------------------------------------------------------------------

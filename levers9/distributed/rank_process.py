@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -52,6 +53,9 @@ def rank_main(spec: RankSpec, call: Callable[..., Any]) -> bytes | None:
 
     # the parent applied the quirks for every rank, before starting any (their variables are in its environment)
     runtime.begin(Runtime(job=spec.job, quirks=QuirkPlan(), cpu_only=spec.backend == "gloo"))
+    torch = sys.modules.get("torch")
+    if torch is not None and os.environ.get("OMP_NUM_THREADS") == "1" and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)  # a forked rank keeps the caller's thread pool; a fresh one reads the variable
     board_slot = spec.rank if spec.board_slot is None else spec.board_slot
     slot = None if spec.board_folder is None else stalls.watch_this_rank(spec.board_folder, board_slot)
     with group.joined(spec.backend, slot) if spec.make_group else contextlib.nullcontext():

@@ -42,7 +42,6 @@ class ScriptTarget:
     name: str  # absolute path, module name or program
     typed: str = ""  # the path as given, for sys.argv[0] (as `python path` keeps it)
     argv: tuple[str, ...] = ()
-    one_omp_thread: bool = False  # OMP_NUM_THREADS=1 on every rank (it was unset and several ranks run)
     log_dir: str | None = None  # a copy of each rank's output goes to LOG_DIR/<local rank>/{stdout,stderr}.log
     console_ranks: tuple[int, ...] | None = None  # local ranks whose output reaches the console (None: all)
 
@@ -100,7 +99,7 @@ def run_script(
         target, argv, module=module, no_python=no_python, log_dir=log_dir, console_ranks=console_ranks
     )
     count, backend = resolve_nprocs(nprocs, backend)
-    script = with_omp_default(script, count)
+    say_one_thread_each(count)
     from levers9.distributed.spawner import RunOptions, run_with
 
     options = RunOptions(nprocs=count, backend=backend, timeout=timeout, stall_timeout=stall_timeout,
@@ -231,17 +230,17 @@ def _has_cards() -> bool:
     return (job is not None and job.gpu_count > 0) or visible_card_count() > 0
 
 
-def with_omp_default(script: ScriptTarget, nprocs: int) -> ScriptTarget:
-    """`script` with OMP_NUM_THREADS=1 for every rank when it is unset and several ranks run (said once)."""
-    if nprocs <= 1 or "OMP_NUM_THREADS" in os.environ:
-        return script
-    print(
-        f"levers9: OMP_NUM_THREADS is unset; each of the {nprocs} ranks gets OMP_NUM_THREADS=1 (as torchrun does) so "
-        f"the ranks do not oversubscribe the CPU cores. Set OMP_NUM_THREADS to choose another number.",
-        file=sys.stderr,
-        flush=True,
-    )
-    return dataclasses.replace(script, one_omp_thread=True)
+def say_one_thread_each(nprocs: int) -> None:
+    """Say once, as torchrun does, that each of `nprocs` ranks gets OMP_NUM_THREADS=1 (when distributed.run gives it)."""
+    from levers9.distributed.spawner import one_thread_each
+
+    if one_thread_each(nprocs):
+        print(
+            f"levers9: OMP_NUM_THREADS is unset; each of the {nprocs} ranks gets OMP_NUM_THREADS=1 (as torchrun does) so "
+            f"the ranks do not oversubscribe the CPU cores. Set OMP_NUM_THREADS to choose another number.",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def run_target(script: ScriptTarget) -> None:
@@ -250,11 +249,6 @@ def run_target(script: ScriptTarget) -> None:
         _run_in_place(script)
         return
     fresh_logging()  # the script starts with a fresh interpreter's root logger, as under torchrun
-    if script.one_omp_thread:
-        os.environ["OMP_NUM_THREADS"] = "1"
-        import torch
-
-        torch.set_num_threads(1)  # a forked rank inherits the parent's thread pool, not just its environment
     local = world.launch_info().local_rank
     if script.console_ranks is not None and local not in script.console_ranks:
         _silence_console()

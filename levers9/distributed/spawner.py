@@ -19,7 +19,6 @@ import math
 import os
 import socket
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
@@ -40,13 +39,12 @@ from levers9.errors import (
 )
 from levers9.procs import oom, start
 from levers9.procs.failure import raise_rank_exception, ship, unpicklable_part, unship
-from levers9.procs.outcome import Outcome, StopReason, kind_of
+from levers9.procs.outcome import Outcome, StopReason, kind_of, root_cause
 from levers9.procs.supervise import DRAIN_S, Supervisor
-from levers9.procs.watch import Child, Watcher, exit_on_terminate
+from levers9.procs.watch import Child, Watcher, exit_on_terminate, output_excerpt
 from levers9.retries import RetryPolicy, restart_policy
 
 STOP_GRACE_S = 5.0  # default stop_grace: SIGTERM, then SIGKILL after this long
-REPORT_LINES = 40  # of a rank's output, shown in a failure report
 # What to do instead of each argument that only ranks started here use, under a launcher.
 _INSTEAD_UNDER_LAUNCHER = {
     "stall_timeout": "pass timeout= instead (every rank watches itself)",
@@ -281,13 +279,13 @@ def _start_attempts(ranks: SpawnedRanks, policy: RetryPolicy) -> Any:
                                      timeout=ranks.timeout, stall_timeout=ranks.stall_timeout)  # fmt: skip
 
 
-def spawn_ranks(call: Callable[[int], Any], nprocs: int, start_method: str | None) -> Any:
+def spawn_ranks(call: Callable[[int], Any], nprocs: int, start_method: str | None, prefix_output: bool = False) -> Any:
     """`call(rank)` in `nprocs` ranks with torch.multiprocessing.spawn's meaning: the caller's environment (no
     launcher variables, no store, no group) and no restarts; rank 0's value, or the root failure raised."""
     layout = plan_layout(nprocs, None)
     method = start.choose(start_method)
     shipped = None if method.forks else _shipped(call, None, call, method)
-    ranks = SpawnedRanks(call, shipped, layout, _ranks_env(layout, ()), method, None, None, True, STOP_GRACE_S,
+    ranks = SpawnedRanks(call, shipped, layout, _ranks_env(layout, (), as_torchrun=False), method, None, None, prefix_output, STOP_GRACE_S,
                          make_group=False, torchrun_env=False, pass_rank=True)  # fmt: skip
     return _start_attempts(ranks, RetryPolicy())
 
@@ -403,11 +401,18 @@ def _shipped(fn: Callable[..., Any], cfg: Any, call: Callable[..., Any], method:
     return ship(call)
 
 
-def _ranks_env(layout: Layout, disabled: tuple[str, ...]) -> dict[str, str]:
-    """Variables every rank gets on top of the caller's environment (quirk defaults included)."""
+def one_thread_each(nprocs: int) -> bool:
+    """True when each of `nprocs` ranks gets OMP_NUM_THREADS=1, as torchrun gives it: several ranks, and the
+    user set no number (ranks sharing the cores must not each start a thread per core)."""
+    return nprocs > 1 and "OMP_NUM_THREADS" not in os.environ
+
+
+def _ranks_env(layout: Layout, disabled: tuple[str, ...], *, as_torchrun: bool = True) -> dict[str, str]:
+    """Variables every rank gets on top of the caller's environment: quirk defaults, and torchrun's thread count
+    unless `as_torchrun` is False (mp.spawn's meaning: the caller's environment)."""
     from levers9.distributed.hardware import quirks
 
-    env: dict[str, str] = {}
+    env: dict[str, str] = {"OMP_NUM_THREADS": "1"} if as_torchrun and one_thread_each(layout.nprocs) else {}
     if quirks.applied_plan() is None:  # planned once: a job process applied its cards' plan already
         plan = quirks.plan_quirks(local_world_size=layout.nprocs, backend=layout.backend, disabled=disabled)
         plan.raise_errors()  # before any rank starts
@@ -516,36 +521,46 @@ class _Spawn:
         value = outcomes[0].value
         return None if value is None else unship(value)
 
-    def _raise_root_failure(self, outcomes: list[Outcome]) -> NoReturn:
-        root = root_cause(outcomes)
-        index = outcomes.index(root)
-        child, report = self.children[index], root.failure
-        failure = RankFailure(
+    def _rank_failure(self, index: int, outcome: Outcome) -> RankFailure:
+        """What is known of rank `index`'s failure, from how it ended and what it reported."""
+        report = outcome.failure
+        return RankFailure(
             rank=index,
-            pid=root.pid,
-            exitcode=root.exitcode if report is None else report.exitcode,
-            signal=root.signal if report is None else None,
+            pid=outcome.pid,
+            exitcode=outcome.exitcode if report is None else report.exitcode,
+            signal=outcome.signal if report is None else None,
             exc_type=None if report is None or report.is_exit else report.exc_type,
             message="" if report is None else report.message,
             traceback="" if report is None else report.traceback,
-            output_tail=output_excerpt(list(child.tail)),
-            oom_killed=root.oom_killed,
-            kind=kind_of(root),
+            output_tail=output_excerpt(list(self.children[index].tail)),
+            oom_killed=outcome.oom_killed,
+            kind=kind_of(outcome),
         )
-        others = [str(i) for i in range(len(outcomes)) if i != index]
-        stopped = f"; the other rank(s) {', '.join(others)} were stopped" if others else ""
-        full = failure.describe()
+
+    def _raise_root_failure(self, outcomes: list[Outcome]) -> NoReturn:
+        """Raise the root cause (rank, how it ended, its traceback), naming every other rank that failed by
+        itself, with its own report below, and the ranks that were stopped, as torchrun's summary does."""
+        root = root_cause(outcomes)
+        index = outcomes.index(root)
+        failure, report = self._rank_failure(index, root), root.failure
+        also = [i for i, o in enumerate(outcomes) if i != index and not o.succeeded and o.stopped_for is None]
+        stopped = [str(i) for i, o in enumerate(outcomes) if o.stopped_for is not None]
+        others = "".join(f"; rank {i} also failed (below)" for i in also)
+        others += f"; rank(s) {', '.join(stopped)} were stopped" if stopped else ""
+        full = failure.describe() + "".join(
+            f"\n\nAlso failed, after the root cause:\n{self._rank_failure(i, outcomes[i]).describe()}" for i in also
+        )
         if report is not None and report.is_exit:
-            headline = f"rank {failure.rank} (pid {root.pid}) called sys.exit({report.message or report.exitcode}){stopped}."
+            headline = f"rank {failure.rank} (pid {root.pid}) called sys.exit({report.message or report.exitcode}){others}."
             raise RankCrashed(f"distributed.run: {headline}\n\n{full}", failure)
         if report is None:
             hint = ""
             if root.signal is not None:  # more than the signal only on evidence: the cgroup's OOM-kill count rose
                 how = oom.killed_by(root.signal, *root.oom_counts)
                 hint = "" if how == f"killed by {signal_name(root.signal)}" else f"\nrank {failure.rank} was {how}."
-            raise RankCrashed(f"distributed.run: {full.splitlines()[0]}{stopped}.{hint}\n\n{full}", failure)
-        raise_rank_exception(f"distributed.run: {full.splitlines()[0]}{stopped}.\n\n{full}", failure, report,
-                             f"levers9: raised on rank {failure.rank} (pid {root.pid}) of {len(outcomes)}{stopped}. "
+            raise RankCrashed(f"distributed.run: {full.splitlines()[0]}{others}.{hint}\n\n{full}", failure)
+        raise_rank_exception(f"distributed.run: {full.splitlines()[0]}{others}.\n\n{full}", failure, report,
+                             f"levers9: raised on rank {failure.rank} (pid {root.pid}) of {len(outcomes)}{others}. "
                              f"Its traceback:\n{report.traceback.rstrip()}")  # fmt: skip
 
     def _raise_stopped(self, error: type[RankFailed], headline: str) -> NoReturn:
@@ -556,32 +571,16 @@ class _Spawn:
     def _timeout_text(self, outcomes: list[Outcome]) -> str:
         running = ", ".join(str(i) for i, o in enumerate(outcomes) if o.stopped_for is not None)
         timeout = self.ranks.timeout
+        waiting = "".join(
+            f" Rank {i} had returned and was waiting for its non-daemon thread(s) {', '.join(map(repr, child.waiting_for))} "
+            f"to end, as an interpreter does at exit (make a thread daemon=True, or join it within the run)."
+            for i, child in enumerate(self.children) if child.waiting_for and outcomes[i].stopped_for is not None
+        )
         return (
             f"distributed.run timed out: still running after {timeout:g} s (timeout={timeout:g}); rank(s) {running} "
-            f"had not finished and every rank was stopped. Expected the run to finish within the timeout; pass a "
-            f"larger timeout=, or None for no limit. Where each rank was:"
+            f"had not finished and every rank was stopped.{waiting} Expected the run to finish within the timeout; "
+            f"pass a larger timeout=, or None for no limit. Where each rank was:"
         )
-
-
-def root_cause(outcomes: list[Outcome]) -> Outcome:
-    """The failed child whose failure came first; errors caused only by losing a peer last, and a child the
-    supervisor stopped because another failed never before one that failed by itself."""
-
-    def order(outcome: Outcome) -> tuple[int, int, float]:
-        collateral = 1 if outcome.stopped_for is not None else 0
-        if outcome.failure is not None:
-            return (collateral, 1 if outcome.failure.peer_loss else 0, outcome.failure.when)
-        return (collateral, 0, time.monotonic())  # a crash: seen now, but never a mere consequence
-
-    return min((o for o in outcomes if not o.succeeded), key=order)
-
-
-def output_excerpt(lines: list[str]) -> str:
-    """The part of a rank's last output worth showing: a fatal-error stack dump if there is one, else the last lines."""
-    starts = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
-    if starts:
-        return "\n".join(lines[starts[-1] : starts[-1] + REPORT_LINES])
-    return "\n".join(lines[-REPORT_LINES:])
 
 
 @contextlib.contextmanager

@@ -3,7 +3,9 @@
 The child leads its own session, dies with its parent (the kernel's parent-death signal for itself,
 and a watchdog process in its group that kills the whole group once the parent's lifeline pipe
 reads end of file, so what the target started dies too), writes its output to the parent's pipes,
-runs the target and sends back one message: ("result", value) or ("error", Failure). It is a child
+runs the target and sends back one message: ("result", value) or ("error", Failure), then ends as an
+interpreter ends (interpreter.py: threads joined, exit handlers run, files flushed; a forked child also
+began with its own random state and exit handlers). It is a child
 subreaper, and when the target is done it kills every descendant it still has, daemons that left
 its group or session included (tree.py), so nothing it started outlives it. Descriptors it was handed
 (its message pipe, lifeline, lease locks) are never inherited by what it starts (fds.py). The target's
@@ -27,7 +29,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from levers9.procs import fds, tree
+from levers9.procs import fds, interpreter, tree
 from levers9.procs.failure import capture, exit_status, send, unship
 
 _PR_SET_PDEATHSIG = 1
@@ -53,7 +55,9 @@ def forked_main(target: Callable[[], Any], ends: Ends, env: dict[str, str]) -> N
             os.setsid()
         die_with_parent(ends.parent_pid)
         _redirect_stdio(ends.out_fd, ends.err_fd)
-        threading.current_thread().name = "MainThread"  # the forker thread's copy is this process's main thread
+        main = threading.current_thread()  # the forker thread's copy is this process's main thread: named,
+        main.name, main._daemonic = "MainThread", False  # type: ignore[attr-defined]  # and its threads non-daemon by default
+        interpreter.begin_forked()
         status = run_target(target, ends, env)
     finally:
         os._exit(status)
@@ -61,6 +65,7 @@ def forked_main(target: Callable[[], Any], ends: Ends, env: dict[str, str]) -> N
 
 def fresh_main() -> NoReturn:
     """Entry point of a fresh interpreter: sys.path, cwd, ends, env and the shipped target come on stdin."""
+    interpreter.begin()
     sys_path, cwd, ends, env, blob = pickle.loads(sys.stdin.buffer.read())
     die_with_parent(ends.parent_pid)
     for fd in (ends.msg_fd, ends.lifeline_fd, *ends.held):
@@ -94,7 +99,9 @@ def run_target(target: Callable[[], Any] | bytes, ends: Ends, env: dict[str, str
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         status = 1
         send(ends.msg_fd, ("error", capture(exc)))
+        interpreter.uncaught(exc)
     finally:
+        interpreter.shutdown(lambda names: send(ends.msg_fd, ("waiting", names)))
         flush_std_streams()
         _stop_watchdog(watchdog)
         tree.end_descendants()

@@ -3,6 +3,7 @@
 A child talks to its parent over one pipe, in length-prefixed pickled messages:
     ("result", bytes | None)     the target returned (its value shipped, or None when not asked for)
     ("error", Failure)           the target raised, called sys.exit(non-zero), or its value could not be shipped
+    ("waiting", [names])         after either: it waits for these non-daemon threads before it exits
 The parent reads them with a FrameReader as they arrive; `rebuild` turns a Failure back into the
 original exception where its type can be unpickled here.
 """
@@ -18,6 +19,7 @@ import struct
 import sys
 import time
 import traceback
+import types
 from typing import Any, NoReturn
 
 _HEADER = struct.Struct("!Q")
@@ -69,12 +71,23 @@ def capture(exc: BaseException, exitcode: int = 1) -> Failure:
         exc_blob=blob,
         exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
         message=message,
-        traceback="".join(traceback.format_exception(exc)),
+        traceback="".join(traceback.format_exception(type(exc), exc, user_frames(exc.__traceback__))),
         when=time.monotonic(),
         peer_loss=any(marker in message for marker in PEER_LOSS_MARKERS),
         exitcode=exitcode,
         card_fault=any(marker in message for marker in CARD_FAULT_MARKERS),
     )
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """`tb` without its leading frames of levers9's own (the layers that called the user's code); the last
+    frame is always kept, so an error levers9 itself raised still says where."""
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        tb = tb.tb_next
+    return tb
 
 
 def exit_status(exc: SystemExit) -> int:
@@ -104,8 +117,8 @@ def raise_rank_exception(message: str, failure: Any, report: Failure, note: str)
 
     wrapper = RankFailed(message, failure)
     original = rebuild(report)
-    if original is None:
-        raise wrapper
+    if not isinstance(original, Exception):  # not rebuilt, or a KeyboardInterrupt sent to that rank alone: the
+        raise wrapper  # caller was not interrupted, and `except Exception` must catch the rank's failure
     add_note(original, note)
     raise original from wrapper
 

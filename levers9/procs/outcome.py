@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 from levers9.errors import FailureKind
 from levers9.procs.failure import Failure
@@ -47,6 +48,7 @@ class Outcome:
     stopped_for: StopReason | None = None  # None: it ended by itself
     oom_counts: tuple[int | None, int | None] = (None, None)  # its cgroup's OOM-kill count at start and at the end
     lost: bool = False  # nothing is known of how it ended (its node or its watcher is gone)
+    ended: float | None = None  # time.monotonic() when the supervisor saw it end (None: not seen)
 
     @property
     def succeeded(self) -> bool:
@@ -58,6 +60,30 @@ class Outcome:
         """Killed by a signal while its cgroup's out-of-memory kill count rose."""
         before, after = self.oom_counts
         return self.signal is not None and before is not None and after is not None and after > before
+
+
+def consequence(failure: Failure | None) -> int:
+    """How likely a child's failure is a consequence of another's, for ordering the root cause first: 0 for a
+    failure of its own (an exception, or a death with nothing reported: a signal beats the exits it causes in
+    its peers), 1 for sys.exit(N) (more often a script's reaction to a lost peer than a cause), 2 for an
+    error that only says a peer was lost."""
+    if failure is None:
+        return 0
+    if failure.peer_loss:
+        return 2
+    return 1 if failure.is_exit else 0
+
+
+def root_cause(outcomes: list[Outcome]) -> Outcome:
+    """The failed child that failed first by itself: a child stopped because another failed never before one
+    that failed by itself, then by `consequence`, then by time (a record's own clock, else when it was seen
+    ending; CLOCK_MONOTONIC is one clock for every process of the machine)."""
+
+    def order(outcome: Outcome) -> tuple[int, int, float]:
+        when = outcome.failure.when if outcome.failure is not None else outcome.ended
+        return (outcome.stopped_for is not None, consequence(outcome.failure), math.inf if when is None else when)
+
+    return min((o for o in outcomes if not o.succeeded), key=order)
 
 
 def kind_of(outcome: Outcome) -> FailureKind | None:

@@ -110,4 +110,5 @@ class Supervisor:
             reported=child.reported,
             stopped_for=self.stopped_for if child.pid in self._stopped_pids else None,
             oom_counts=(child.oom_before, oom_after),
+            ended=child.ended_at,
         )

@@ -27,6 +27,7 @@ from levers9.procs import fds, lines, tree
 from levers9.procs.failure import Failure, FrameReader
 
 TAIL_LINES = 400  # kept per child for failure reports
+REPORT_LINES = 40  # of a child's last output, shown in a failure report
 TAIL_LINE_CHARS = 4000  # of each of them; a longer line is kept cut, saying so
 STUCK_S = 1.0  # once children were stopped early, output the caller's stream has not taken for this long is dropped
 
@@ -46,9 +47,11 @@ class Child:
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._tail_open: dict[int, bool] = {}  # the tail's last line is an unfinished one from this pipe
         self.status: tuple[int | None, int | None] | None = None  # (exit code, signal) once reaped
+        self.ended_at: float | None = None  # time.monotonic() when it was reaped
         self.reported = False  # a "result" or "error" message arrived
         self.result: bytes | None = None
         self.failure: Failure | None = None
+        self.waiting_for: list[str] = []  # names of the non-daemon threads it waited for once its target was done
         try:
             self.pidfd: int | None = os.pidfd_open(pid)
         except (AttributeError, OSError):
@@ -81,8 +84,9 @@ class Child:
                 os.killpg(self.pid, signal.SIGKILL)
             _, raw = os.waitpid(self.pid, 0)
         except ChildProcessError:  # reaped by someone else (the caller's own os.wait())
-            self.status = (None, None)
+            self.status, self.ended_at = (None, None), time.monotonic()
             return True
+        self.ended_at = time.monotonic()
         code = os.waitstatus_to_exitcode(raw)
         if self.popen is not None:
             self.popen.returncode = code  # reaped here: the Popen must not wait for it again
@@ -117,6 +121,14 @@ def cut_line(line: str) -> str:
     if len(line) <= TAIL_LINE_CHARS:
         return line
     return line[: TAIL_LINE_CHARS - 40] + f" [... cut: a line over {TAIL_LINE_CHARS} characters]"
+
+
+def output_excerpt(lines: list[str]) -> str:
+    """The part of a child's last output worth showing: a fatal-error stack dump if there is one, else the last lines."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
+    if starts:
+        return "\n".join(lines[starts[-1] : starts[-1] + REPORT_LINES])
+    return "\n".join(lines[-REPORT_LINES:])
 
 
 def pid_alive(pid: int) -> bool:
@@ -216,6 +228,9 @@ class Watcher:
                     self._forward(child, key.fd, child.cutters[key.fd].end())
             elif key.fd == child.msg_fd:
                 for kind, value in child.reader.feed(chunk):
+                    if kind == "waiting":  # it returned, and waits for its non-daemon threads to end
+                        child.waiting_for = list(value)
+                        continue
                     child.reported = True
                     child.result, child.failure = (value, None) if kind == "result" else (None, value)
             else:

@@ -1,0 +1,153 @@
+"""A forked rank is what torchrun or mp.spawn would have started: its own random state, an interpreter's end
+(non-daemon threads joined, atexit handlers, files flushed, sys.excepthook), torchrun's thread count, and a
+failure report that names the rank that failed first by itself, every rank that failed, and no levers9 frames.
+Each is checked side by side with torchrun on the same script where torchrun can run it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from levers9 import distributed as dist
+from levers9.errors import FailureKind, RankCrashed, RankFailed, RunTimeout
+from levers9.launch import job
+from tests import scriptfns
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = str(scriptfns.SCRIPTS / "fresh_process.py")
+PEER_KILLED = str(scriptfns.SCRIPTS / "peer_killed.py")
+LAUNCHERS = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+    "levers9 run": [sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2"],
+    "levers9 run, fresh interpreters": [sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2",
+                                        "--start-method", "spawn"],
+}  # fmt: skip
+
+
+def launch(launcher: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    with tempfile.TemporaryDirectory() as tmp:
+        return subprocess.run([*LAUNCHERS[launcher], *args], env={**env, "TMPDIR": tmp}, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+
+
+def drawn(out: Path) -> list[dict[str, Any]]:
+    return [json.loads((out / f"{rank}.json").read_text()) for rank in range(2)]
+
+
+def assert_ended_as_an_interpreter(out: Path) -> None:
+    for rank in range(2):
+        assert (out / f"open.{rank}").read_text() == "seventeen bytes!\n", "a file left open was not flushed"
+        assert (out / f"atexit.{rank}").read_text() == "ran", "the rank's atexit handler did not run"
+        assert (out / f"thread.{rank}").read_text() == "saved", "a non-daemon thread was cut off"
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_a_rank_starts_with_its_own_random_state_and_ends_as_an_interpreter(launcher: str, tmp_path: Path) -> None:
+    done = launch(launcher, SCRIPT, str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    zero, one = drawn(tmp_path)
+    for source in ("torch", "numpy", "python", "loader_worker_seed"):
+        assert zero[source] != one[source], f"{source}: both ranks drew the same unseeded numbers under {launcher}"
+    assert zero["threads"] == one["threads"] == 1 and zero["omp"] == "1"
+    assert_ended_as_an_interpreter(tmp_path)
+
+
+def test_seeded_ranks_draw_exactly_what_they_draw_under_torchrun(tmp_path: Path) -> None:
+    seen = {}
+    for launcher in ("torchrun", "levers9 run"):
+        out = tmp_path / launcher.replace(" ", "_")
+        out.mkdir()
+        done = launch(launcher, SCRIPT, str(out), "7")
+        assert done.returncode == 0, done.stderr
+        seen[launcher] = [{k: d[k] for k in ("torch", "numpy", "python", "loader_worker_seed")} for d in drawn(out)]
+    assert seen["torchrun"][0] == seen["torchrun"][1], "the script's seed does not make its ranks draw alike"
+    assert seen["levers9 run"] == seen["torchrun"]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "levers9 run"])
+def test_an_uncaught_exception_reaches_the_scripts_own_excepthook(launcher: str, tmp_path: Path) -> None:
+    done = launch(launcher, SCRIPT, str(tmp_path), "-", "1")
+    assert done.returncode == 1
+    assert (tmp_path / "excepthook.1").read_text() == "RuntimeError: rank 1 gives up"
+    assert not (tmp_path / "excepthook.0").exists()
+
+
+def test_distributed_run_ranks_are_fresh_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.manual_seed(0)  # the caller's seed is the caller's: a rank starts unseeded, as under mp.spawn
+    dist.run(scriptfns.fresh_record, (str(tmp_path), None, None), nprocs=2, backend="gloo")
+    zero, one = drawn(tmp_path)
+    for source in ("torch", "numpy", "python", "loader_worker_seed"):
+        assert zero[source] != one[source], source
+    assert zero["threads"] == one["threads"] == 1, "ranks kept the caller's thread pool"
+    assert_ended_as_an_interpreter(tmp_path)
+
+
+def test_a_thread_count_the_user_set_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert dist.run(scriptfns.thread_count, nprocs=2, backend="gloo") == (2, "2")
+
+
+def test_job_cells_draw_their_own_random_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LEVERS9_SIMULATE_GPUS", "RTXPro6000:2")
+    cells = list(job(gpu="RTXPro6000", stream_output=False)(scriptfns.torch_draw).map([(), ()]))
+    assert cells[0] != cells[1]
+
+
+def test_a_run_stopped_while_a_rank_waits_for_its_threads_names_them() -> None:
+    with pytest.raises(RunTimeout, match="waiting for its non-daemon thread\\(s\\) 'slow-uploader'"):
+        dist.run(scriptfns.leaves_a_thread_running, 60.0, nprocs=2, backend="gloo", timeout=5)
+
+
+def test_a_killed_rank_is_the_root_cause_and_its_kind_restarts() -> None:
+    with pytest.raises(RankCrashed) as caught:
+        dist.run(scriptfns.peer_killed, "kill", nprocs=2, backend="gloo", max_restarts=1, restart_delay=0)
+    failure = caught.value.failure
+    assert failure is not None and failure.rank == 1 and failure.signal == 9 and failure.kind is FailureKind.CRASH
+    text = str(caught.value)
+    assert text.count("rank 1 (pid") >= 2 and "attempt 2" in text, "the SIGKILL was not restarted, or not blamed"
+    assert "rank 0 also failed" in text
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "levers9 run"])
+def test_a_killed_rank_is_named_by_the_launcher(launcher: str) -> None:
+    done = launch(launcher, PEER_KILLED, "kill")
+    assert done.returncode != 0
+    if launcher == "levers9 run":
+        headline = next(line for line in done.stderr.splitlines() if line.startswith("levers9 run: "))
+        assert headline.startswith("levers9 run: rank 1 ") and "SIGKILL" in headline, done.stderr
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "levers9 run"])
+def test_sigint_to_one_rank_is_that_ranks_failure(launcher: str) -> None:
+    done = launch(launcher, PEER_KILLED, "int")
+    assert done.returncode == 1, done.stderr
+    if launcher == "levers9 run":
+        assert "rank 1" in done.stderr and "KeyboardInterrupt" in done.stderr and "interrupted" not in done.stderr
+
+
+def test_sigint_to_one_rank_is_an_exception_for_the_caller() -> None:
+    with pytest.raises(Exception) as caught:  # not KeyboardInterrupt: the caller was not interrupted
+        dist.run(scriptfns.peer_killed, "int", nprocs=2, backend="gloo")
+    assert isinstance(caught.value, RankFailed) and caught.value.failure is not None
+    assert caught.value.failure.rank == 1 and caught.value.failure.exc_type == "KeyboardInterrupt"
+
+
+def test_every_rank_that_failed_is_reported_with_its_own_frames_only() -> None:
+    with pytest.raises(ValueError) as caught:
+        dist.run(scriptfns.two_ranks_raise, nprocs=3, backend="gloo")
+    report = str(caught.value.__cause__)
+    assert "could not read its shard" in report
+    assert "rank 1 could not read its shard" in report and "rank 2 could not read its shard" in report
+    assert "also failed" in report
+    assert "levers9/procs/child.py" not in report and "rank_process.py" not in report
