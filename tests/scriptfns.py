@@ -196,3 +196,9 @@ def thread_count() -> tuple[int, str | None]:
     import torch
 
     return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+
+
+def prints_and_returns(value: int) -> int:
+    """Prints a line on every rank (or in a job), then returns `value`."""
+    print(f"working on {value}", flush=True)
+    return value

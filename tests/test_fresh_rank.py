@@ -5,11 +5,17 @@ Each is checked side by side with torchrun on the same script where torchrun can
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
+import select
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
+import time
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +157,88 @@ def test_every_rank_that_failed_is_reported_with_its_own_frames_only() -> None:
     assert "rank 1 could not read its shard" in report and "rank 2 could not read its shard" in report
     assert "also failed" in report
     assert "levers9/procs/child.py" not in report and "rank_process.py" not in report
+
+
+def on_a_terminal(argv: list[str], gate: Path, seconds: float = 120) -> tuple[bytes, int]:
+    """Run `argv` on a pseudo-terminal 100 columns wide, answering tests/scripts/terminal.py as a person would:
+    each progress redraw is let through only once it is on the screen, and the name is typed at its prompt."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: exec at once
+        os.execve(argv[0], argv, env)
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    screen, typed, end = b"", False, time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            if select.select([fd], [], [], 0.1)[0]:
+                try:
+                    chunk = os.read(fd, 4096)
+                except OSError:  # EIO: the launcher and its ranks closed the terminal
+                    break
+                if not chunk:
+                    break
+                screen += chunk
+            for i in range(3):
+                if f"step {i}/3".encode() in screen:
+                    (gate.parent / f"{gate.name}.{i}").touch()
+            if b"name? " in screen and not typed:
+                os.write(fd, b"world\n")
+                typed = True
+    finally:
+        if time.monotonic() >= end:
+            os.kill(pid, 9)
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    return screen, os.waitstatus_to_exitcode(status)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "levers9 run"])
+def test_ranks_see_the_callers_terminal_and_rank_0_reads_its_stdin(launcher: str, tmp_path: Path) -> None:
+    screen, code = on_a_terminal([*LAUNCHERS[launcher], str(scriptfns.SCRIPTS / "terminal.py"), str(tmp_path / "gate")],
+                                 tmp_path / "gate")  # fmt: skip
+    assert code == 0, screen.decode(errors="replace")
+    for rank in (0, 1):
+        assert f"rank {rank} isatty=True columns=100".encode() in screen
+    assert b"\rstep 2/3" in screen, "a redraw did not reach the screen before its line ended"
+    assert b"raw \xff\xfe bytes" in screen, "bytes that are not UTF-8 were changed on their way"
+    assert b"hello 'world'" in screen, "rank 0 could not read what was typed"
+
+
+CLOSED_STDOUT = """
+import sys
+from levers9 import distributed as dist
+from tests import scriptfns
+assert sys.stdout is None
+print(dist.run(scriptfns.prints_and_returns, 7, nprocs=2, backend="gloo"), file=sys.stderr)
+"""
+
+
+def test_a_closed_stdout_costs_only_the_output() -> None:
+    """`python sweep.py >&-`: Python's sys.stdout is None; print() writes nothing, and so does levers9."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(f"{sys.executable} -c '{CLOSED_STDOUT}' >&-", shell=True, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines()[-1] == "7"
+
+
+class WriteOnly:
+    """The StreamToLogger recipe: a sys.stdout with `write` and nothing else."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.lines.append(text)
+        return len(text)
+
+
+def test_a_stdout_without_flush_keeps_every_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    stream = WriteOnly()
+    monkeypatch.setattr(sys, "stdout", stream)
+    assert dist.run(scriptfns.prints_and_returns, 3, nprocs=2, backend="gloo") == 3
+    monkeypatch.setenv("LEVERS9_SIMULATE_GPUS", "RTXPro6000:2")
+    cells = job(gpu="RTXPro6000", stream_output=True)(scriptfns.prints_and_returns)
+    assert list(cells.map([1, 2])) == [1, 2]
+    assert any("working on 3" in text for text in stream.lines) and any("working on 2" in text for text in stream.lines)

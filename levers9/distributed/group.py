@@ -121,11 +121,21 @@ def join_launcher_group(info: LaunchInfo, backend: str | None = None) -> bool:
         this = runtime.this_process()
         this.groups_made += 1
         store = td.TCPStore(agent_store[0], agent_store[1], None, False, kwargs["timeout"])
-        td.init_process_group(backend, store=td.PrefixStore(f"levers9-group-{this.groups_made}/", store), **kwargs)
+        prefix = f"levers9-group-{this.groups_made}/"
+        td.init_process_group(backend, store=td.PrefixStore(prefix, store), **kwargs)
+        _all_joined(store, prefix, info.world_size)
     else:
         td.init_process_group(backend, init_method=_init_method(info), **kwargs)
     runtime.this_process().own_group = True
     return True
+
+
+def _all_joined(store: Any, prefix: str, world_size: int) -> None:
+    """Wait until every rank's init_process_group has returned: a rank that made its connections first must not
+    run ahead, end, and close them while a peer is still connecting (gloo's connectFullMesh then fails there)."""
+    if store.add(f"{prefix}joined", 1) == world_size:
+        store.set(f"{prefix}all-joined", b"1")
+    store.wait([f"{prefix}all-joined"])
 
 
 def _agent_store_address() -> tuple[str, int] | None:

@@ -40,7 +40,6 @@ import logging
 import os
 import socket
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -58,7 +57,7 @@ from levers9.errors import (
     RunTimeout,
     StallError,
 )
-from levers9.procs import start
+from levers9.procs import echo, start
 from levers9.procs.failure import Failure, raise_rank_exception, ship, unship
 from levers9.procs.outcome import Outcome, consequence, kind_of
 from levers9.procs.supervise import ROOT_CAUSE_WINDOW_S
@@ -340,9 +339,7 @@ class _Attempt:
 
     def _forward(self, child: Child, stream: str, line: str) -> None:
         prefix = f"[{child.name}] " if self.zero.run.prefix_output and child is not self.ranks[0] else ""
-        out = sys.stdout if stream == "stdout" else sys.stderr
-        out.write(f"{prefix}{line}\n")
-        out.flush()
+        echo.write(stream, f"{prefix}{line}\n")
 
     def run_it(self) -> Any:
         run, gang = self.zero.run, self.gang
@@ -401,10 +398,7 @@ class _Attempt:
             if not self.store.check([f"{key}/{seq}"]):
                 return  # numbered but not written yet: the next poll reads it
             for stream, line in unship(self.store.get(f"{key}/{seq}")):
-                out = sys.stdout if stream == "stdout" else sys.stderr
-                out.write(f"{line}\n")
-            sys.stdout.flush()
-            sys.stderr.flush()
+                echo.write(stream, f"{line}\n")
             self.store.delete_key(f"{key}/{seq}")
             self.printed[node] = seq
 

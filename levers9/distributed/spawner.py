@@ -18,7 +18,6 @@ import inspect
 import math
 import os
 import socket
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
@@ -37,7 +36,7 @@ from levers9.errors import (
     StallError,
     signal_name,
 )
-from levers9.procs import oom, start
+from levers9.procs import echo, oom, start
 from levers9.procs.failure import raise_rank_exception, ship, unpicklable_part, unship
 from levers9.procs.outcome import Outcome, StopReason, kind_of, root_cause
 from levers9.procs.supervise import DRAIN_S, Supervisor
@@ -453,8 +452,12 @@ class _Spawn:
     def __init__(self, ranks: SpawnedRanks, attempt_env: dict[str, str]) -> None:
         self.ranks = ranks
         self.attempt_env = attempt_env  # TORCHELASTIC_RESTART_COUNT / _MAX_RESTARTS of this attempt
-        self.watcher = Watcher(on_text=self._forward)  # pieces of long lines: never one held whole
-        self._mid_line: set[tuple[int, str]] = set()  # (pid, stream) whose last piece ended mid-line
+        self.terminal = start.Stdio.like_caller(stdin=False)  # ranks see a terminal where the caller has one
+        on_terminal = self.terminal != start.Stdio()
+        # pieces of long lines, never one held whole; on a terminal, what each read brings, and the bytes as written
+        self.watcher = Watcher(on_text=self._forward, immediate=on_terminal, exact=True)
+        self._mid_line: dict[str, tuple[int, str]] = {}  # caller's stream -> (pid, stream) whose last piece ended mid-line
+        self._redrawn: set[tuple[int, str]] = set()  # (pid, stream) whose last piece ended in a "\r"
         self.children: list[Child] = []
         self.where = ""  # where each rank was, asked just before a timeout or stall stopped them
 
@@ -478,8 +481,9 @@ class _Spawn:
                                 current_job(), make_group=ranks.make_group, pass_rank=ranks.pass_rank)  # fmt: skip
                 target = RankTarget(spec, ranks.call if ranks.shipped is None else ranks.shipped)
                 env = {**ranks.env, **({} if port is None else {**rank_env(rank, nprocs, port), **self.attempt_env})}
+                stdio = dataclasses.replace(self.terminal, stdin=rank == 0 and ranks.torchrun_env)  # rank 0 reads the caller's stdin
                 child = start.start(target, method=ranks.method, shipped=None if ranks.shipped is None else ship(target),
-                                    env=env, name=f"rank {rank}")  # fmt: skip
+                                    env=env, name=f"rank {rank}", stdio=stdio)  # fmt: skip
                 self.children.append(self.watcher.add(child))
             if folder is not None:
                 folder.write_pids(os.getpid(), [p.pid for p in self.children])
@@ -493,16 +497,25 @@ class _Spawn:
             return self._result(supervisor.stopped_for, outcomes)
 
     def _forward(self, child: Child, stream: str, text: str) -> None:
-        """A line with its newline, or a piece of a long one without, to the caller's stream, prefixed once per line."""
+        """A line with its newline, or a piece of one without, to the caller's stream, "[rank N] " at the start of
+        each line (and after each "\\r" that redraws one). A line another rank left unfinished on that stream is
+        ended first, so no rank's text is written into another's line."""
         key = (child.pid, stream)
-        prefix = "" if key in self._mid_line or not self.ranks.prefix_output or child is self.children[0] else f"[{child.name}] "
+        prefix = "" if not self.ranks.prefix_output or child is self.children[0] else f"[{child.name}] "
+        mid_line = self._mid_line.get(stream)
+        head = "\n" if mid_line is not None and mid_line != key else ""
+        if mid_line != key or (key in self._redrawn and not text.startswith("\n")):
+            head += prefix  # a new line, or the redraw its last piece's "\r" began
+        self._redrawn.discard(key)
+        if prefix and "\r" in text:
+            text = _redraws_prefixed(text, prefix)
+            if text.endswith("\r"):
+                self._redrawn.add(key)
         if text.endswith("\n"):
-            self._mid_line.discard(key)
+            self._mid_line.pop(stream, None)
         else:
-            self._mid_line.add(key)
-        out = sys.stdout if stream == "stdout" else sys.stderr
-        out.write(prefix + text)
-        out.flush()
+            self._mid_line[stream] = key
+        echo.write(stream, head + text)
 
     def _ask_where(self, folder: stalls.BoardFolder | None, reason: StopReason) -> None:
         """Before a timeout or stall stops the ranks: where each live one is (stacks, collectives)."""
@@ -581,6 +594,12 @@ class _Spawn:
             f"had not finished and every rank was stopped.{waiting} Expected the run to finish within the timeout; "
             f"pass a larger timeout=, or None for no limit. Where each rank was:"
         )
+
+
+def _redraws_prefixed(text: str, prefix: str) -> str:
+    """`text` with `prefix` after every "\\r" that starts a redrawn line (not one that ends a line, "\\r\\n")."""
+    parts = text.split("\r")
+    return parts[0] + "".join("\r" + ("" if part.startswith("\n") or not part else prefix) + part for part in parts[1:])
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from rich.text import Text
 from levers9.errors import first_line
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
+from levers9.procs import echo
 
 log = logging.getLogger("levers9.launch")
 
@@ -53,7 +54,7 @@ def choose_mode(progress: bool, cells: int, stream: TextIO) -> Mode:
     """'table' on a terminal, 'lines' elsewhere, 'off' for progress=False or a single cell."""
     if not progress or cells <= 1:
         return "off"
-    return "table" if _isatty(stream) else "lines"
+    return "table" if echo.isatty(stream) else "lines"
 
 
 class Reporter:
@@ -140,7 +141,7 @@ class Reporter:
             if view is not None and line.strip():
                 view.last = line.strip()
         if self.stream_output:
-            _write(sys.stderr if stream == "stderr" else sys.stdout, f"[{self._name(cell)}] {line}\n")
+            echo.write(stream, f"[{self._name(cell)}] {line}\n")
 
     def close(self) -> None:
         """Draw the final state and stop redrawing (idempotent)."""
@@ -160,7 +161,7 @@ class Reporter:
         if live is not None:
             live.console.print(Text(text))
         else:
-            _write(sys.stderr, text + "\n")
+            echo.write("stderr", text + "\n")
 
     # ---- the table ----
 
@@ -236,18 +237,3 @@ def _duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-
-
-def _isatty(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
-def _write(stream: TextIO, text: str) -> None:
-    try:
-        stream.write(text)
-        stream.flush()
-    except (OSError, ValueError):
-        pass

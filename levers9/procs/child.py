@@ -45,6 +45,7 @@ class Ends:
     err_fd: int
     lifeline_fd: int
     held: tuple[int, ...] = ()  # lease locks the child holds for as long as it lives
+    stdin_fd: int | None = None  # the caller's stdin, to become the child's (None: /dev/null)
 
 
 def forked_main(target: Callable[[], Any], ends: Ends, env: dict[str, str]) -> NoReturn:
@@ -54,7 +55,7 @@ def forked_main(target: Callable[[], Any], ends: Ends, env: dict[str, str]) -> N
         with contextlib.suppress(OSError):
             os.setsid()
         die_with_parent(ends.parent_pid)
-        _redirect_stdio(ends.out_fd, ends.err_fd)
+        _redirect_stdio(ends.out_fd, ends.err_fd, ends.stdin_fd)
         main = threading.current_thread()  # the forker thread's copy is this process's main thread: named,
         main.name, main._daemonic = "MainThread", False  # type: ignore[attr-defined]  # and its threads non-daemon by default
         interpreter.begin_forked()
@@ -73,7 +74,7 @@ def fresh_main() -> NoReturn:
     sys.path[:] = sys_path
     with contextlib.suppress(OSError):
         os.chdir(cwd)
-    _null_stdin()
+    _set_stdin(ends.stdin_fd)
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     os._exit(run_target(blob, ends, env))
@@ -155,20 +156,24 @@ def _stop_watchdog(pid: int) -> None:
         os.waitpid(pid, 0)
 
 
-def _null_stdin() -> None:
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+def _set_stdin(stdin_fd: int | None) -> None:
+    """Make descriptor 0 the caller's stdin (`stdin_fd`), or /dev/null when None, with a fresh sys.stdin on it
+    (the caller's may hold input it read ahead, or be a test runner's stand-in)."""
+    source = os.open(os.devnull, os.O_RDONLY) if stdin_fd is None else stdin_fd
+    if source != 0:
+        os.dup2(source, 0)
+        os.close(source)
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), line_buffering=True)
 
 
-def _redirect_stdio(out_fd: int, err_fd: int) -> None:
-    """Point fds 1 and 2 at the parent's pipes, and give Python fresh line-buffered writers on them."""
+def _redirect_stdio(out_fd: int, err_fd: int, stdin_fd: int | None) -> None:
+    """Point fds 1 and 2 at the parent's pipes (or pseudo-terminals), 0 at the caller's stdin or /dev/null,
+    and give Python fresh line-buffered streams on them."""
     os.dup2(out_fd, 1)
     os.dup2(err_fd, 2)
     for fd in {out_fd, err_fd} - {1, 2}:
         fds.close(fd)
-    _null_stdin()
+    _set_stdin(stdin_fd)
     sys.stdout = _line_stream(1)
     sys.stderr = _line_stream(2)
 

@@ -46,6 +46,26 @@ def pipe() -> tuple[int, int]:
         return read_end, write_end
 
 
+def openpty(size_of: int | None = None) -> tuple[int, int]:
+    """A pseudo-terminal (main end, child's end), both tracked and close-on-exec. Output passes through the
+    child's end unchanged (no "\\n" made "\\r\\n"); it gets the window size of the terminal `size_of`, if given."""
+    import fcntl
+    import termios
+
+    with _lock:
+        main, child = os.openpty()
+        _tracked.update((main, child))
+        for fd in (main, child):
+            os.set_inheritable(fd, False)
+    attrs = termios.tcgetattr(child)
+    attrs[1] &= ~termios.OPOST  # output flags: no post-processing
+    termios.tcsetattr(child, termios.TCSANOW, attrs)
+    if size_of is not None:
+        with contextlib.suppress(OSError):
+            fcntl.ioctl(child, termios.TIOCSWINSZ, fcntl.ioctl(size_of, termios.TIOCGWINSZ, b"\0" * 8))
+    return main, child
+
+
 def is_tracked(fd: int) -> bool:
     """True if `fd` was opened here and is not closed yet."""
     with _lock:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 PIECE_BYTES = 1 << 20  # an unfinished line is handed on once this much of it is held
+HOLD_S = 0.05  # `immediate`: an unfinished line is handed on once no byte came for this long (a prompt, a redraw)
 QUEUE_BYTES = 4 << 20  # output read but not yet taken by the callback; reading pauses above it
 IDLE_S = 1.0  # a forwarder thread with nothing to do for this long ends (the next piece starts another)
 
@@ -28,13 +29,18 @@ TextSink = Callable[[Any, str, str], None]  # (child, "stdout" or "stderr", text
 
 class LineCutter:
     """One pipe's bytes as text pieces: each finished line whole, with its "\\n"; a line longer than
-    PIECE_BYTES in pieces without one until its last; undecodable bytes replaced."""
+    PIECE_BYTES in pieces without one until its last (`immediate`: also what an unfinished line has so far,
+    once HOLD_S passed without a byte, as a terminal shows a prompt or a redrawn progress bar, so a line
+    written in several writes is still one piece); undecodable bytes replaced, or kept as surrogates
+    (`exact`) that `echo.write` turns back into the same bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, immediate: bool = False, exact: bool = False) -> None:
         self._held: list[bytes] = []
         self._size = 0
         self._open = False  # a piece of the unfinished line was handed on already
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._immediate = immediate
+        self._held_since: float | None = None  # when the unfinished line's first held byte came
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape" if exact else "replace")
 
     def feed(self, data: bytes) -> list[str]:
         """The pieces that `data` finishes (in order)."""
@@ -46,6 +52,7 @@ class LineCutter:
                 self._held.append(head)
                 head = b"".join(self._held)
                 self._held, self._size = [], 0
+            self._held_since = None
             lines = self._decoder.decode(head).split("\n")
             pieces.extend(line + "\n" for line in lines[:-1])  # the last is "": head ends with a newline
             self._open = False
@@ -55,6 +62,8 @@ class LineCutter:
             self._size += len(data)
             if self._size >= PIECE_BYTES:
                 pieces.append(self._piece())
+            elif self._immediate and self._held_since is None:
+                self._held_since = time.monotonic()
         return [p for p in pieces if p]
 
     def end(self) -> list[str]:
@@ -64,9 +73,21 @@ class LineCutter:
         was_open, self._open = self._open, False
         return [text + "\n"] if text or was_open else []
 
+    @property
+    def holding(self) -> bool:
+        """True while an unfinished line waits for `due` (immediate cutters only)."""
+        return self._held_since is not None
+
+    def due(self, now: float) -> list[str]:
+        """The unfinished line so far, once it has waited HOLD_S (immediate cutters; else nothing)."""
+        if self._held_since is None or now - self._held_since < HOLD_S:
+            return []
+        piece = self._piece()
+        return [piece] if piece else []
+
     def _piece(self) -> str:
         text = self._decoder.decode(b"".join(self._held))
-        self._held, self._size = [], 0
+        self._held, self._size, self._held_since = [], 0, None
         self._open = self._open or bool(text)
         return text
 

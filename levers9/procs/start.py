@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from levers9.errors import ConfigError
-from levers9.procs import child, fds, oom
+from levers9.procs import child, echo, fds, oom
 from levers9.procs.watch import Child
 
 START_VAR = "LEVERS9_START_METHOD"
@@ -48,6 +48,39 @@ class StartMethod:
     @property
     def forks(self) -> bool:
         return self.method == "fork"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stdio:
+    """A child's standard streams: a pseudo-terminal for stdout or stderr where the caller's is a terminal
+    (its descriptor here, for the window size; None: a pipe), and the caller's stdin or /dev/null."""
+
+    out_terminal: int | None = None
+    err_terminal: int | None = None
+    stdin: bool = False
+
+    @classmethod
+    def like_caller(cls, *, stdin: bool) -> Stdio:
+        """What a process the caller started itself would have: a terminal where sys.stdout / sys.stderr are
+        one, and (`stdin`) the caller's stdin where it has one open."""
+        return cls(_terminal_of(sys.stdout), _terminal_of(sys.stderr), stdin and _is_open(0))
+
+
+def _terminal_of(stream: Any) -> int | None:
+    if not echo.isatty(stream):
+        return None
+    try:
+        return int(stream.fileno())
+    except Exception:
+        return None
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def fork_is_safe() -> tuple[bool, str]:
@@ -145,25 +178,30 @@ def start(
     env: dict[str, str] | None = None,
     keep: tuple[int, ...] = (),
     name: str = "",
+    stdio: Stdio = Stdio(),
 ) -> Child:
     """Start a child that runs `target()` and sends back its outcome (see child.py).
 
     Forked: `target` is used as it is (nothing is pickled). Fresh interpreter: `shipped` must be
     `failure.ship(target)`; the caller ships it so that it can say what could not be pickled. The
     child is the leader of its own session, gets `env` on top of this process's environment, and
-    keeps the descriptors in `keep` (lock files it must hold) besides its own pipes.
+    keeps the descriptors in `keep` (lock files it must hold) besides its own pipes. Its stdout and stderr
+    are pipes or pseudo-terminals, its stdin /dev/null or the caller's, as `stdio` says.
     """
     env = dict(env or {})
     oom_before = oom.oom_kills()  # before the child runs: one the OOM killer takes at once still raises the count
     msg_r, msg_w = fds.pipe()
-    out_r, out_w = fds.pipe()
-    err_r, err_w = fds.pipe()
+    out_r, out_w = fds.pipe() if stdio.out_terminal is None else fds.openpty(stdio.out_terminal)
+    err_r, err_w = fds.pipe() if stdio.err_terminal is None else fds.openpty(stdio.err_terminal)
     lifeline = _lifeline_read_end()
-    ends = child.Ends(os.getpid(), msg_w, out_w, err_w, lifeline, keep)
+    stdin_fd = None
+    if stdio.stdin:  # a forked child keeps descriptor 0; a fresh one is handed a copy (its 0 carries the payload)
+        stdin_fd = 0 if method.forks else fds.adopt(os.dup(0))
+    ends = child.Ends(os.getpid(), msg_w, out_w, err_w, lifeline, keep, stdin_fd)
     try:
         if method.forks:
             child.flush_std_streams()
-            keep_fds = (msg_w, out_w, err_w, lifeline, *keep)
+            keep_fds = (msg_w, out_w, err_w, lifeline, *keep)  # (descriptor 0 is never tracked: always kept)
             pid = _on_forker(lambda: _fork(keep_fds, lambda: child.forked_main(target, ends, env)))
             handle = Child(pid, None, msg_r, out_r, err_r, name, oom_before)
         else:
@@ -180,7 +218,7 @@ def start(
             fds.close(fd)
         raise
     finally:
-        for fd in (msg_w, out_w, err_w):
+        for fd in (msg_w, out_w, err_w, *([] if not stdin_fd else [stdin_fd])):
             fds.close(fd)
     return handle
 
@@ -208,7 +246,7 @@ def _exec(ends: child.Ends, env: dict[str, str], keep: tuple[int, ...]) -> subpr
         stdin=subprocess.PIPE,
         stdout=ends.out_fd,
         stderr=ends.err_fd,
-        pass_fds=(ends.msg_fd, ends.lifeline_fd, *keep),
+        pass_fds=(ends.msg_fd, ends.lifeline_fd, *keep, *([] if ends.stdin_fd is None else [ends.stdin_fd])),
         env={**os.environ, **env},
         start_new_session=True,
     )

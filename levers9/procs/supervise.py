@@ -84,7 +84,9 @@ class Supervisor:
 
     def _stop(self, reason: StopReason) -> bool:
         self.stopped_for = reason
-        self._stopped_pids = {child.pid for child in self.children if not child.poll()}
+        # a child that reported its failure first is not stopped for another's: it failed by itself, and only its
+        # exit (threads, atexit handlers) is cut short
+        self._stopped_pids = {child.pid for child in self.children if not child.poll() and child.failure is None}
         if self.before_stop is not None:
             self.before_stop(reason)
         self.watcher.stop(self.grace)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import os
 import selectors
 import signal
@@ -23,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 
-from levers9.procs import fds, lines, tree
+from levers9.procs import echo, fds, lines, tree
 from levers9.procs.failure import Failure, FrameReader
 
 TAIL_LINES = 400  # kept per child for failure reports
@@ -59,6 +60,7 @@ class Child:
 
     def note(self, fd: int, text: str) -> None:
         """Keep `text` (a line or a piece of one) in the tail, each line cut to TAIL_LINE_CHARS."""
+        text = echo.printable(text)
         finished = text.endswith("\n")
         body = text[:-1] if finished else text
         if self._tail_open.get(fd) and self.tail:
@@ -178,7 +180,8 @@ class Watcher:
     of long ones, so no line is ever held whole), called in order on a thread of the watcher's own; their
     messages go to the Child. An exception from the callback is raised by the next `pump`."""
 
-    def __init__(self, on_line: LineSink | None = None, *, on_text: TextSink | None = None) -> None:
+    def __init__(self, on_line: LineSink | None = None, *, on_text: TextSink | None = None, immediate: bool = False,
+                 exact: bool = False) -> None:  # fmt: skip
         if (on_line is None) == (on_text is None):
             raise TypeError("Watcher takes exactly one of on_line and on_text")
         self.children: list[Child] = []
@@ -191,9 +194,11 @@ class Watcher:
         self.forwarder = lines.Forwarder(sink, self._wake_w)
         self._paused: dict[int, Child] = {}  # output pipes not read while the forwarder is full
         self._stopped_early = False  # stop() found children still running: output is not waited for
+        self._cutting = {"immediate": immediate, "exact": exact}  # how output is cut: see lines.LineCutter
 
     def add(self, child: Child) -> Child:
         self.children.append(child)
+        child.cutters = {fd: lines.LineCutter(**self._cutting) for fd in (child.out_fd, child.err_fd)}
         for fd in (child.msg_fd, child.out_fd, child.err_fd):
             os.set_blocking(fd, False)
             self.selector.register(fd, selectors.EVENT_READ, child)
@@ -206,6 +211,8 @@ class Watcher:
         Never blocks longer: output the callback has not taken yet waits in the pipes."""
         self.forwarder.check()
         self._pause_or_resume()
+        if any(cutter.holding for child in self.children for cutter in child.cutters.values()):
+            wait = min(wait, lines.HOLD_S)
         for key, _ in self.selector.select(wait):
             child: Child | None = key.data
             if child is None:  # the forwarder made room
@@ -222,6 +229,10 @@ class Watcher:
                 chunk = os.read(key.fd, 1 << 20)
             except BlockingIOError:
                 continue
+            except OSError as exc:  # a pseudo-terminal whose child end every process closed reads EIO: its end of file
+                if exc.errno != errno.EIO:
+                    raise
+                chunk = b""
             if not chunk:
                 self._forget(key.fd)
                 if key.fd != child.msg_fd:
@@ -236,7 +247,11 @@ class Watcher:
             else:
                 self._forward(child, key.fd, child.cutters[key.fd].feed(chunk))
                 self._pause_or_resume()
+        now = time.monotonic()
         for child in self.children:
+            for fd, cutter in child.cutters.items():
+                if cutter.holding and fd not in self._paused:
+                    self._forward(child, fd, cutter.due(now))
             child.poll()
 
     def _forward(self, child: Child, fd: int, pieces: list[str]) -> None:

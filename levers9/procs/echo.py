@@ -1,0 +1,67 @@
+"""Parent side: children's output onto the caller's own streams, looked up at each write (a caller may
+replace sys.stdout at any time).
+
+The bytes a child wrote reach the caller's stream unchanged where it has a binary buffer (text decoded
+with surrogateescape encodes back to the same bytes); a stream without one gets the text, with any
+undecodable byte replaced. A stream that is None (`python sweep.py >&-`), has no `flush`, or raises
+costs only the output: a child's value and failure never depend on the caller's stdout, as `print`'s
+never do on a healthy one. The first write a stream refuses is said once on levers9's logger.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from typing import Any
+
+log = logging.getLogger("levers9")
+_refused: set[str] = set()  # streams whose refusal was said already
+
+
+def stream(name: str) -> Any:
+    """sys.stdout or sys.stderr as they are now ("stdout" or "stderr")."""
+    return sys.stdout if name == "stdout" else sys.stderr
+
+
+def isatty(out: Any) -> bool:
+    """True if `out` is a terminal (False for None, a closed stream, or one without isatty)."""
+    try:
+        return bool(out.isatty())
+    except Exception:
+        return False
+
+
+def write(name: str, text: str) -> None:
+    """Write `text` to the caller's sys.stdout or sys.stderr (`name`) and flush it; never raises."""
+    out = stream(name)
+    if out is None:
+        return
+    try:
+        buffer = getattr(out, "buffer", None)
+        if buffer is not None and hasattr(buffer, "write"):
+            _flush(out)  # what the caller wrote through the text layer goes first
+            buffer.write(text.encode(getattr(out, "encoding", None) or "utf-8", "surrogateescape"))
+            _flush(buffer)
+        else:
+            out.write(printable(text))
+            _flush(out)
+    except Exception as exc:  # noqa: BLE001 - the caller's stream decides nothing about the run
+        if name not in _refused:
+            _refused.add(name)
+            with contextlib.suppress(Exception):
+                log.warning("levers9: sys.%s refused children's output (%s: %s); their output to it is dropped",
+                            name, type(exc).__name__, exc)  # fmt: skip
+
+
+def printable(text: str) -> str:
+    """`text` with the surrogates that stand for undecodable bytes replaced by U+FFFD."""
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def _flush(out: Any) -> None:
+    flush = getattr(out, "flush", None)
+    if flush is not None:
+        flush()
