@@ -1,8 +1,10 @@
-"""The training loop of train_ddp.py launched by `accelerate launch`: the helpers read the variables
-accelerate sets, and an Accelerator created inside the loop would share the same process group.
+"""The training loop of train_ddp.py launched by `accelerate launch`: the helpers
+read the variables accelerate sets, and an Accelerator created inside the loop
+would share the same process group.
 
-    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_script.py   # works on a CPU too
-    accelerate launch examples/accelerate_script.py                                 # one process
+    # two processes (works on a CPU too), then one
+    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_script.py
+    accelerate launch examples/accelerate_script.py
 """
 
 from __future__ import annotations

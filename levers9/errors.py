@@ -19,11 +19,11 @@ Classes also derive from the builtin a caller would naturally catch (ValueError,
         ├── JobConfigError (ConfigError)    bad @job arguments or map cells; nothing was started
         ├── SettingsError (ValueError)      a corrupt or invalid workspace settings file
         ├── WorkspacePolicyError (PermissionError)   the per-job card cap or the multi-GPU switch
-        ├── InfeasibleJobError              no worker could ever hold the cards this job asks for
-        ├── JobCrashed                      the job process died without a Python exception
+        ├── InfeasibleJobError (RuntimeError)   no worker could ever hold the cards this job asks for
+        ├── JobCrashed (RuntimeError)       the job process died without a Python exception
         ├── JobTimeout (TimeoutError)       the job outlived its timeout=
-        ├── RemoteError                     the job raised an exception whose type cannot be rebuilt here
-        └── RunFormatError                  a run folder written by a newer levers9 (or not a run folder)
+        ├── RemoteError (RuntimeError)      the job raised an exception whose type cannot be rebuilt here
+        └── RunFormatError (RuntimeError)   a run folder written by a newer levers9 (or not a run folder)
 """
 
 from __future__ import annotations
