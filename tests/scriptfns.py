@@ -202,3 +202,7 @@ def prints_and_returns(value: int) -> int:
     """Prints a line on every rank (or in a job), then returns `value`."""
     print(f"working on {value}", flush=True)
     return value
+
+
+def spawned_prints(index: int) -> None:
+    print(f"process {index} says hi", flush=True)

@@ -242,3 +242,11 @@ def test_a_stdout_without_flush_keeps_every_result(monkeypatch: pytest.MonkeyPat
     cells = job(gpu="RTXPro6000", stream_output=True)(scriptfns.prints_and_returns)
     assert list(cells.map([1, 2])) == [1, 2]
     assert any("working on 3" in text for text in stream.lines) and any("working on 2" in text for text in stream.lines)
+
+
+def test_spawn_passes_output_through_as_mp_spawn_does(capfd: pytest.CaptureFixture[str]) -> None:
+    dist.spawn(scriptfns.spawned_prints, nprocs=2)
+    out = capfd.readouterr().out
+    assert "process 1 says hi\n" in out and "[rank 1]" not in out
+    dist.spawn(scriptfns.spawned_prints, nprocs=2, prefix_output=True)
+    assert "[rank 1] process 1 says hi\n" in capfd.readouterr().out
