@@ -206,3 +206,23 @@ def prints_and_returns(value: int) -> int:
 
 def spawned_prints(index: int) -> None:
     print(f"process {index} says hi", flush=True)
+
+
+def job_ends_as_an_interpreter(out: str) -> str:
+    """A job that leaves an atexit handler, an unflushed file and a non-daemon thread behind when it returns."""
+    import atexit
+    import threading
+    import time
+
+    atexit.register(lambda: open(os.path.join(out, "atexit"), "w").write("ran"))
+    left_open = open(os.path.join(out, "open"), "w")
+    left_open.write("seventeen bytes!\n")
+    globals()["_left_open"] = left_open
+
+    def save() -> None:
+        time.sleep(0.3)
+        with open(os.path.join(out, "thread"), "w") as f:
+            f.write("saved")
+
+    threading.Thread(target=save).start()
+    return "returned"

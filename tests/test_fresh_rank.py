@@ -250,3 +250,11 @@ def test_spawn_passes_output_through_as_mp_spawn_does(capfd: pytest.CaptureFixtu
     assert "process 1 says hi\n" in out and "[rank 1]" not in out
     dist.spawn(scriptfns.spawned_prints, nprocs=2, prefix_output=True)
     assert "[rank 1] process 1 says hi\n" in capfd.readouterr().out
+
+
+def test_a_job_process_ends_as_an_interpreter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LEVERS9_SIMULATE_GPUS", "RTXPro6000:1")
+    assert job(gpu="RTXPro6000")(scriptfns.job_ends_as_an_interpreter).remote(str(tmp_path)) == "returned"
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "open").read_text() == "seventeen bytes!\n"
+    assert (tmp_path / "thread").read_text() == "saved"
