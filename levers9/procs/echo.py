@@ -41,7 +41,7 @@ def write(name: str, text: str) -> None:
         buffer = getattr(out, "buffer", None)
         if buffer is not None and hasattr(buffer, "write"):
             _flush(out)  # what the caller wrote through the text layer goes first
-            buffer.write(text.encode(getattr(out, "encoding", None) or "utf-8", "surrogateescape"))
+            buffer.write(text.encode("utf-8", "surrogateescape"))  # children's bytes were decoded as UTF-8
             _flush(buffer)
         else:
             out.write(printable(text))
