@@ -226,3 +226,13 @@ def job_ends_as_an_interpreter(out: str) -> str:
 
     threading.Thread(target=save).start()
     return "returned"
+
+
+def leaves_an_executor_open() -> str:
+    """Returns with a ThreadPoolExecutor never shut down (its workers are not daemons), as inductor's compile pool is."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(2)
+    assert pool.submit(sum, [1, 2]).result() == 3
+    globals()["_pool"] = pool
+    return "returned"

@@ -258,3 +258,7 @@ def test_a_job_process_ends_as_an_interpreter(tmp_path: Path, monkeypatch: pytes
     assert (tmp_path / "atexit").read_text() == "ran"
     assert (tmp_path / "open").read_text() == "seventeen bytes!\n"
     assert (tmp_path / "thread").read_text() == "saved"
+
+
+def test_an_executor_left_open_is_told_to_stop_as_at_an_interpreters_exit() -> None:
+    assert dist.run(scriptfns.leaves_an_executor_open, nprocs=2, backend="gloo", timeout=60) == "returned"

@@ -7,10 +7,10 @@ of the caller's (they would act on the caller's resources from every child; a ha
 registers when it is imported, such as logging's, is registered again, as a new interpreter
 importing that module would). Code that seeds after that keeps its seeds exactly.
 
-At the end, `shutdown` does what Py_FinalizeEx does before the process exits, in its order: the
-non-daemon threads are joined (their names sent to the parent first, so a run stopped while it waits
-for them can say which), `threading`'s own exit hooks and then `atexit` handlers run, and files the
-child opened and left open are flushed. `uncaught` calls a `sys.excepthook` the code installed for an
+At the end, `shutdown` does what Py_FinalizeEx does before the process exits, in its order:
+`threading`'s exit hooks run (a ThreadPoolExecutor's tell its workers to stop) and the non-daemon
+threads are joined (their names sent to the parent first, so a run stopped while it waits for them
+can say which), then `atexit` handlers run, and files the child opened and left open are flushed. `uncaught` calls a `sys.excepthook` the code installed for an
 exception nothing caught (the default hook is not called: the parent reports that traceback).
 """
 
@@ -63,16 +63,16 @@ def uncaught(exc: BaseException) -> None:
 
 
 def shutdown(say_waiting: Callable[[list[str]], None]) -> None:
-    """End as Py_FinalizeEx does: join non-daemon threads (`say_waiting` gets their names first), run the
-    exit hooks of `threading` and `atexit`, flush files the child left open. Never raises."""
+    """End as Py_FinalizeEx does: run `threading`'s exit hooks and join non-daemon threads (`say_waiting` gets
+    their names first), run `atexit` handlers, flush files the child left open. Never raises."""
     waiting = [t for t in threading.enumerate() if not t.daemon and t is not threading.current_thread() and t.is_alive()]
     if waiting:
         with contextlib.suppress(Exception):
             say_waiting([t.name for t in waiting])
-        for thread in waiting:
-            thread.join()
-    with contextlib.suppress(BaseException):
-        threading._shutdown()  # type: ignore[attr-defined]  # the hooks concurrent.futures registers; joins the rest
+    with contextlib.suppress(BaseException):  # threading's exit hooks first (a ThreadPoolExecutor is told to stop
+        threading._shutdown()  # type: ignore[attr-defined]  # its workers), then every non-daemon thread joined
+    for thread in waiting:  # where that failed
+        thread.join()
     with contextlib.suppress(BaseException):
         atexit._run_exitfuncs()  # prints and ignores a failing handler, as at a normal exit
     _flush_open_files()
