@@ -104,7 +104,7 @@ def test_a_user_key_error_is_raised_at_once_without_a_restart(tmp_path: Path) ->
     assert sorted(attempts_seen(tmp_path)) == [(0, 0), (0, 1)]
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "not restarted (max_restarts=3)" in notes and "'exception' failure" in notes
-    assert "restart_on=('crash', 'comm', 'stall', 'exception')" in notes
+    assert "restart_on=('crash', 'comm', 'lost', 'stall', 'exception', 'exit')" in notes
     assert isinstance(info.value.__cause__, RankFailed)
     no_rank_alive(tmp_path)
 

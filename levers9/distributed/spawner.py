@@ -103,8 +103,8 @@ def run(
         max_restarts: How many times every rank is stopped and all are started again after a
             failure `restart_on` names (default 0, or what `@job(max_restarts=...)` set).
             `restart_count()` tells fn which attempt it is in.
-        restart_on: Failure kinds that restart, from "crash", "comm", "stall", "timeout" and
-            "exception" (default the first three, see levers9.distributed.restarts).
+        restart_on: Failure kinds that restart, from "crash", "exit", "exception", "comm", "lost",
+            "stall" and "timeout" (default crash, comm, lost, stall; see levers9.retries).
         restart_delay: Seconds between attempts, with no rank running (default 1).
         init_group: True (the default): levers9 joins every rank into the group before fn. False:
             no group; fn makes its own with `init_process_group` (a classic torchrun `main()`;
