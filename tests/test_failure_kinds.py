@@ -31,6 +31,8 @@ from levers9.procs.failure import Failure, capture, ship
 from levers9.procs.outcome import Outcome, StopReason, kind_of
 from levers9.retries import WORDS, Retries, restart_policy, word_for, words_adding
 
+pytestmark = pytest.mark.fast
+
 K = FailureKind
 
 

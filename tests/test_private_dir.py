@@ -16,6 +16,8 @@ from levers9.launch import job
 from levers9.private_dir import private_dir
 from tests import jobfns
 
+pytestmark = pytest.mark.procs
+
 NOBODY = pwd.getpwnam("nobody").pw_uid
 
 
