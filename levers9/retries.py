@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
 from levers9.errors import ConfigError, FailureKind, JobConfigError
+from levers9.seconds import is_seconds
 
 T = TypeVar("T")
 K = FailureKind
@@ -148,10 +149,8 @@ def restart_policy(max_restarts: object, restart_on: object, restart_delay: obje
             f"again after a failure). Pass e.g. max_restarts=3, or 0 for none."
         )
     words = DEFAULT_RESTART_ON if restart_on is None else _check_words(restart_on)
-    if restart_delay is not None and (
-        isinstance(restart_delay, bool) or not isinstance(restart_delay, (int, float)) or not math.isfinite(restart_delay)
-        or restart_delay < 0
-    ):  # fmt: skip
+    delay = DEFAULT_RESTART_DELAY_S if restart_delay is None else restart_delay
+    if not is_seconds(delay, zero_ok=True):
         raise ConfigError(
             f"restart_delay={restart_delay!r}; expected a number of seconds >= 0 to wait between attempts. "
             f"Pass e.g. restart_delay=5, or leave it unset for {DEFAULT_RESTART_DELAY_S:g} s."
@@ -160,7 +159,7 @@ def restart_policy(max_restarts: object, restart_on: object, restart_delay: obje
         max_retries=0 if max_restarts is None else max_restarts,
         on=words,
         kinds=kinds_of(words, "restart_on"),
-        initial_delay=DEFAULT_RESTART_DELAY_S if restart_delay is None else float(restart_delay),
+        initial_delay=float(delay),
     )
 
 

@@ -15,7 +15,6 @@ import dataclasses
 import datetime
 import functools
 import inspect
-import math
 import os
 import socket
 import sys
@@ -44,6 +43,7 @@ from levers9.procs.outcome import Outcome, StopReason, kind_of
 from levers9.procs.supervise import DRAIN_S, Supervisor
 from levers9.procs.watch import Child, Watcher, exit_on_terminate
 from levers9.retries import RetryPolicy, restart_policy
+from levers9.seconds import is_seconds
 
 STOP_GRACE_S = 5.0  # default stop_grace: SIGTERM, then SIGKILL after this long
 REPORT_LINES = 40  # of a rank's output, shown in a failure report
@@ -295,8 +295,7 @@ def spawn_ranks(call: Callable[[int], Any], nprocs: int, start_method: str | Non
 def _check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> None:
     if value is None and name != "stop_grace":
         return
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
-            or (value == 0 and not allow_zero)):  # fmt: skip
+    if not is_seconds(value, zero_ok=allow_zero):
         expected = "a finite number of seconds >= 0" if allow_zero else "a finite positive number of seconds, or None for no limit"
         raise ConfigError(f"{name}={value!r}; expected {expected}. Pass e.g. {name}=30.")
 
