@@ -36,6 +36,7 @@ from levers9.context import GangContext, JobContext, current_job
 from levers9.distributed import detect, restarts, stalls
 from levers9.distributed.control_store import ControlStore, Report, StartRequest
 from levers9.distributed.rank_process import RankSpec, RankTarget
+from levers9.distributed.store_server import hosted_store
 from levers9.errors import (
     ConfigError,
     FailureKind,
@@ -274,13 +275,6 @@ def _span(ranks: tuple[int, ...]) -> str:
     return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
 
 
-def hosted_rank_store(host: str) -> Any:
-    """The ranks' rendezvous store of one attempt, on `host` (node 0's Ray address), on a port bound here."""
-    from levers9.distributed.spawner import hosted_store
-
-    return hosted_store(host)
-
-
 class _Attempt:
     """One attempt on every node: start, watch, stop, report."""
 
@@ -313,7 +307,7 @@ class _Attempt:
                 self.board = stalls.BoardFolder(gang.shares[0])
                 cleanup.callback(self.board.remove)
             cleanup.callback(self.watcher.close)
-            port = cleanup.enter_context(hosted_rank_store(address))
+            port = cleanup.enter_context(hosted_store(address))  # the ranks' rendezvous store of this attempt
             cleanup.callback(self.watcher.stop, run.stop_grace)
             run_id = f"{detect.LEVERS9_RUN_ID_PREFIX}{os.getpid()}-{port}"
             sockets = socket_env(address, dict(os.environ))

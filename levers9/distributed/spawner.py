@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import functools
 import inspect
 import os
-import socket
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from levers9.context import JobContext, current_job
@@ -27,6 +25,7 @@ from levers9.distributed import detect, group, restarts, stalls, world
 from levers9.distributed.rank_process import RankSpec, RankTarget, to_cpu
 from levers9.distributed.self_timer import SelfTimer
 from levers9.distributed.stalls import flight_recorder
+from levers9.distributed.store_server import hosted_store
 from levers9.errors import (
     ConfigError,
     NotShippableError,
@@ -581,25 +580,6 @@ def output_excerpt(lines: list[str]) -> str:
     if starts:
         return "\n".join(lines[starts[-1] : starts[-1] + REPORT_LINES])
     return "\n".join(lines[-REPORT_LINES:])
-
-
-@contextlib.contextmanager
-def hosted_store(host: str = "127.0.0.1") -> Iterator[int]:
-    """A rendezvous store on a loopback port this process bound itself (port 0: nothing collides, nothing
-    reachable from other hosts), for as long as the block runs; yields its port. A run across nodes passes
-    node 0's address as `host` instead."""
-    import torch.distributed as td
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind((host, 0))
-        listener.listen(128)
-        port = listener.getsockname()[1]
-        store = td.TCPStore(host, port, None, True, datetime.timedelta(seconds=60),
-                            wait_for_workers=False, master_listen_fd=os.dup(listener.fileno()))  # fmt: skip
-    try:
-        yield port
-    finally:
-        del store
 
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:

@@ -32,7 +32,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -61,14 +60,13 @@ from levers9.launch.local import LocalBackend
 from levers9.launch.outcomes import Cancelled, OutputTail
 from levers9.launch.pool import holds_cards
 from levers9.launch.ray_cli import RESOURCE_PREFIX, node_resources, resource_name
-from levers9.launch.ray_task import GangSlot, TaskPayload
+from levers9.launch.ray_task import GangSlot, TaskPayload, cards_of_task, scratch_dir
 from levers9.launch.spec import JobSpec
-from levers9.private_dir import private_dir
 from levers9.procs import start
 from levers9.procs.failure import ship, unship
 from levers9.procs.outcome import Outcome
 from levers9.procs.supervise import Supervisor
-from levers9.procs.watch import Watcher, pid_alive
+from levers9.procs.watch import Watcher
 from levers9.state_files import AppendLog
 
 log = logging.getLogger("levers9.launch.ray")
@@ -257,6 +255,25 @@ def plan_job(spec: JobSpec, nodes: list[Node]) -> TaskRequest:
         f"(gpu=, gpu_count=), or add a node with such cards: "
         f"ray start --address=HEAD:6379 $(levers9 ray node-args --unquoted)"
     )
+
+
+def plan_text(gpu: str, gpu_count: int) -> str:
+    """How a job of `gpu_count` cards of type `gpu` would be placed on the Ray cluster now, in one line
+    ('4 x RTXPro6000 as 2 nodes x 2: <ip>, <ip>'); the job's own InfeasibleJobError when it could not be."""
+    from levers9.launch.spec import build_spec
+
+    spec = build_spec(name="levers9 doctor", gpu=gpu, gpu_count=gpu_count, timeout=None, retries=0, env=None, cpu=None,
+                      memory=None, queue_timeout=None, stop_grace=10.0, stream_output=False)  # fmt: skip
+    connect()
+    nodes = alive_nodes()
+    try:
+        plan = plan_job(spec, nodes)
+    except InfeasibleJobError as single:
+        if gpu_count < 2:
+            raise
+        gang = ray_gang.plan_gang(spec, nodes, single, ray_gang.free_by_node())
+        return f"{gang.describe()} (Ray's placement group picks the nodes when the job starts)"
+    return f"{gpu_count} x {plan.gpu_type or 'GPU'} on one node ({len(nodes)} alive node(s)), on loopback as on one machine"
 
 
 def _gang_plan(spec: JobSpec, nodes: list[Node], single: InfeasibleJobError) -> TaskRequest:
@@ -543,8 +560,8 @@ def _run_on_node(payload: TaskPayload) -> Iterator[TaskStarted | TaskOutput | Ta
     spec = payload.spec
     index, attempt = payload.index, payload.attempt
     ids = [str(i) for i in ray.get_gpu_ids()] if spec.gpu_count else []
-    simulated, gpu_type = _cards_of_task(ids, payload.gpu_type)
-    job_dir = _scratch_dir(index, attempt)
+    simulated, gpu_type = cards_of_task(ids, payload.gpu_type)
+    job_dir = scratch_dir(index, attempt)
     lines: collections.deque[tuple[str, str]] = collections.deque()
     watcher = Watcher(lambda child, stream, line: lines.append((stream, line + "\n")))
     node = ray.util.get_node_ip_address()
@@ -596,38 +613,6 @@ def _run_on_node(payload: TaskPayload) -> Iterator[TaskStarted | TaskOutput | Ta
 
 
 _node_task = ray.remote(_run_on_node)
-
-
-def _cards_of_task(ids: list[str], gpu_type: str) -> tuple[bool, str]:
-    """(simulated, type): the task's GPUs are logical when NVML shows no card for them (a CPU node
-    declared with --num-gpus, as in tests); then the job runs its ranks on gloo, as locally."""
-    if not ids:
-        return False, ""
-    from levers9.distributed.hardware.cards import visible_cards
-
-    cards = visible_cards({"CUDA_VISIBLE_DEVICES": ",".join(ids), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
-    simulated = len(cards) < len(ids)
-    if not gpu_type and cards and not simulated:
-        gpu_type = cards[0].type_name
-    return simulated, gpu_type
-
-
-def _scratch_dir(index: int, attempt: int) -> Path:
-    """A folder for the job (its context's job_dir), removed when the task ends. Folders of
-    tasks whose worker was killed (cancel, lost caller) are removed by the next task on the node."""
-    root = Path(tempfile.gettempdir()) / f"levers9-ray-{os.getuid()}"
-    for _ in range(10):
-        try:  # the task that empties the root removes it: it can vanish at any step below
-            private_dir(root)
-            with contextlib.suppress(OSError):
-                for stale in root.iterdir():
-                    owner = stale.name.partition("-")[0]
-                    if owner.isdigit() and not pid_alive(int(owner)):
-                        shutil.rmtree(stale, ignore_errors=True)
-            return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-{index:04d}-{attempt}-", dir=root))
-        except FileNotFoundError:
-            continue
-    return Path(tempfile.mkdtemp(prefix=f"levers9-ray-{os.getpid()}-"))
 
 
 def _drain(lines: collections.deque[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
-import os
 import shutil
-import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from levers9.context import GangContext, JobContext, describe_split
 from levers9.distributed.control_store import ControlStore
+from levers9.distributed.store_server import serve_store
 from levers9.errors import InfeasibleJobError
 from levers9.launch.ray_cli import resource_name
-from levers9.launch.ray_task import AgentPayload, TaskPayload
+from levers9.launch.ray_task import AgentPayload, TaskPayload, cards_of_task, scratch_dir
 from levers9.launch.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -126,26 +124,6 @@ def free_by_node() -> dict[str, dict[str, float]] | None:
         return None
 
 
-def plan_text(gpu: str, gpu_count: int) -> str:
-    """How a job of `gpu_count` cards of type `gpu` would be placed on the Ray cluster now, in one line
-    ('4 x RTXPro6000 as 2 nodes x 2: <ip>, <ip>'); the job's own InfeasibleJobError when it could not be."""
-    from levers9.launch import ray_backend
-    from levers9.launch.spec import build_spec
-
-    spec = build_spec(name="levers9 doctor", gpu=gpu, gpu_count=gpu_count, timeout=None, retries=0, env=None, cpu=None,
-                      memory=None, queue_timeout=None, stop_grace=10.0, stream_output=False)  # fmt: skip
-    ray_backend.connect()
-    nodes = ray_backend.alive_nodes()
-    try:
-        plan = ray_backend.plan_job(spec, nodes)
-    except InfeasibleJobError as single:
-        if gpu_count < 2:
-            raise
-        gang = plan_gang(spec, nodes, single, free_by_node())
-        return f"{gang.describe()} (Ray's placement group picks the nodes when the job starts)"
-    return f"{gpu_count} x {plan.gpu_type or 'GPU'} on one node ({len(nodes)} alive node(s)), on loopback as on one machine"
-
-
 def bundles(gang: GangPlan, num_cpus: float, memory: int | None) -> list[dict[str, float]]:
     """One bundle per node: the share of cards (GPU and the type's resource), the job's CPUs and memory."""
     bundle = {"GPU": float(gang.share), "CPU": float(num_cpus)}
@@ -208,18 +186,12 @@ def host(payload: TaskPayload, address: str, stop_grace: float) -> Iterator[Gang
     """Host the job's control store on this node's address and start the agents of nodes 1..k-1; yields what the
     task's loop needs: the GangContext the job process gets, and `poll()`, which replaces a lost node's agent
     when the job process asks. At the end the agents are told the job is over, then cancelled."""
-    import torch.distributed as td
-
     gang = payload.gang
     assert gang is not None, "host() is for a job across nodes"
     spec = payload.spec
     k = gang.nodes
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind((address, 0))
-        listener.listen(128)
-        port = listener.getsockname()[1]
-        store = ControlStore(td.TCPStore(address, port, None, True, datetime.timedelta(seconds=60),
-                                         wait_for_workers=False, master_listen_fd=os.dup(listener.fileno())))  # fmt: skip
+    server, port = serve_store(address)
+    store = ControlStore(server)
     placed = bundle_addresses(gang.pg)
     within = REPLACE_WAIT_S if spec.queue_timeout is None else spec.queue_timeout
     context = GangContext(address, port, (address, *placed[1:]), (gang.share,) * k, 0, within)
@@ -232,7 +204,7 @@ def host(payload: TaskPayload, address: str, stop_grace: float) -> Iterator[Gang
         with contextlib.suppress(Exception):
             store.end()
         agents.wait_then_cancel(stop_grace + AGENT_EXIT_WAIT_S)
-        del agents, store
+        del agents, store, server
 
 
 class GangHost:
@@ -326,15 +298,14 @@ def _agent(payload: AgentPayload) -> None:
 
     from levers9.distributed import nodes
     from levers9.launch import job_process
-    from levers9.launch.ray_backend import _cards_of_task, _scratch_dir
 
     task, gang = payload.task, payload.gang
     task.use_sys_path()
     spec = task.spec
     ids = [str(i) for i in ray.get_gpu_ids()]
-    simulated, gpu_type = _cards_of_task(ids, task.gpu_type)
+    simulated, gpu_type = cards_of_task(ids, task.gpu_type)
     index, attempt = task.index, task.attempt
-    job_dir = _scratch_dir(index, attempt)
+    job_dir = scratch_dir(index, attempt)
     try:
         env = job_process.job_env(spec, [])
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
