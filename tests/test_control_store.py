@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from levers9.distributed.control_store import ControlStore, Report, StartRequest
+from levers9.distributed.nodes import rank_failure_of
 from levers9.distributed.stalls import Quiet
 from levers9.errors import FailureKind
 from levers9.procs.failure import Failure, ship, unship
@@ -146,8 +147,8 @@ def test_a_reported_failure_becomes_the_callers_rank_failure() -> None:
     raised = Failure(None, "KeyError", "'lr'", "Traceback ...\nKeyError: 'lr'", 0.0, False)
     report = dataclasses.replace(REPORT, signal=None, exitcode=1, failure=raised,
                                  tail=tuple(f"line {i}" for i in range(60)))  # fmt: skip
-    failure = report.rank_failure()
+    failure = rank_failure_of(report)
     assert (failure.rank, failure.pid, failure.exc_type, failure.kind) == (3, 42, "KeyError", FailureKind.EXCEPTION)
     assert failure.output_tail.splitlines() == [f"line {i}" for i in range(20, 60)]
-    killed = REPORT.rank_failure()
+    killed = rank_failure_of(REPORT)
     assert (killed.signal, killed.kind) == (9, FailureKind.CRASH)

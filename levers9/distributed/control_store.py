@@ -29,11 +29,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from levers9.distributed.stalls import Quiet
-from levers9.errors import RankFailure
 from levers9.procs.failure import Failure, ship, unship
-from levers9.procs.outcome import Outcome, kind_of
-
-REPORT_LINES = 40  # a remote rank's output excerpt in its failure
 
 
 class Store(Protocol):
@@ -66,7 +62,8 @@ class StartRequest:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """One failed rank, as a node reports it: enough for the caller's RankFailure and for ordering."""
+    """One failed rank, as a node reports it: enough for the caller's RankFailure (nodes.rank_failure_of) and for
+    ordering."""
 
     rank: int
     node: int
@@ -82,21 +79,6 @@ class Report:
     def peer_loss(self) -> bool:
         return self.failure is not None and self.failure.peer_loss
 
-    def rank_failure(self) -> RankFailure:
-        f = self.failure
-        return RankFailure(rank=self.rank, pid=self.pid, exitcode=self.exitcode if f is None else f.exitcode,
-                           signal=self.signal if f is None else None,
-                           exc_type=None if f is None or f.is_exit else f.exc_type, message="" if f is None else f.message,
-                           traceback="" if f is None else f.traceback, output_tail=_excerpt(list(self.tail)),
-                           kind=kind_of(Outcome(self.pid, self.exitcode, self.signal, failure=f, reported=True)))  # fmt: skip
-
-
-def _excerpt(lines: list[str]) -> str:
-    starts = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
-    if starts:
-        return "\n".join(lines[starts[-1] : starts[-1] + REPORT_LINES])
-    return "\n".join(lines[-REPORT_LINES:])
-
 
 class ControlStore:
     """The job's control store, one method per thing a node says or asks; None where it was not said yet."""
@@ -106,6 +88,15 @@ class ControlStore:
 
     def _read(self, key: str) -> bytes | None:
         return self.store.get(key) if self.store.check([key]) else None
+
+    def _text(self, key: str) -> str | None:
+        value = self._read(key)
+        return None if value is None else value.decode()
+
+    def _value(self, key: str) -> Any:
+        """The value shipped under `key`, None while there is none."""
+        value = self._read(key)
+        return None if value is None else unship(value)
 
     def _flag(self, key: str) -> bool:
         return bool(self.store.check([key]))
@@ -117,8 +108,7 @@ class ControlStore:
 
     def joined(self, node: int) -> str | None:
         """The address node's agent joined from, None while it has not."""
-        value = self._read(f"ready/{node}")
-        return None if value is None else value.decode()
+        return self._text(f"ready/{node}")
 
     def beat(self, node: int) -> None:
         self.store.add(f"hb/{node}", 1)
@@ -158,8 +148,7 @@ class ControlStore:
         self.store.set(f"noreplace/{node}", why)
 
     def replacement_refused(self, node: int) -> str | None:
-        value = self._read(f"noreplace/{node}")
-        return None if value is None else value.decode()
+        return self._text(f"noreplace/{node}")
 
     def new_generation(self, node: int) -> int:
         """The generation of the agent launched now for `node` (1 for the first)."""
@@ -180,8 +169,7 @@ class ControlStore:
         self.store.set(f"a{attempt}/start", ship(request))
 
     def start_request(self, attempt: int) -> StartRequest | None:
-        value = self._read(f"a{attempt}/start")
-        return None if value is None else unship(value)
+        return self._value(f"a{attempt}/start")
 
     def send_output(self, attempt: int, node: int, batch: list[tuple[str, str]]) -> None:
         """One batch of node's (stream, line) pairs, numbered after the ones before it."""
@@ -205,8 +193,7 @@ class ControlStore:
         self.store.set(f"a{attempt}/fail/{node}", ship(report))
 
     def failure(self, attempt: int, node: int) -> Report | None:
-        value = self._read(f"a{attempt}/fail/{node}")
-        return None if value is None else unship(value)
+        return self._value(f"a{attempt}/fail/{node}")
 
     def post_done(self, attempt: int, node: int) -> None:
         self.store.set(f"a{attempt}/done/{node}", "1")
@@ -232,8 +219,7 @@ class ControlStore:
         self.store.set(f"a{attempt}/quiet/{node}", ship(quiet))
 
     def quiet(self, attempt: int, node: int) -> Quiet | None:
-        value = self._read(f"a{attempt}/quiet/{node}")
-        return None if value is None else unship(value)
+        return self._value(f"a{attempt}/quiet/{node}")
 
     def ask_confirm(self, attempt: int, round_: int) -> None:
         self.store.set(f"a{attempt}/confirm", str(round_))
@@ -247,8 +233,7 @@ class ControlStore:
         self.store.set(f"a{attempt}/confirmed/{node}/{round_}", ship(quiet))
 
     def confirmed(self, attempt: int, node: int, round_: int) -> Quiet | None:
-        value = self._read(f"a{attempt}/confirmed/{node}/{round_}")
-        return None if value is None else unship(value)
+        return self._value(f"a{attempt}/confirmed/{node}/{round_}")
 
     def ask_where(self, attempt: int) -> None:
         self.store.set(f"a{attempt}/where", "1")
@@ -260,6 +245,5 @@ class ControlStore:
         self.store.set(f"a{attempt}/where/{node}", text)
 
     def where(self, attempt: int, node: int) -> str | None:
-        value = self._read(f"a{attempt}/where/{node}")
-        return None if value is None else value.decode()
+        return self._text(f"a{attempt}/where/{node}")
 

@@ -42,11 +42,13 @@ from levers9.errors import (
     FailureKind,
     NodeLost,
     RankCrashed,
+    RankFailure,
     RunTimeout,
     StallError,
 )
 from levers9.procs import start
 from levers9.procs.failure import raise_rank_exception, ship, unship
+from levers9.procs.outcome import Outcome, kind_of
 from levers9.procs.watch import Child, Watcher, exit_on_terminate
 from levers9.retries import RetryPolicy
 
@@ -60,6 +62,7 @@ POLL_EVERY_S = 0.1  # node 0 reads the control store this often
 ROOT_CAUSE_WINDOW_S = 0.15  # as on one node: an agent waits this long for an earlier failure of its own ranks
 # node 0 waits longer: an agent's report of an earlier failure is on its way (its window, then node 0's poll)
 ACROSS_NODES_WINDOW_S = ROOT_CAUSE_WINDOW_S + 2 * POLL_EVERY_S + 0.15
+REPORT_LINES = 40
 ANSWER_WAIT_S = 10.0  # how long node 0 waits for the other nodes' fresh samples and stack reports
 SOCKET_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
@@ -112,6 +115,23 @@ def node_rank_env(rank: int, local_rank: int, world: int, gang: GangContext, nod
 def _wall(when_monotonic: float) -> float:
     """A monotonic instant of this machine as wall-clock time, comparable with other nodes' reports."""
     return time.time() - (time.monotonic() - when_monotonic)
+
+
+def rank_failure_of(report: Report) -> RankFailure:
+    """The caller's RankFailure for a node's report of a failed rank."""
+    f = report.failure
+    return RankFailure(rank=report.rank, pid=report.pid, exitcode=report.exitcode if f is None else f.exitcode,
+                       signal=report.signal if f is None else None,
+                       exc_type=None if f is None or f.is_exit else f.exc_type, message="" if f is None else f.message,
+                       traceback="" if f is None else f.traceback, output_tail=_excerpt(list(report.tail)),
+                       kind=kind_of(Outcome(report.pid, report.exitcode, report.signal, failure=f, reported=True)))  # fmt: skip
+
+
+def _excerpt(lines: list[str]) -> str:
+    starts = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
+    if starts:
+        return "\n".join(lines[starts[-1] : starts[-1] + REPORT_LINES])
+    return "\n".join(lines[-REPORT_LINES:])
 
 
 def report_of(child: Child, rank: int, node: int, address: str) -> Report:
@@ -475,7 +495,7 @@ class _Attempt:
         self.watcher.drain(0.3)
         if root.node == 0:  # its last lines may have arrived while stopping
             root = report_of(self.ranks[root.rank], root.rank, 0, root.address) if self.ranks[root.rank].failed else root
-        failure = root.rank_failure()
+        failure = rank_failure_of(root)
         where = f"on node {root.node} ({root.address})"
         stopped = f"; every other rank of {self.gang.world_size} on {len(self.gang.shares)} nodes was stopped"
         full = failure.describe()
