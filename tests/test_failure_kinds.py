@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from levers9.distributed import restarts
+from levers9.distributed.control_store import Report
+from levers9.distributed.nodes import rank_failure_of
 from levers9.errors import (
     ConfigError,
     FailureKind,
@@ -91,6 +93,19 @@ def test_a_job_process_raises_an_error_of_the_kind_its_outcome_has(
         assert failure_kind(exc) == job_kind
     else:
         assert kind is None and value == "v"
+
+
+@pytest.mark.parametrize(("outcome", "kind", "job_kind"), [
+    row for row in TABLE if row[1] is not None and row[0].stopped_for is None and not row[0].lost and row[0].exitcode != 0
+])
+def test_a_rank_on_another_node_fails_with_the_kind_its_outcome_has(
+    outcome: Outcome, kind: FailureKind, job_kind: FailureKind | None
+) -> None:
+    """A rank that ended this way on another node reaches the caller (nodes.rank_failure_of) as the same kind the
+    one-node path gives it (kind_of)."""
+    report = Report(rank=3, node=1, address="127.0.0.3", pid=outcome.pid, exitcode=outcome.exitcode,
+                    signal=outcome.signal, failure=outcome.failure, tail=(), wall=0.0)  # fmt: skip
+    assert rank_failure_of(report).kind == kind
 
 
 # restart_on= and Retries(on=): (the words given, the kinds they name, whether that warns of a changed meaning)
