@@ -15,6 +15,8 @@ import pytest
 
 from tests.proc_util import children_of, left_behind
 
+pytestmark = [pytest.mark.launchers, pytest.mark.xdist_group("port-29500")]
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "compat_tests" / "contract_script.py")
 BIN = Path(sys.executable).parent

@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.proc_util import children_of, left_behind
+
+pytestmark = pytest.mark.procs
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -91,10 +91,10 @@ def _ray_plan(asked: str) -> dict[str, Any]:
     if not gpu or not count.isdigit() or int(count) < 1:
         return {"error": f"--ray-plan {asked!r}; expected GPU:N, e.g. --ray-plan RTXPro6000:4 (or any:4)."}
     from levers9.errors import Levers9Error
-    from levers9.launch import ray_gang  # imports Ray: only when asked for
+    from levers9.launch import ray_backend  # imports Ray: only when asked for
 
     try:
-        return {"plan": ray_gang.plan_text(gpu, int(count))}
+        return {"plan": ray_backend.plan_text(gpu, int(count))}
     except Levers9Error as exc:
         return {"error": str(exc)}
 

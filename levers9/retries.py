@@ -1,51 +1,40 @@
 """One retry policy for both layers: how many more attempts a failure gets, on which kinds, how long between.
 
 `distributed.run(max_restarts=, restart_on=, restart_delay=)` and `@job(retries=...)` both become a
-`RetryPolicy`, and both loops run through `run_with_retries`. Each keeps its public words, and a word
-names a set of `FailureKind`s (levers9.errors); the two tables differ in one place, kept from before
-they were one type: a process that left with an exit code of its own (`EXIT`) is an "exception" to
-restart_on= (the rank's code chose to leave) and a "crash" to retries= (the job died before returning),
-and a lost Ray task is a "comm" failure to restart_on= (a node of the run went away) and a "crash" to
-retries=.
-
-restart_on= (ranks of distributed.run):
-    crash      a rank was killed by a signal (the out-of-memory killer included) or its card failed
-    comm       a collective or the rendezvous failed: a lost peer, a closed socket, a gloo/NCCL error, a lost node
-    stall      no rank made collective progress for stall_timeout seconds
-    timeout    an attempt outlived timeout= (each attempt has the whole timeout)
-    exception  fn raised, or a rank left with a non-zero exit code of its own accord
-retries= (job processes):
-    crash      the job process died before returning: a signal, os._exit(N), sys.exit(N), its Ray task lost
-    timeout    it outlived timeout=
-    exception  the function raised
+`RetryPolicy`, and both loops run through `run_with_retries`. Both keywords take the same words, one
+per `FailureKind` (levers9.errors), each meaning the same kind in both (`WORDS`; the table is in
+docs/restarts-and-stalls.md). The words each keyword used before they were one vocabulary keep their
+old meaning where it was wider (`LEGACY`: restart_on="comm" also covered a lost node, retries
+on="crash" also an exit code of the process's own), with a DeprecationWarning that names the words
+which say the same today.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
 from levers9.errors import ConfigError, FailureKind, JobConfigError
+from levers9.seconds import is_seconds
 
 T = TypeVar("T")
 K = FailureKind
 
-RESTART_WORDS: Mapping[str, frozenset[FailureKind]] = {
-    "crash": frozenset({K.CRASH}),
-    "comm": frozenset({K.COMM, K.LOST}),
-    "stall": frozenset({K.STALL}),
-    "timeout": frozenset({K.TIMEOUT}),
-    "exception": frozenset({K.EXCEPTION, K.EXIT}),
+WORDS: Mapping[str, frozenset[FailureKind]] = {
+    kind.value: frozenset({kind}) for kind in (K.CRASH, K.EXIT, K.EXCEPTION, K.COMM, K.LOST, K.STALL, K.TIMEOUT)
 }
-RETRY_WORDS: Mapping[str, frozenset[FailureKind]] = {
-    "crash": frozenset({K.CRASH, K.EXIT, K.LOST}),
-    "timeout": frozenset({K.TIMEOUT}),
-    "exception": frozenset({K.EXCEPTION, K.COMM, K.STALL}),
+# What a word meant to each keyword before the one vocabulary, where that was wider than WORDS says.
+LEGACY: Mapping[str, Mapping[str, frozenset[FailureKind]]] = {
+    "restart_on": {"comm": frozenset({K.COMM, K.LOST}), "exception": frozenset({K.EXCEPTION, K.EXIT})},
+    "on": {"crash": frozenset({K.CRASH, K.EXIT, K.LOST}), "exception": frozenset({K.EXCEPTION, K.COMM, K.STALL})},
 }
-DEFAULT_RESTART_ON = ("crash", "comm", "stall")
-DEFAULT_RETRY_ON = ("crash", "timeout")
+DEFAULT_RESTART_ON = ("crash", "comm", "lost", "stall")
+DEFAULT_RETRY_ON = ("crash", "exit", "lost", "timeout")
 DEFAULT_RESTART_DELAY_S = 1.0
 
 
@@ -63,10 +52,6 @@ class RetryPolicy:
     def retries(self, kind: FailureKind | None) -> bool:
         """True if a failure of this kind is one this policy runs again."""
         return kind is not None and kind in self.kinds
-
-    def word_for(self, kind: FailureKind, table: Mapping[str, frozenset[FailureKind]]) -> str:
-        """The public word of `table` that names `kind` ('exception' for EXIT under restart_on=)."""
-        return next((word for word, kinds in table.items() if kind in kinds), kind.value)
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait before attempt number `attempt` (2 is the first retry)."""
@@ -87,9 +72,11 @@ def Retries(  # noqa: N802 - the public name @job(retries=Retries(...)) has alwa
         backoff_coefficient: Each wait is this many times the one before (1.0 to 10.0).
         initial_delay: Seconds before the first retry (0 to 60).
         max_delay: The longest wait, in seconds (0 to 60).
-        on: What counts: "crash" (the process died: a signal, os._exit, sys.exit(N), an out-of-memory
-            kill), "timeout" (it outlived timeout=) and "exception" (the function raised). The default
-            retries crashes and timeouts only: an exception is usually a bug that would repeat.
+        on: What counts, in restart_on='s words: "crash" (killed by a signal, an out-of-memory kill
+            included), "exit" (it left with an exit code of its own, os._exit or sys.exit(N)), "lost"
+            (its Ray task went away), "timeout" (it outlived timeout=), "exception" (the function
+            raised), "comm" and "stall" (a distributed.run inside it failed that way). The default
+            retries what killed the process and timeouts: an exception is usually a bug that would repeat.
 
     Raises:
         JobConfigError: A value out of its range, or a word `on` does not know.
@@ -102,15 +89,55 @@ def Retries(  # noqa: N802 - the public name @job(retries=Retries(...)) has alwa
         raise JobConfigError(f"Retries(initial_delay={initial_delay!r}): expected 0 to 60 seconds.")
     if not 0.0 <= max_delay <= 60.0:
         raise JobConfigError(f"Retries(max_delay={max_delay!r}): expected 0 to 60 seconds.")
-    if isinstance(on, str) or any(word not in RETRY_WORDS for word in on):
-        raise JobConfigError(f"Retries(on={on!r}): expected a tuple of 'crash', 'timeout' and 'exception'.")
-    return RetryPolicy(max_retries, tuple(on), kinds_of(tuple(on), RETRY_WORDS), float(initial_delay),
+    if isinstance(on, str) or any(word not in WORDS for word in on):
+        raise JobConfigError(f"Retries(on={on!r}): expected a tuple drawn from {tuple(WORDS)!r}.")
+    words = tuple(on)
+    return RetryPolicy(max_retries, words, kinds_of(words, "on"), float(initial_delay),
                        float(backoff_coefficient), float(max_delay))  # fmt: skip
 
 
-def kinds_of(words: tuple[str, ...], table: Mapping[str, frozenset[FailureKind]]) -> frozenset[FailureKind]:
-    """The kinds the public `words` name in `table` (the words are checked by the caller)."""
-    return frozenset().union(*(table[word] for word in words))
+def word_for(kind: FailureKind) -> str:
+    """The one public word, in restart_on= and retries= alike, that names `kind`."""
+    return kind.value
+
+
+def kinds_of(words: tuple[str, ...], keyword: str) -> frozenset[FailureKind]:
+    """The kinds the public `words` (checked by the caller) name for `keyword` ("restart_on" or "on"): WORDS,
+    or a word's wider meaning from before the one vocabulary, with a DeprecationWarning naming the words
+    that say the same today."""
+    kinds = frozenset().union(*(WORDS[word] for word in words))
+    legacy = LEGACY[keyword]
+    wider = frozenset().union(*(legacy.get(word, WORDS[word]) for word in words))
+    if wider != kinds:
+        extra = tuple(word_for(kind) for kind in FailureKind if kind in wider - kinds)
+        old = ", ".join(repr(word) for word in words if not legacy.get(word, kinds) <= kinds)
+        label, close = ("restart_on=", "") if keyword == "restart_on" else ("Retries(on=", ")")
+        warnings.warn(
+            f"{label}{words!r}{close}: {old} also named {', '.join(map(repr, extra))} failures before restart_on= "
+            f"and retries= shared one vocabulary, and still does; each word will name its own kind only. "
+            f"Pass {label}{words + extra!r}{close} to keep this meaning without the warning.",
+            DeprecationWarning,
+            stacklevel=_outside_levers9(),
+        )
+    return wider
+
+
+def words_adding(words: tuple[str, ...], kind: FailureKind, keyword: str) -> tuple[str, ...]:
+    """`words` (checked, for `keyword`) plus the word for `kind`, spelled to mean what they meant before
+    (every kind a word once covered named by its own word), so passing them warns of nothing."""
+    asked = words + tuple(word for word in (word_for(kind),) if word not in words)
+    legacy = LEGACY[keyword]
+    wider = frozenset().union(*(legacy.get(word, WORDS[word]) for word in asked))
+    return asked + tuple(word_for(k) for k in FailureKind if k in wider and word_for(k) not in asked)
+
+
+def _outside_levers9() -> int:
+    """The stacklevel of the innermost frame outside the levers9 package, so a warning names the user's line."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def restart_policy(max_restarts: object, restart_on: object, restart_delay: object) -> RetryPolicy:
@@ -122,10 +149,8 @@ def restart_policy(max_restarts: object, restart_on: object, restart_delay: obje
             f"again after a failure). Pass e.g. max_restarts=3, or 0 for none."
         )
     words = DEFAULT_RESTART_ON if restart_on is None else _check_words(restart_on)
-    if restart_delay is not None and (
-        isinstance(restart_delay, bool) or not isinstance(restart_delay, (int, float)) or not math.isfinite(restart_delay)
-        or restart_delay < 0
-    ):  # fmt: skip
+    delay = DEFAULT_RESTART_DELAY_S if restart_delay is None else restart_delay
+    if not is_seconds(delay, zero_ok=True):
         raise ConfigError(
             f"restart_delay={restart_delay!r}; expected a number of seconds >= 0 to wait between attempts. "
             f"Pass e.g. restart_delay=5, or leave it unset for {DEFAULT_RESTART_DELAY_S:g} s."
@@ -133,13 +158,13 @@ def restart_policy(max_restarts: object, restart_on: object, restart_delay: obje
     return RetryPolicy(
         max_retries=0 if max_restarts is None else max_restarts,
         on=words,
-        kinds=kinds_of(words, RESTART_WORDS),
-        initial_delay=DEFAULT_RESTART_DELAY_S if restart_delay is None else float(restart_delay),
+        kinds=kinds_of(words, "restart_on"),
+        initial_delay=float(delay),
     )
 
 
 def _check_words(restart_on: object) -> tuple[str, ...]:
-    known = tuple(RESTART_WORDS)
+    known = tuple(WORDS)
     if isinstance(restart_on, str):
         raise ConfigError(
             f"restart_on={restart_on!r} is one string; expected a tuple of kinds of failure, e.g. "

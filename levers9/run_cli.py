@@ -90,7 +90,7 @@ def register(sub: Any) -> None:
                      help="exit with the failing rank's own status (N for sys.exit(N), 128+N for signal N, 143 after "
                           "SIGTERM to levers9 run) instead of torchrun's 1")
     own.add_argument("--restart-on", default=None, metavar="KINDS",
-                     help="what a restart may cure, e.g. crash,comm,stall (the default) or crash,comm,stall,exception")
+                     help="what a restart may cure, e.g. crash,comm,lost,stall (the default) or crash,comm,lost,stall,exception")
     own.add_argument("--restart-delay", type=float, default=None, metavar="SECONDS",
                      help="wait this long between attempts (default 1)")
     parser.add_argument("script", metavar="SCRIPT_OR_MODULE", help="the training script (or module with -m)")

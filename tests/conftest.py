@@ -41,95 +41,37 @@ LAUNCHER_NAMES = (
 )
 
 
-# Test tiers (CONTRIBUTING.md): every test gets exactly one of these markers, by its module, so that
-# `pytest -m fast` runs the pure tests in seconds and `-m "not ray"` skips the session's Ray.
+# Test tiers (CONTRIBUTING.md): every test has exactly one of these markers, written on the test itself, so that
+# `pytest -m fast` runs the pure tests in seconds and `-m "not ray"` skips the session's Ray. A module says its
+# tier once (`pytestmark = pytest.mark.procs`); a test (or a parameter) that differs carries its own marker,
+# which replaces the module's for that test.
 #   fast       pure: no process started, no launcher, no Ray (detection, quirk plans on fake hardware,
 #              specs, settings, policy, world of one, failure-kind tables)
 #   procs      starts processes (ranks, jobs, forked children, the CLI as a subprocess)
 #   launchers  runs torchrun, accelerate launch or `levers9 run` as subprocesses, side by side
 #   notebook   runs a Jupyter kernel
 #   ray        uses the session's local Ray (tests/ray_cluster.py); last, or on a worker of their own with -n
-TIERS = ("fast", "procs", "launchers", "notebook", "ray")
-# A module not named here is "procs" (the safe guess for a new test file: it is not in the fast tier).
-TIER_BY_MODULE = {
-    "test_cards": "fast",
-    "test_detect": "fast",
-    "test_gpu_types": "fast",
-    "test_launch_settings": "fast",
-    "test_launch_spec": "fast",
-    "test_quirks": "fast",
-    "test_world_of_one": "fast",
-    "test_failure_kinds": "fast",
-    "test_docs": "procs",
-    "test_nccl": "procs",  # each test reads the fake NCCL in a fresh interpreter
-    "test_examples": "launchers",
-    "test_run_everywhere": "launchers",
-    "test_run_script": "launchers",
-    "test_fresh_rank": "launchers",
-    "test_terminate": "launchers",
-    "test_transparent": "launchers",
-    "test_contract": "launchers",
-    "test_notebook": "notebook",
-    "test_ray_backend": "ray",
-    "test_ray_nodes": "ray",
-}
-# Tests whose tier is not their module's: (module, test name prefix) -> tier. Pure tests in modules that
-# mostly start processes, and tests of "fast" modules that start a process.
-TIER_BY_TEST = {
-    ("test_restarts", "test_restart_count_reads_torchruns_variable"): "fast",
-    ("test_restarts", "test_job_max_restarts_is_checked_at_decoration"): "fast",
-    ("test_restarts", "test_each_failure_is_classified_by_what_a_restart_can_cure"): "fast",
-    ("test_stalls", "test_stall_rule"): "fast",
-    ("test_restarts", "test_bad_restart_arguments_are_refused_before_anything_starts"): "fast",
-    ("test_restarts", "test_restart_arguments_are_refused_under_a_launcher"): "fast",
-    ("test_run", "test_bad_arguments_are_refused_before_anything_starts"): "fast",
-    ("test_run", "test_not_a_function_is_refused"): "fast",
-    ("test_sweeps", "test_unknown_order_is_refused_before_anything_starts"): "fast",
-    ("test_sweeps", "test_retention_keeps_what_it_promises"): "fast",
-    ("test_oom", "test_the_cgroup_is_found_through_proc_and_the_mount_table"): "fast",
-    ("test_oom", "test_without_a_readable_counter_no_oom_claim_is_made"): "fast",
-    ("test_nccl", "test_decode_version_both_encodings"): "fast",
-    ("test_cards", "test_without_a_driver_pynvml_is_not_even_imported"): "procs",
-    ("test_launch_settings", "test_cli_"): "procs",
-    ("test_quirks", "test_apply_"): "procs",
-}
-
-
-# Tests that must share one pytest-xdist worker when the suite runs on several (`-n 3 --dist loadgroup`), by
-# (module, test name prefix; "" for the whole module) -> group:
+# Tests that must share one pytest-xdist worker when the suite runs on several (`-n 3 --dist loadgroup`) say so
+# with `pytest.mark.xdist_group(...)` too; every `ray` test is in the group "ray":
 #   port-29500  torchrun without --standalone and `accelerate launch` rendezvous on the default port, so
 #               two at once on one machine would collide (as they would for a user)
 #   ray         the session's one Ray (tests/ray_cluster.py) and the two-node cluster of test_ray_nodes,
 #               which shuts that one down first: one worker runs them all, one after another
 #   notebook    one kernel per scenario, shared by the module's tests (a module-scoped fixture)
-XDIST_GROUP_BY_TEST = {
-    ("test_contract", ""): "port-29500",
-    ("test_examples", "test_torchrun_script"): "port-29500",
-    ("test_examples", "test_accelerate_script"): "port-29500",
-    ("test_examples", "test_existing_ddp_script"): "port-29500",
-    ("test_run_everywhere", "test_timeout_under_torchrun"): "port-29500",
-    ("test_run_script", "test_torchrun_code_inside_distributed_run_under_a_launcher[accelerate]"): "port-29500",
-    ("test_notebook", ""): "notebook",
-}
+TIERS = ("fast", "procs", "launchers", "notebook", "ray")
 
 
-def _by_test(item: pytest.Item, table: dict[tuple[str, str], str]) -> str | None:
-    """The value `table` gives one collected test by (module, test name prefix), else None."""
-    module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
-    return next((value for (mod, prefix), value in table.items() if mod == module and item.name.startswith(prefix)), None)
-
-
-def xdist_group_of(item: pytest.Item, tier: str) -> str | None:
-    """The pytest-xdist group of one test (None: any worker may run it)."""
-    return "ray" if tier == "ray" else _by_test(item, XDIST_GROUP_BY_TEST)
+def _take_tiers(module: pytest.Module) -> list[str]:
+    """The tiers `module`'s pytestmark names, taken off the module: they become its tests' own markers, so that
+    `-m` sees the one a test ends with and never the module's beside a test's own."""
+    tiers = [mark.name for mark in module.own_markers if mark.name in TIERS]
+    module.own_markers[:] = [mark for mark in module.own_markers if mark.name not in TIERS]
+    return tiers
 
 
 def tier_of(item: pytest.Item) -> str:
-    """The tier of one collected test: `ray` if marked so, else by test name, else by module."""
-    if item.get_closest_marker("ray") is not None:
-        return "ray"
-    module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
-    return _by_test(item, TIER_BY_TEST) or TIER_BY_MODULE.get(module, "procs")
+    """The tier of one collected test, after mark_tiers: its one tier marker."""
+    return next(mark.name for mark in item.iter_markers() if mark.name in TIERS)
 
 
 # The order tests run in, by tier: the costly ones first, so that with several workers the short ones fill the
@@ -141,14 +83,31 @@ RUN_ORDER = ("launchers", "notebook", "procs", "fast", "ray")
 
 
 def mark_tiers(items: list[pytest.Item]) -> None:
-    """Give every test its tier's marker and its xdist group, and sort them all by RUN_ORDER."""
+    """Give every test its one tier marker (its own, else its module's), the `ray` tests their xdist group, and
+    sort them all by RUN_ORDER; a test with no tier, or more than one, fails the collection."""
+    of_module: dict[str, list[str]] = {}
     for item in items:
-        tier = tier_of(item)
-        if item.get_closest_marker(tier) is None:
-            item.add_marker(getattr(pytest.mark, tier))
-        group = xdist_group_of(item, tier)
-        if group is not None and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(group))
+        module = item.getparent(pytest.Module)
+        if module is not None and module.nodeid not in of_module:
+            of_module[module.nodeid] = _take_tiers(module)
+    wrong = []
+    for item in items:
+        module = item.getparent(pytest.Module)
+        own = list(dict.fromkeys(mark.name for mark in item.iter_markers() if mark.name in TIERS))
+        tiers = own or (of_module.get(module.nodeid, []) if module is not None else [])
+        if len(tiers) != 1:
+            wrong.append(f"{item.nodeid}: {'no tier' if not tiers else 'tiers ' + ', '.join(tiers)}")
+            continue
+        if not own:
+            item.add_marker(getattr(pytest.mark, tiers[0]))
+        if tiers[0] == "ray" and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+    if wrong:
+        raise pytest.UsageError(
+            "every test needs exactly one tier marker, from " + ", ".join(TIERS) + "; these have none or several:\n  "
+            + "\n  ".join(wrong) + "\nGive the module one (`pytestmark = pytest.mark.procs`), or the test its own "
+            "(`@pytest.mark.fast`) in place of the module's (tests/conftest.py: TIERS)."
+        )
     items.sort(key=lambda item: RUN_ORDER.index(tier_of(item)))
 
 

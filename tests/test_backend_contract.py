@@ -31,6 +31,8 @@ from levers9.launch import Retries, job
 from levers9.launch.settings import update_settings
 from tests import jobfns, ray_cluster
 
+pytestmark = pytest.mark.procs
+
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ["local", pytest.param("ray", marks=pytest.mark.ray)]
 

@@ -22,6 +22,8 @@ from tests.fakes.machines import (
     uuid_of,
 )
 
+pytestmark = pytest.mark.fast
+
 FOUR_PRO = machine(*[RTX_PRO_6000_SERVER] * 4, pids={2: (4242, 4343)})
 
 
@@ -116,6 +118,7 @@ def test_zero_cards(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cards.visible_cards() == []
 
 
+@pytest.mark.procs
 def test_without_a_driver_pynvml_is_not_even_imported() -> None:
     """On this CPU box: no driver markers, so the answer is [] without the ~15 ms pynvml import."""
     if any(os.path.exists(p) for p in cards._DRIVER_MARKERS):

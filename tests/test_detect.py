@@ -7,6 +7,8 @@ import pytest
 from levers9.distributed.detect import DETECTORS, LaunchInfo, detect, expand_nodelist
 from levers9.errors import LauncherEnvError
 
+pytestmark = pytest.mark.fast
+
 TORCHRUN = {
     "TORCHELASTIC_RUN_ID": "none",
     "RANK": "3",

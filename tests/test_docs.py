@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import strip_launcher_env
 
+pytestmark = pytest.mark.procs
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 # A `<!-- run -->` line, optional blank lines, then a fenced python block (captured up to its closing fence).

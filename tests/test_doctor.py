@@ -13,6 +13,8 @@ import pytest
 from tests.fakes import build_fake_nccl_wheel
 from tests.fakes.machines import FAKES_DIR, H100, RTX_PRO_6000_SERVER, machine, uuid_of
 
+pytestmark = pytest.mark.procs
+
 
 def doctor(
     *args: str, env_extra: dict[str, str] | None = None, timeout: float = 120

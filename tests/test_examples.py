@@ -13,6 +13,8 @@ import pytest
 
 from tests.proc_util import children_of, left_behind
 
+pytestmark = pytest.mark.launchers
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -66,18 +68,21 @@ def test_train_ddp_multi_card_needs_the_workspace_switch() -> None:
     assert done.returncode != 0 and "levers9 workspace multi-gpu on" in done.stderr
 
 
+@pytest.mark.xdist_group("port-29500")
 def test_torchrun_script() -> None:
     out = run(["torchrun", "--nproc-per-node", "2", "examples/torchrun_script.py"])
     assert "launcher=torchrun result={'world_size': 2" in out
 
 
 @pytest.mark.parametrize("procs", [["--multi_gpu", "--num_processes", "2"], ["--num_processes", "1"]])
+@pytest.mark.xdist_group("port-29500")
 def test_accelerate_script(procs: list[str]) -> None:
     out = run(["accelerate", "launch", *procs, "examples/accelerate_script.py"])
     world = 2 if "2" in procs else 1
     assert f"launcher=accelerate result={{'world_size': {world}" in out
 
 
+@pytest.mark.xdist_group("port-29500")
 def test_existing_ddp_script() -> None:
     out = run(["torchrun", "--nproc-per-node", "2", "examples/existing_ddp_script.py"])
     assert "launcher=torchrun world_size=2 rank=0" in out

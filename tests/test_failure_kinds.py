@@ -1,16 +1,23 @@
 """The failure vocabulary as pure tables: the Outcome a supervised child ends with, the FailureKind decided from
-its typed fields (never from a message's words), the public words restart_on= and retries= use for each
-kind, and the kinds levers9's errors carry. No process is started."""
+its typed fields (never from a message's words), the one public word restart_on= and retries= both use for
+each kind (and the old words' meanings, kept with a warning), and the kinds levers9's errors carry. No
+process is started."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import signal
+import warnings
+from pathlib import Path
 
 import pytest
 
 from levers9.distributed import restarts
+from levers9.distributed.control_store import Report
+from levers9.distributed.nodes import rank_failure_of
 from levers9.errors import (
+    ConfigError,
     FailureKind,
     JobCrashed,
     JobTimeout,
@@ -20,10 +27,13 @@ from levers9.errors import (
     RunTimeout,
     StallError,
 )
+from levers9.launch import outcomes
 from levers9.launch.outcomes import failure_kind
-from levers9.procs.failure import Failure, capture
+from levers9.procs.failure import Failure, capture, ship
 from levers9.procs.outcome import Outcome, StopReason, kind_of
-from levers9.retries import RESTART_WORDS, RETRY_WORDS, Retries, RetryPolicy, restart_policy
+from levers9.retries import WORDS, Retries, restart_policy, word_for, words_adding
+
+pytestmark = pytest.mark.fast
 
 K = FailureKind
 
@@ -37,33 +47,112 @@ def _dist_backend_error() -> Failure:
     return Failure(None, "torch.distributed.DistBackendError", "NCCL error: remote process exited", "", 0.0, False)
 
 
-# (outcome, its kind, restart_on='s word, retries='s word)
+# (outcome, its kind, the kind retries= sees in the error a job process raises for it): one kind whichever layer
+# started the child, except where a job's own exception is raised as it is (the job layer reads no kind from a
+# raised exception: a failed collective or card inside a job is an "exception" to retries=, a difference pinned
+# here, not chosen)
 TABLE = [
-    (Outcome(42, 0, None, value=b"v", reported=True), None, None, None),
-    (Outcome(42, None, signal.SIGKILL), K.CRASH, "crash", "crash"),
-    (Outcome(42, None, signal.SIGSEGV), K.CRASH, "crash", "crash"),
-    (Outcome(42, 3, None), K.EXIT, "exception", "crash"),  # os._exit(3): nothing reported
-    (Outcome(42, 0, None), K.EXIT, "exception", "crash"),  # exit 0 before returning a value
-    (_raised(SystemExit(4), exitcode=4), K.EXIT, "exception", "crash"),  # sys.exit(4)
-    (_raised(KeyError("lr")), K.EXCEPTION, "exception", "exception"),
-    (_raised(RuntimeError("[pair.cc:553] Connection closed by peer [::1]:29500")), K.COMM, "comm", "exception"),
-    (Outcome(42, 1, None, failure=_dist_backend_error(), reported=True), K.COMM, "comm", "exception"),
-    (_raised(RuntimeError("CUDA error: uncorrectable ECC error encountered")), K.CRASH, "crash", "crash"),
-    (Outcome(42, None, signal.SIGTERM, stopped_for=StopReason.TIMEOUT), K.TIMEOUT, "timeout", "timeout"),
-    (Outcome(42, None, signal.SIGKILL, stopped_for=StopReason.STALL), K.STALL, "stall", "exception"),
-    (Outcome(42, None, None, lost=True), K.LOST, "comm", "crash"),
+    (Outcome(42, 0, None, value=b"v", reported=True), None, None),
+    (Outcome(42, None, signal.SIGKILL), K.CRASH, K.CRASH),
+    (Outcome(42, None, signal.SIGSEGV), K.CRASH, K.CRASH),
+    (Outcome(42, 3, None), K.EXIT, K.EXIT),  # os._exit(3): nothing reported
+    (Outcome(42, 0, None), K.EXIT, K.EXIT),  # exit 0 before returning a value
+    (_raised(SystemExit(4), exitcode=4), K.EXIT, K.EXIT),  # sys.exit(4)
+    (_raised(KeyError("lr")), K.EXCEPTION, K.EXCEPTION),
+    (_raised(RuntimeError("[pair.cc:553] Connection closed by peer [::1]:29500")), K.COMM, K.EXCEPTION),
+    (Outcome(42, 1, None, failure=_dist_backend_error(), reported=True), K.COMM, K.EXCEPTION),
+    (_raised(RuntimeError("CUDA error: uncorrectable ECC error encountered")), K.CRASH, K.EXCEPTION),
+    (Outcome(42, None, signal.SIGTERM, stopped_for=StopReason.TIMEOUT), K.TIMEOUT, K.TIMEOUT),
+    (Outcome(42, None, signal.SIGKILL, stopped_for=StopReason.STALL), K.STALL, None),  # no job is stopped for a stall
+    (Outcome(42, None, None, lost=True), K.LOST, K.LOST),
 ]
 
 
-@pytest.mark.parametrize(("outcome", "kind", "restart_word", "retry_word"), TABLE)
-def test_each_outcome_has_one_kind_and_each_layer_one_word_for_it(
-    outcome: Outcome, kind: FailureKind | None, restart_word: str | None, retry_word: str | None
+@pytest.mark.parametrize(("outcome", "kind", "job_kind"), TABLE)
+def test_each_outcome_has_one_kind_and_one_word_in_both_layers(
+    outcome: Outcome, kind: FailureKind | None, job_kind: FailureKind | None
 ) -> None:
     assert kind_of(outcome) == kind
     if kind is not None:
-        policy = RetryPolicy()
-        assert policy.word_for(kind, RESTART_WORDS) == restart_word == restarts.word(kind)
-        assert policy.word_for(kind, RETRY_WORDS) == retry_word
+        assert restarts.word(kind) == word_for(kind) == kind.value
+        assert WORDS[word_for(kind)] == {kind}
+
+
+@pytest.mark.parametrize(("outcome", "kind", "job_kind"), [row for row in TABLE if row[1] is not K.STALL])
+def test_a_job_process_raises_an_error_of_the_kind_its_outcome_has(
+    outcome: Outcome, kind: FailureKind | None, job_kind: FailureKind | None, tmp_path: Path
+) -> None:
+    """The job layer's one builder (launch.outcomes.finish) ends each outcome of the table in an error of its
+    kind, as the rank layer's failure records carry kind_of(outcome) (test_a_runs_errors_carry_their_kind)."""
+    run = outcomes.JobAttempt("cell #0", 0, 1, 1, tmp_path)
+    if kind is None:
+        outcome = dataclasses.replace(outcome, value=ship("v"))
+    try:
+        value = outcomes.finish(run, outcome, outcomes.OutputTail(), 5.0, {})
+    except BaseException as exc:  # noqa: BLE001 - the table holds the job's own exceptions too
+        assert failure_kind(exc) == job_kind
+    else:
+        assert kind is None and value == "v"
+
+
+@pytest.mark.parametrize(("outcome", "kind", "job_kind"), [
+    row for row in TABLE if row[1] is not None and row[0].stopped_for is None and not row[0].lost and row[0].exitcode != 0
+])
+def test_a_rank_on_another_node_fails_with_the_kind_its_outcome_has(
+    outcome: Outcome, kind: FailureKind, job_kind: FailureKind | None
+) -> None:
+    """A rank that ended this way on another node reaches the caller (nodes.rank_failure_of) as the same kind the
+    one-node path gives it (kind_of)."""
+    report = Report(rank=3, node=1, address="127.0.0.3", pid=outcome.pid, exitcode=outcome.exitcode,
+                    signal=outcome.signal, failure=outcome.failure, tail=(), wall=0.0)  # fmt: skip
+    assert rank_failure_of(report).kind == kind
+
+
+# restart_on= and Retries(on=): (the words given, the kinds they name, whether that warns of a changed meaning)
+WORD_TABLE = [
+    (("crash",), {K.CRASH}, {K.CRASH, K.EXIT, K.LOST}),
+    (("exit",), {K.EXIT}, {K.EXIT}),
+    (("exception",), {K.EXCEPTION, K.EXIT}, {K.EXCEPTION, K.COMM, K.STALL}),
+    (("comm",), {K.COMM, K.LOST}, {K.COMM}),
+    (("lost",), {K.LOST}, {K.LOST}),
+    (("stall",), {K.STALL}, {K.STALL}),
+    (("timeout",), {K.TIMEOUT}, {K.TIMEOUT}),
+    (("comm", "lost"), {K.COMM, K.LOST}, {K.COMM, K.LOST}),
+    (("exception", "exit"), {K.EXCEPTION, K.EXIT}, {K.EXCEPTION, K.EXIT, K.COMM, K.STALL}),
+    (("crash", "exit", "lost"), {K.CRASH, K.EXIT, K.LOST}, {K.CRASH, K.EXIT, K.LOST}),
+    (("exception", "comm", "stall"), {K.EXCEPTION, K.EXIT, K.COMM, K.LOST, K.STALL}, {K.EXCEPTION, K.COMM, K.STALL}),
+]
+
+
+@pytest.mark.parametrize(("words", "restart_kinds", "retry_kinds"), WORD_TABLE)
+def test_the_retry_words_of_both_keywords(
+    words: tuple[str, ...], restart_kinds: set[FailureKind], retry_kinds: set[FailureKind]
+) -> None:
+    """Each word names its own kind in both; an old word keeps its wider meaning with a DeprecationWarning
+    (naming the words that say the same today), and those words mean it without one."""
+    named = frozenset().union(*(WORDS[word] for word in words))
+    for make, kinds, keyword in ((lambda w: restart_policy(1, w, 0), restart_kinds, "restart_on="),
+                                 (lambda w: Retries(1, on=w), retry_kinds, "Retries(on=")):  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert make(words).kinds == kinds
+        if kinds == named:
+            assert caught == []
+        else:
+            (warning,) = caught
+            assert warning.category is DeprecationWarning and warning.filename == __file__
+            today = tuple(str(warning.message).split(f"Pass {keyword}")[1].split(")")[0].strip("(").replace("'", "").split(", "))
+            assert frozenset().union(*(WORDS[word] for word in today)) == kinds
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                assert make(today).kinds == kinds
+
+
+def test_a_suggested_restart_on_means_what_it_meant_and_does_not_warn() -> None:
+    assert words_adding(("crash", "comm", "lost", "stall"), K.EXCEPTION, "restart_on") == (
+        "crash", "comm", "lost", "stall", "exception", "exit")
+    assert words_adding(("crash",), K.STALL, "restart_on") == ("crash", "stall")
+    assert words_adding(("comm",), K.CRASH, "restart_on") == ("comm", "crash", "lost")
 
 
 def test_the_words_of_a_message_do_not_decide_the_kind() -> None:
@@ -72,17 +161,17 @@ def test_the_words_of_a_message_do_not_decide_the_kind() -> None:
     assert kind_of(Outcome(42, 1, None, failure=told, reported=True)) is K.EXCEPTION
 
 
-def test_every_kind_but_queue_has_exactly_one_word_in_each_table() -> None:
-    for table in (RESTART_WORDS, RETRY_WORDS):
-        for kind in FailureKind:
-            words = [word for word, kinds in table.items() if kind in kinds]
-            assert words == [] if kind is K.QUEUE else len(words) == 1, (kind, words)
+def test_every_kind_but_queue_has_exactly_one_word_and_no_word_is_unknown() -> None:
+    assert [kind for kinds in WORDS.values() for kind in kinds] == [kind for kind in FailureKind if kind is not K.QUEUE]
+    with pytest.raises(ConfigError, match="names 'oom'"):
+        restart_policy(1, ("oom",), 0)
 
 
 def test_the_default_policies_keep_their_public_meaning() -> None:
     assert restart_policy(None, None, None).kinds == {K.CRASH, K.COMM, K.LOST, K.STALL}
     assert Retries(1).kinds == {K.CRASH, K.EXIT, K.LOST, K.TIMEOUT}
-    assert restart_policy(2, ("exception",), 0).kinds == {K.EXCEPTION, K.EXIT}
+    with pytest.warns(DeprecationWarning, match=r"Pass restart_on=\('exception', 'exit'\)"):
+        assert restart_policy(2, ("exception",), 0).kinds == {K.EXCEPTION, K.EXIT}
     assert [Retries(3, initial_delay=1, max_delay=3).delay(n) for n in (2, 3, 4)] == [1.0, 2.0, 3.0]
     assert restart_policy(1, None, 5).delay(2) == restart_policy(1, None, 5).delay(9) == 5.0
 

@@ -25,6 +25,8 @@ from levers9.procs.watch import Child, Watcher
 from tests import procfns
 from tests.proc_util import alive, children_of, is_torch_chatter, left_behind, wait_gone
 
+pytestmark = pytest.mark.procs
+
 REPO = Path(__file__).resolve().parents[1]
 
 

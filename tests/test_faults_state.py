@@ -27,6 +27,8 @@ from levers9.launch import job, runs
 from levers9.launch.settings import load_settings, runs_dir, settings_path
 from tests import ray_cluster
 
+pytestmark = pytest.mark.procs
+
 ROOT = Path(__file__).resolve().parent.parent
 OTHER_UID = 12345
 

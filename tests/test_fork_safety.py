@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.procs
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Ran by every caller before levers9 starts anything: an OpenMP parallel region (torch's intra-op pool),

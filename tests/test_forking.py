@@ -17,6 +17,8 @@ import pytest
 
 from tests.proc_util import is_torch_chatter
 
+pytestmark = pytest.mark.procs
+
 REPO = Path(__file__).resolve().parents[1]
 
 

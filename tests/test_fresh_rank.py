@@ -30,6 +30,7 @@ from tests import scriptfns
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(scriptfns.SCRIPTS / "fresh_process.py")
 PEER_KILLED = str(scriptfns.SCRIPTS / "peer_killed.py")
+pytestmark = pytest.mark.launchers
 LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
     "levers9 run": [sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2"],

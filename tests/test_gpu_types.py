@@ -7,6 +7,8 @@ import pytest
 from levers9.distributed.hardware.gpu_types import known_types, parse_gpu_type, type_of_card
 from levers9.errors import JobConfigError
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.mark.parametrize(
     ("nvml_name", "memory_mib", "expected"),

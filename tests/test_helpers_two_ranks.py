@@ -7,6 +7,8 @@ import pytest
 from levers9 import distributed as dist
 from tests import rankfns
 
+pytestmark = pytest.mark.procs
+
 
 def test_helpers_on_two_ranks(capfd: pytest.CaptureFixture[str]) -> None:
     out = dist.run(rankfns.helper_answers, None, nprocs=2)

@@ -21,6 +21,8 @@ from levers9.launch.settings import lease_dir, runs_dir
 from tests import jobfns
 from tests.proc_util import CTRL_C_HANDLER, sigint_to_a_thread_that_is_not_main
 
+pytestmark = pytest.mark.procs
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -13,6 +13,8 @@ import pytest
 from levers9.errors import SettingsError
 from levers9.launch.settings import load_settings, settings_path, update_settings
 
+pytestmark = pytest.mark.fast
+
 
 def levers9(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -66,6 +68,7 @@ def test_a_corrupt_file_is_an_error_naming_it(text: str, message: str) -> None:
     assert str(settings_path()) in str(info.value)
 
 
+@pytest.mark.procs
 def test_cli_multi_gpu_switch_end_to_end() -> None:
     shown = levers9("workspace")
     assert shown.returncode == 0, shown.stderr
@@ -95,6 +98,7 @@ max_gpu_count = 4
 """
 
 
+@pytest.mark.procs
 def test_cli_multi_gpu_on_keeps_the_users_comments_and_unknown_keys() -> None:
     settings_path().parent.mkdir(parents=True, exist_ok=True)
     settings_path().write_text(USERS_FILE)
@@ -115,6 +119,7 @@ def test_a_new_file_explains_itself_and_a_default_left_unmentioned_stays_so() ->
     assert settings_path().read_text() == "[limits]\nmax_gpu_count = 5\n"
 
 
+@pytest.mark.procs
 def test_cli_max_gpu_count_end_to_end() -> None:
     changed = levers9("workspace", "max-gpu-count", "4")
     assert changed.returncode == 0 and "Max GPU count per job: 4 (was 8)" in changed.stdout
@@ -125,6 +130,7 @@ def test_cli_max_gpu_count_end_to_end() -> None:
     assert shown["max_gpu_count"] == 4 and shown["multi_gpu"] is False
 
 
+@pytest.mark.procs
 def test_cli_reports_a_corrupt_file() -> None:
     settings_path().write_text("not toml [")
     result = levers9("workspace", "multi-gpu", "on")

@@ -17,6 +17,8 @@ from levers9.launch.settings import load_settings
 from levers9.launch.spec import build_spec
 from tests import jobfns
 
+pytestmark = pytest.mark.fast
+
 
 def spec(**kw: object) -> object:
     args: dict[str, object] = dict(

@@ -17,6 +17,8 @@ import pytest
 from levers9.distributed.hardware import nccl
 from tests.fakes import build_fake_nccl, build_fake_nccl_wheel
 
+pytestmark = pytest.mark.procs
+
 REPORT = (
     "import json; from levers9.distributed.hardware import nccl; i = nccl.nccl_info(); "
     "print(json.dumps({'version': i.version, 'path': i.path, 'source': i.source, 'wheel': i.wheel, "
@@ -90,6 +92,7 @@ def test_a_build_without_a_readable_string(tmp_path: Path) -> None:
     assert nccl.build_string(str(with_string)) == ("2.28.3", 13, 0)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(("code", "expected"), [(22703, (2, 27, 3)), (20901, (2, 9, 1)), (2708, (2, 7, 8))])
 def test_decode_version_both_encodings(code: int, expected: tuple[int, int, int]) -> None:
     assert nccl.decode_version(code) == expected

@@ -17,6 +17,8 @@ from tests import jobfns, ray_cluster
 from tests.fakes import use_fake_pynvml
 from tests.fakes.machines import RTX_PRO_6000_SERVER, machine
 
+pytestmark = pytest.mark.procs
+
 
 @pytest.fixture
 def two_cards(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -35,6 +35,8 @@ from nbformat.v4 import new_code_cell
 from tests.conftest import strip_launcher_env
 from tests.proc_util import children_of, wait_gone
 
+pytestmark = [pytest.mark.notebook, pytest.mark.xdist_group("notebook")]
+
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "examples" / "notebook_quickstart.ipynb"
 CELL_TIMEOUT_S = 180

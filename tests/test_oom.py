@@ -19,6 +19,8 @@ from levers9.procs.supervise import Supervisor
 from levers9.procs.watch import Watcher
 from tests import jobfns, rankfns
 
+pytestmark = pytest.mark.procs
+
 V2_EVENTS = "low 0\nhigh 0\nmax 3\noom 1\noom_kill {n}\noom_group_kill 0\n"
 V1_CONTROL = "oom_kill_disable 0\nunder_oom 0\noom_kill {n}\n"
 OOM_WORDS = "the out-of-memory killer fired in this cgroup"
@@ -90,6 +92,7 @@ def test_a_job_killed_without_the_oom_killer_is_a_plain_sigkill(cgroup: Path) ->
     assert "out-of-memory" not in str(info.value)
 
 
+@pytest.mark.fast
 def test_the_cgroup_is_found_through_proc_and_the_mount_table() -> None:
     v1 = oom.cgroup_dirs(
         "5:devices:/\n4:memory:/process_api/abc\n0::/\n",
@@ -109,6 +112,7 @@ def test_the_cgroup_is_found_through_proc_and_the_mount_table() -> None:
     assert nested == [Path("/sys/fs/cgroup")]
 
 
+@pytest.mark.fast
 def test_without_a_readable_counter_no_oom_claim_is_made(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

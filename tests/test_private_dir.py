@@ -16,6 +16,8 @@ from levers9.launch import job
 from levers9.private_dir import private_dir
 from tests import jobfns
 
+pytestmark = pytest.mark.procs
+
 NOBODY = pwd.getpwnam("nobody").pw_uid
 
 
@@ -117,13 +119,13 @@ def test_a_state_dir_inside_another_users_folder_is_refused(
 
 
 def test_ray_scratch_refuses_a_planted_symlink(shared_tmp: Path, tmp_path: Path) -> None:
-    from levers9.launch.ray_backend import _scratch_dir
+    from levers9.launch.ray_task import scratch_dir
 
     target = tmp_path / "theirs"
     target.mkdir()
     (shared_tmp / f"levers9-ray-{os.getuid()}").symlink_to(target)
     with pytest.raises(PrivateDirError, match="symlink"):
-        _scratch_dir(0, 1)
+        scratch_dir(0, 1)
     assert list(target.iterdir()) == []
 
 

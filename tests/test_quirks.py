@@ -34,6 +34,8 @@ from tests.fakes.machines import (
     machine,
 )
 
+pytestmark = pytest.mark.fast
+
 PLAIN = Platform(shm_bytes=64 * 1024**3, kernel_cmdline="quiet")  # Linux, big /dev/shm, not WSL, not ROCm
 GOOD_NCCL = NcclInfo(
     (2, 27, 5), "/x/nvidia/nccl/lib/libnccl.so.2", "wheel", "nvidia-nccl-cu12", "2.27.5", (12, 9)
@@ -401,6 +403,7 @@ def _apply(env_extra: dict[str, str]) -> tuple[dict, str]:
     return json.loads(lines[-1]), "\n".join(lines[:-1])
 
 
+@pytest.mark.procs
 def test_apply_sets_defaults_once_and_logs(tmp_path: Path) -> None:
     build_fake_nccl(tmp_path, 22705, "2.27.5+cuda12.9")
     two_pro = machine(RTX_PRO_6000_SERVER, RTX_PRO_6000_SERVER)
@@ -415,6 +418,7 @@ def test_apply_sets_defaults_once_and_logs(tmp_path: Path) -> None:
     assert marked["set"] == {} and marked["p2p"] is None and "LOG" not in logs
 
 
+@pytest.mark.procs
 def test_apply_raises_before_any_collective_with_old_nccl(tmp_path: Path) -> None:
     """The old NCCL is planted as a wheel first on sys.path, where the lookup reads first on CPU and CUDA builds."""
     lib = build_fake_nccl_wheel(tmp_path / "old", "2.26.2", 22602, "2.26.2+cuda12.2")

@@ -15,6 +15,8 @@ from levers9.launch import job
 from tests import workloadfns
 from tests.proc_util import is_torch_chatter
 
+pytestmark = pytest.mark.procs
+
 LOADER_OPTIONS = [{}, {"persistent_workers": True, "pin_memory": True}]
 
 

@@ -38,6 +38,8 @@ from tests.proc_util import (
     wait_gone,
 )
 
+pytestmark = pytest.mark.procs
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -104,7 +106,7 @@ def test_a_user_key_error_is_raised_at_once_without_a_restart(tmp_path: Path) ->
     assert sorted(attempts_seen(tmp_path)) == [(0, 0), (0, 1)]
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "not restarted (max_restarts=3)" in notes and "'exception' failure" in notes
-    assert "restart_on=('crash', 'comm', 'stall', 'exception')" in notes
+    assert "restart_on=('crash', 'comm', 'lost', 'stall', 'exception', 'exit')" in notes
     assert isinstance(info.value.__cause__, RankFailed)
     no_rank_alive(tmp_path)
 
@@ -215,6 +217,7 @@ def test_ctrl_c_during_the_restart_delay_stops_everything(tmp_path: Path, delive
     no_rank_alive(tmp_path)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -230,6 +233,7 @@ def test_bad_restart_arguments_are_refused_before_anything_starts(kwargs: dict[s
         dist.run(restartfns.always_killed_on_rank_1, "unused", nprocs=2, **kwargs)
 
 
+@pytest.mark.fast
 def test_restart_arguments_are_refused_under_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                         "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():  # fmt: skip
@@ -238,6 +242,7 @@ def test_restart_arguments_are_refused_under_a_launcher(monkeypatch: pytest.Monk
         dist.run(restartfns.always_killed_on_rank_1, "unused", max_restarts=2)
 
 
+@pytest.mark.fast
 def test_restart_count_reads_torchruns_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     assert dist.restart_count() == 0
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
@@ -247,6 +252,7 @@ def test_restart_count_reads_torchruns_variable(monkeypatch: pytest.MonkeyPatch)
         dist.restart_count()
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("value", [-1, 1.5, True, "2"])
 def test_job_max_restarts_is_checked_at_decoration(value: Any) -> None:
     with pytest.raises(JobConfigError, match="max_restarts must be a whole number >= 0.*retries= is the other knob"):

@@ -19,6 +19,8 @@ from levers9.errors import NotShippableError, RankCrashed, RankFailed, RunTimeou
 from tests import rankfns
 from tests.proc_util import CTRL_C_HANDLER, children_of, left_behind, wait_gone
 
+pytestmark = pytest.mark.procs
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -165,6 +167,7 @@ def test_after_stop_grace_the_whole_tree_is_killed_even_if_it_ignores_sigterm(tm
     assert wait_gone(pids, 5) == []
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -183,6 +186,7 @@ def test_bad_arguments_are_refused_before_anything_starts(kwargs: dict, match: s
         dist.run(rankfns.describe, None, **kwargs)
 
 
+@pytest.mark.fast
 def test_not_a_function_is_refused() -> None:
     with pytest.raises(TypeError, match="needs a function"):
         dist.run("train.py", None)  # type: ignore[arg-type]

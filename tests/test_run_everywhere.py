@@ -19,6 +19,8 @@ from levers9 import distributed as dist
 from levers9.errors import ConfigError, RunTimeout
 from tests import rankfns
 
+pytestmark = pytest.mark.launchers
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -46,6 +48,7 @@ print("result", dist.run(fn, None, timeout=2), flush=True)
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.xdist_group("port-29500")
 def test_timeout_under_torchrun_stops_every_rank_even_one_stuck_in_a_collective(tmp_path: Path) -> None:
     script = tmp_path / "script.py"
     script.write_text(UNDER_TORCHRUN)

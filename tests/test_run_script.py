@@ -23,6 +23,8 @@ from levers9.launch.settings import update_settings
 from tests import scriptfns
 from tests.proc_util import children_of, left_behind
 
+pytestmark = pytest.mark.launchers
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = scriptfns.SCRIPTS
 ACCELERATE_SCRIPTS = Path(__import__("accelerate").__file__).parent / "test_utils" / "scripts"
@@ -253,7 +255,7 @@ def test_classic_torchrun_main_inside_distributed_run() -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("accelerate", marks=pytest.mark.xdist_group("port-29500"))])
 def test_torchrun_code_inside_distributed_run_under_a_launcher(launcher: str) -> None:
     """Under a launcher, run joins the launcher's group before fn (torch.distributed answers right at fn's top);
     with init_group=False fn's own init_process_group works, and rank 0's value reaches every rank through a

@@ -19,6 +19,8 @@ from levers9.errors import StallError
 from tests import rankfns
 from tests.proc_util import children_of, left_behind
 
+pytestmark = pytest.mark.procs
+
 REPO = Path(__file__).resolve().parents[1]
 RANKFNS = str(REPO / "tests" / "rankfns.py")
 
@@ -239,6 +241,7 @@ def _state(finished: int = 0, issued: int = -1, completed: int = -1, moved_at: f
     return board.SlotState(finished, inside, moved_at, moved_at, "all_reduce" if inside else "", issued, completed, moved_at)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("states", "expected"),
     [

@@ -24,6 +24,8 @@ from levers9.launch.cells import Cell
 from levers9.launch.settings import runs_dir, update_settings
 from tests import jobfns, ray_cluster
 
+pytestmark = pytest.mark.procs
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -174,6 +176,7 @@ def test_completed_order_raises_the_first_failure_and_return_exceptions_keeps_it
         list(fn.map([(str(tmp_path), i) for i in range(3)], order="completed"))
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(30)
 def test_unknown_order_is_refused_before_anything_starts() -> None:
     fn = job(gpu="RTXPro6000")(jobfns.add)
@@ -434,6 +437,7 @@ def test_runs_logs_follow_prints_until_the_cell_ends(tmp_path: Path) -> None:
             sweep.wait()
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_retention_keeps_what_it_promises(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("LEVERS9_KEEP_RUNS", "5")

@@ -19,6 +19,8 @@ from levers9.procs.watch import exit_on_terminate
 from tests import jobfns
 from tests.proc_util import wait_gone
 
+pytestmark = pytest.mark.launchers
+
 REPO = Path(__file__).resolve().parents[1]
 
 RUN_CALLER = """

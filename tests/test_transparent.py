@@ -22,6 +22,8 @@ from levers9.launch import job
 from levers9.launch.settings import update_settings
 from tests import rankfns, scriptfns
 
+pytestmark = pytest.mark.launchers
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
 LIVE = {"initialized": True, "idiom_rank": 0, "world": 2, "group_world_set": True, "every_rank": [0, 1]}

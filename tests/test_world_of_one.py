@@ -9,6 +9,8 @@ from levers9 import distributed as dist
 from levers9.distributed.helpers import PaddedShard
 from levers9.errors import LauncherEnvError
 
+pytestmark = pytest.mark.fast
+
 
 def test_world_of_one_answers() -> None:
     assert (dist.rank(), dist.local_rank(), dist.world_size(), dist.local_world_size(), dist.node_rank()) == (0, 0, 1, 1, 0)

@@ -9,21 +9,7 @@ and posts the first failure of its node. Node 0 treats those reports as it treat
 (root cause first in time, peer-loss errors last), and declares a node lost when its agent's
 heartbeat counter stopped moving for LOST_AFTER_S. Nothing here imports Ray.
 
-Control store keys (all under the job's control store, hosted by node 0's Ray task):
-    ready/<i>            agent i joined (its address)         hb/<i>        agent i's heartbeat counter
-    attempts             how many attempts node 0 started (each distributed.run call and restart is one)
-    a<n>/start           attempt n's start request            a<n>/stop     stop attempt n's ranks now
-    a<n>/fail/<i>        node i's first failure (shipped)     a<n>/done/<i> node i's ranks all returned
-    a<n>/stopped/<i>     node i's ranks of attempt n are gone  end          the job is over: agents exit
-    a<n>/out/<i>/count   batches of node i's rank output       a<n>/out/<i>/<seq>  one batch (node 0 prints, deletes)
-    lost/<i>             node 0 declared node i lost (its agent is cancelled without waiting)
-    replace/<i>          node 0 asks node 0's Ray task for a new agent for lost node i (value: the attempt it starts at)
-    gen/<i>              the generation of node i's agent (one more per replacement); an older agent exits
-    noreplace/<i>        no replacement came within the wait (value: why)
-    a<n>/quiet/<i>       node i's ranks' Quiet (stall_timeout=): how long nothing moved, whether one waits
-    a<n>/confirm         node 0 asks every node for a Quiet on fresh samples (value: the round)
-    a<n>/confirmed/<i>/<round>  node i's answer          a<n>/where   node 0 asks where every rank is
-    a<n>/where/<i>       node i's answer: its ranks' collectives and stacks, named by global rank and node
+The keys of the job's control store, and the values that cross it, are levers9/distributed/control_store.py.
 
 A restart after a node was lost first waits for a replacement: node 0's Ray task (levers9/launch/ray_gang.py)
 starts a new agent in the lost node's placement-group bundle once Ray has placed that bundle on an alive
@@ -43,11 +29,13 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from levers9.context import GangContext, JobContext, current_job
 from levers9.distributed import detect, restarts, stalls
+from levers9.distributed.control_store import ControlStore, Report, StartRequest
 from levers9.distributed.rank_process import RankSpec, RankTarget
+from levers9.distributed.store_server import hosted_store
 from levers9.errors import (
     ConfigError,
     FailureKind,
@@ -58,13 +46,14 @@ from levers9.errors import (
     StallError,
 )
 from levers9.procs import echo, start
-from levers9.procs.failure import Failure, raise_rank_exception, ship, unship
+from levers9.procs.failure import raise_rank_exception, ship, unship
 from levers9.procs.outcome import Outcome, consequence, kind_of
 from levers9.procs.supervise import ROOT_CAUSE_WINDOW_S
 from levers9.procs.watch import Child, Watcher, exit_on_terminate, output_excerpt
 from levers9.retries import RetryPolicy
 
 log = logging.getLogger("levers9.distributed")
+T = TypeVar("T")
 
 HEARTBEAT_EVERY_S = 0.5  # an agent bumps its counter this often
 LOST_AFTER_S = 5.0  # a counter that did not move for this long: the node is lost
@@ -76,11 +65,11 @@ ANSWER_WAIT_S = 10.0  # how long node 0 waits for the other nodes' fresh samples
 SOCKET_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-def control_client(addr: str, port: int, timeout: float = 30.0) -> Any:
+def control_client(addr: str, port: int, timeout: float = 30.0) -> ControlStore:
     """A client of the job's control store."""
     import torch.distributed as td
 
-    return td.TCPStore(addr, port, None, False, datetime.timedelta(seconds=timeout))
+    return ControlStore(td.TCPStore(addr, port, None, False, datetime.timedelta(seconds=timeout)))
 
 
 def interface_of(address: str) -> str | None:
@@ -126,36 +115,20 @@ def _wall(when_monotonic: float) -> float:
     return time.time() - (time.monotonic() - when_monotonic)
 
 
-@dataclasses.dataclass(frozen=True)
-class Report:
-    """One failed rank, as a node reports it: enough for the caller's RankFailure and for ordering."""
-
-    rank: int
-    node: int
-    address: str
-    pid: int
-    exitcode: int | None
-    signal: int | None
-    failure: Failure | None
-    tail: tuple[str, ...]
-    wall: float  # when it failed (wall clock): the root cause is the earliest
-
-    @property
-    def peer_loss(self) -> bool:
-        return self.failure is not None and self.failure.peer_loss
-
-    def rank_failure(self) -> RankFailure:
-        f = self.failure
-        return RankFailure(rank=self.rank, pid=self.pid, exitcode=self.exitcode if f is None else f.exitcode,
-                           signal=self.signal if f is None else None,
-                           exc_type=None if f is None or f.is_exit else f.exc_type, message="" if f is None else f.message,
-                           traceback="" if f is None else f.traceback, output_tail=output_excerpt(list(self.tail)),
-                           kind=kind_of(Outcome(self.pid, self.exitcode, self.signal, failure=f, reported=True)))  # fmt: skip
+def rank_failure_of(report: Report) -> RankFailure:
+    """The caller's RankFailure for a node's report of a failed rank."""
+    f = report.failure
+    return RankFailure(rank=report.rank, pid=report.pid, exitcode=report.exitcode if f is None else f.exitcode,
+                       signal=report.signal if f is None else None,
+                       exc_type=None if f is None or f.is_exit else f.exc_type, message="" if f is None else f.message,
+                       traceback="" if f is None else f.traceback, output_tail=output_excerpt(list(report.tail)),
+                       kind=kind_of(Outcome(report.pid, report.exitcode, report.signal, failure=f, reported=True)))  # fmt: skip
 
 
 def report_of(child: Child, rank: int, node: int, address: str) -> Report:
-    """A Report for a failed child, timed by its own failure record (or now, for a crash)."""
-    when = time.time() if child.failure is None else _wall(child.failure.when)
+    """A Report for a failed child, timed by its own failure record (or, for a crash, when it was seen ending)."""
+    seen = child.failure.when if child.failure is not None else child.ended_at
+    when = time.time() if seen is None else _wall(seen)
     return Report(rank, node, address, child.pid, child.exitcode, child.signal, child.failure, tuple(child.tail), when)
 
 
@@ -221,11 +194,16 @@ class _NodeZero:
 
     def __init__(self, run: GangRun, gang: GangContext, job: JobContext) -> None:
         self.run, self.gang, self.job = run, gang, job
-        self.store: Any = None
+        self.store: ControlStore | None = None
         self.lost: dict[int, str] = {}  # node -> why, once declared lost
 
     def forget_store(self) -> None:
         self.store = None
+
+    @property
+    def control(self) -> ControlStore:
+        assert self.store is not None, "used outside run_across_nodes"
+        return self.store
 
     @property
     def agents(self) -> range:
@@ -242,7 +220,7 @@ class _NodeZero:
         """Return once every agent has joined; NodeLost naming the ones that never did after JOIN_TIMEOUT_S."""
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while True:
-            missing = [i for i in self.agents if not self.store.check([f"ready/{i}"])]
+            missing = [i for i in self.agents if self.control.joined(i) is None]
             if not missing:
                 return
             if time.monotonic() >= deadline:
@@ -256,9 +234,9 @@ class _NodeZero:
             time.sleep(POLL_EVERY_S)
 
     def attempt(self, attempt_env: dict[str, str]) -> Any:
-        n = int(self.store.add("attempts", 1)) - 1  # counted in the store: a job may call distributed.run again
+        n = self.control.next_attempt()  # counted in the store: a job may call distributed.run again
         for i in self.agents:
-            if i not in self.lost and self.store.check([f"lost/{i}"]):
+            if i not in self.lost and self.control.is_lost(i):
                 self.lost[i] = "an earlier distributed.run of this job lost it"
         if self.lost:
             self._replace_lost(n)
@@ -270,24 +248,22 @@ class _NodeZero:
         within = self.gang.replace_within
         waiting = sorted(self.lost)
         for i in waiting:
-            for key in (f"ready/{i}", f"noreplace/{i}"):
-                self.store.delete_key(key)
-            self.store.set(f"replace/{i}", str(n))
+            self.control.ask_replacement(i, n)
         log.warning("distributed.run across %s: waiting up to %g s for a node to replace %s",
                     self.gang.describe(), within, "; ".join(self._name(i) for i in waiting))  # fmt: skip
         deadline = time.monotonic() + within + ANSWER_WAIT_S  # node 0's Ray task posts noreplace/<i> at `within`
         while waiting:
             for i in list(waiting):
-                if self.store.check([f"ready/{i}"]):
-                    address = self.store.get(f"ready/{i}").decode()
+                address = self.control.joined(i)
+                if address is not None:
                     old = self._name(i)
                     self._moved(i, address)
-                    self.store.delete_key(f"lost/{i}")
+                    self.control.replaced(i)
                     del self.lost[i]
                     waiting.remove(i)
                     log.warning("distributed.run: %s is replaced by %s", old, self._name(i))
                     continue
-                why = self.store.get(f"noreplace/{i}").decode() if self.store.check([f"noreplace/{i}"]) else None
+                why = self.control.replacement_refused(i)
                 if why is not None or time.monotonic() >= deadline:
                     raise self._lost_error(i, f"{self.lost[i]}; no node replaced it within {within:g} s (the job's "
                                               f"queue_timeout){': ' + why if why else ''}", FailureKind.QUEUE)  # fmt: skip
@@ -312,19 +288,12 @@ def _span(ranks: tuple[int, ...]) -> str:
     return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
 
 
-def hosted_rank_store(host: str) -> Any:
-    """The ranks' rendezvous store of one attempt, on `host` (node 0's Ray address), on a port bound here."""
-    from levers9.distributed.spawner import hosted_store
-
-    return hosted_store(host)
-
-
 class _Attempt:
     """One attempt on every node: start, watch, stop, report."""
 
     def __init__(self, zero: _NodeZero, number: int, attempt_env: dict[str, str]) -> None:
         self.zero, self.n, self.attempt_env = zero, number, attempt_env
-        self.store = zero.store
+        self.store = zero.control
         self.gang = zero.gang
         self.watcher = Watcher(self._forward)
         self.ranks: list[Child] = []
@@ -349,7 +318,7 @@ class _Attempt:
                 self.board = stalls.BoardFolder(gang.shares[0])
                 cleanup.callback(self.board.remove)
             cleanup.callback(self.watcher.close)
-            port = cleanup.enter_context(hosted_rank_store(address))
+            port = cleanup.enter_context(hosted_store(address))  # the ranks' rendezvous store of this attempt
             cleanup.callback(self.watcher.stop, run.stop_grace)
             run_id = f"{detect.LEVERS9_RUN_ID_PREFIX}{os.getpid()}-{port}"
             sockets = socket_env(address, dict(os.environ))
@@ -364,11 +333,11 @@ class _Attempt:
                 self.ranks.append(self.watcher.add(child))
             if self.board is not None:
                 self.board.write_pids(os.getpid(), [p.pid for p in self.ranks])
-            request = {"call": run.shipped, "backend": run.backend, "env": run.env, "master": (address, port),
-                       "run_id": run_id, "attempt_env": self.attempt_env, "make_group": run.make_group,
-                       "stop_grace": run.stop_grace, "prefix_output": run.prefix_output, "forks": run.method.forks,
-                       "diagnostics": run.diagnostics, "stall_timeout": run.stall_timeout}  # fmt: skip
-            self.store.set(f"a{self.n}/start", ship(request))
+            request = StartRequest(call=run.shipped, backend=run.backend, env=run.env, master=(address, port),
+                                   run_id=run_id, attempt_env=self.attempt_env, make_group=run.make_group,
+                                   stop_grace=run.stop_grace, prefix_output=run.prefix_output, forks=run.method.forks,
+                                   diagnostics=run.diagnostics, stall_timeout=run.stall_timeout)  # fmt: skip
+            self.store.post_start(self.n, request)
             try:
                 return self._watch()
             except BaseException:
@@ -377,29 +346,23 @@ class _Attempt:
 
     def _poll_store(self, now: float) -> None:
         for i in self.zero.agents:
-            if i not in self.remote and self.store.check([f"a{self.n}/fail/{i}"]):
-                self.remote[i] = unship(self.store.get(f"a{self.n}/fail/{i}"))
-            if i not in self.done and self.store.check([f"a{self.n}/done/{i}"]):
+            if i not in self.remote and (report := self.store.failure(self.n, i)) is not None:
+                self.remote[i] = report
+            if i not in self.done and self.store.is_done(self.n, i):
                 self.done.add(i)
             self._print_output_of(i)  # after the flags: a node posts its output before them
-            if self.zero.run.stall_timeout is not None and self.store.check([f"a{self.n}/quiet/{i}"]):
-                self.quiets[i] = unship(self.store.get(f"a{self.n}/quiet/{i}"))
-            count = int(self.store.add(f"hb/{i}", 0))
+            if self.zero.run.stall_timeout is not None and (quiet := self.store.quiet(self.n, i)) is not None:
+                self.quiets[i] = quiet
+            count = self.store.beats(i)
             last = self.beats.get(i)
             if last is None or last[0] != count:
                 self.beats[i] = (count, now)
 
     def _print_output_of(self, node: int) -> None:
         """Print the batches of node's rank output that arrived since the last poll, in order."""
-        key = f"a{self.n}/out/{node}"
-        count = int(self.store.add(f"{key}/count", 0))
-        while self.printed.get(node, 0) < count:
-            seq = self.printed.get(node, 0) + 1
-            if not self.store.check([f"{key}/{seq}"]):
-                return  # numbered but not written yet: the next poll reads it
-            for stream, line in unship(self.store.get(f"{key}/{seq}")):
+        for seq, batch in self.store.take_output(self.n, node, self.printed.get(node, 0)):
+            for stream, line in batch:
                 echo.write(stream, f"{line}\n")
-            self.store.delete_key(f"{key}/{seq}")
             self.printed[node] = seq
 
     def _silent(self, now: float) -> int | None:
@@ -429,7 +392,7 @@ class _Attempt:
             if silent is not None and not (first_real is not None and now - first_real >= ACROSS_NODES_WINDOW_S):
                 self.zero.lost[silent] = f"its agent's heartbeat stopped for {LOST_AFTER_S:g} s"
                 with contextlib.suppress(Exception):
-                    self.store.set(f"lost/{silent}", "1")  # node 0's task cancels that agent at once
+                    self.store.declare_lost(silent)  # node 0's task cancels that agent at once
                 self._stop_everywhere()
                 raise self.zero._lost_error(silent, self.zero.lost[silent])
             if first_real is not None and now - first_real >= ACROSS_NODES_WINDOW_S:
@@ -464,34 +427,34 @@ class _Attempt:
         if not stalls.stall_of([stalls.quiet_now(self.board, now), *self.quiets.values()], stall_timeout):
             return False
         self.rounds += 1
-        self.store.set(f"a{self.n}/confirm", str(self.rounds))
+        self.store.ask_confirm(self.n, self.rounds)
         mine = stalls.quiet_confirmed(self.board)
-        theirs = self._answers(lambda i: f"a{self.n}/confirmed/{i}/{self.rounds}")
+        theirs = self._answers(lambda i: self.store.confirmed(self.n, i, self.rounds))
         if len(theirs) < len(self.zero.agents):
             return False
-        return stalls.stall_of([mine, *(unship(answer) for answer in theirs.values())], stall_timeout)
+        return stalls.stall_of([mine, *theirs.values()], stall_timeout)
 
     def _where(self) -> str:
         """Before a stall or timeout stops them: where every live rank on every node is (asked of all at once)."""
         if self.board is None:
             return "  (no report: the ranks were started without a board folder)"
         with contextlib.suppress(Exception):
-            self.store.set(f"a{self.n}/where", "1")
+            self.store.ask_where(self.n)
         texts = [where_on_node(self.board, self.ranks, 0, 0, self.gang.addresses[0])]
-        answers = self._answers(lambda i: f"a{self.n}/where/{i}")
+        answers = self._answers(lambda i: self.store.where(self.n, i))
         for i in self.zero.agents:
-            texts.append(answers[i].decode() if i in answers else f"  {self.zero._name(i)}: did not answer")
+            texts.append(answers[i] if i in answers else f"  {self.zero._name(i)}: did not answer")
         return "\n\n".join(texts)
 
-    def _answers(self, key_of: Callable[[int], str]) -> dict[int, bytes]:
-        """Each other node's value at key_of(node), waited for up to ANSWER_WAIT_S; the nodes that did not answer are left out."""
-        answers: dict[int, bytes] = {}
+    def _answers(self, read: Callable[[int], T | None]) -> dict[int, T]:
+        """Each other node's answer read(node), waited for up to ANSWER_WAIT_S; the nodes that did not answer are left out."""
+        answers: dict[int, T] = {}
         deadline = time.monotonic() + ANSWER_WAIT_S
         while True:
             for i in self.zero.agents:
                 with contextlib.suppress(Exception):
-                    if i not in answers and self.store.check([key_of(i)]):
-                        answers[i] = self.store.get(key_of(i))
+                    if i not in answers and (answer := read(i)) is not None:
+                        answers[i] = answer
             if len(answers) == len(self.zero.agents) or time.monotonic() >= deadline:
                 return answers
             self.watcher.pump(0.05)
@@ -504,13 +467,13 @@ class _Attempt:
         """SIGTERM + stop_grace + SIGKILL for every rank on every node; returns once each live node says they are gone."""
         grace = self.zero.run.stop_grace
         with contextlib.suppress(Exception):
-            self.store.set(f"a{self.n}/stop", "1")
+            self.store.ask_stop(self.n)
         self.watcher.stop(grace)
         deadline = time.monotonic() + grace + 5.0
         waiting = [i for i in self.zero.agents if i not in self.zero.lost]
         while waiting and time.monotonic() < deadline:
             with contextlib.suppress(Exception):
-                waiting = [i for i in waiting if not self.store.check([f"a{self.n}/stopped/{i}"])]
+                waiting = [i for i in waiting if not self.store.is_stopped(self.n, i)]
             if waiting:
                 time.sleep(0.05)
 
@@ -520,7 +483,7 @@ class _Attempt:
         self.watcher.drain(0.3)
         if root.node == 0:  # its last lines may have arrived while stopping
             root = report_of(self.ranks[root.rank], root.rank, 0, root.address) if self.ranks[root.rank].failed else root
-        failure = root.rank_failure()
+        failure = rank_failure_of(root)
         where = f"on node {root.node} ({root.address})"
         stopped = f"; every other rank of {self.gang.world_size} on {len(self.gang.shares)} nodes was stopped"
         full = failure.describe()
@@ -538,10 +501,10 @@ class _Attempt:
 
 
 class _OutputSender:
-    """A node's rank output, sent to node 0 in batches through the control store (a<n>/out/<i>/<seq>)."""
+    """A node's rank output, sent to node 0 in batches through the control store."""
 
-    def __init__(self, store: Any, attempt: int, node: int, prefix: bool) -> None:
-        self.store, self.key, self.prefix = store, f"a{attempt}/out/{node}", prefix
+    def __init__(self, store: ControlStore, attempt: int, node: int, prefix: bool) -> None:
+        self.store, self.attempt, self.node, self.prefix = store, attempt, node, prefix
         self.lines: list[tuple[str, str]] = []
 
     def add(self, child: Child, stream: str, line: str) -> None:
@@ -551,12 +514,11 @@ class _OutputSender:
         if not self.lines:
             return
         batch, self.lines = self.lines, []
-        seq = int(self.store.add(f"{self.key}/count", 1))
-        self.store.set(f"{self.key}/{seq}", ship(batch))
+        self.store.send_output(self.attempt, self.node, batch)
 
 
 class _Heartbeat:
-    """A daemon thread that bumps hb/<node> every HEARTBEAT_EVERY_S on its own store client; `.gone` once the
+    """A daemon thread that bumps node's heartbeat counter every HEARTBEAT_EVERY_S on its own store client; `.gone` once the
     control store stopped answering (node 0's task ended or its node died)."""
 
     def __init__(self, addr: str, port: int, node: int) -> None:
@@ -570,7 +532,7 @@ class _Heartbeat:
     def _beat(self) -> None:
         while not self.stopping.is_set():
             try:
-                self.store.add(f"hb/{self.node}", 1)
+                self.store.beat(self.node)
             except Exception:
                 self.gone.set()
                 return
@@ -592,14 +554,13 @@ def serve(gang: GangContext, address: str, job: JobContext, base_env: dict[str, 
     store = control_client(gang.control_addr, gang.control_port)
     beat = _Heartbeat(gang.control_addr, gang.control_port, node)
     try:
-        store.set(f"ready/{node}", address)
+        store.join(node, address)
         n = first_attempt
         while True:
-            while not store.check([f"a{n}/start"]):
-                if beat.gone.is_set() or store.check(["end"]) or int(store.add(f"gen/{node}", 0)) != generation:
+            while (request := store.start_request(n)) is None:
+                if beat.gone.is_set() or store.ended() or store.generation(node) != generation:
                     return
                 time.sleep(0.05)
-            request = unship(store.get(f"a{n}/start"))
             _serve_attempt(store, beat, n, request, gang, address, job, base_env)
             n += 1
     except Exception:
@@ -609,28 +570,28 @@ def serve(gang: GangContext, address: str, job: JobContext, base_env: dict[str, 
         beat.stop()
 
 
-def _serve_attempt(store: Any, beat: _Heartbeat, n: int, request: dict[str, Any], gang: GangContext, address: str,
+def _serve_attempt(store: ControlStore, beat: _Heartbeat, n: int, request: StartRequest, gang: GangContext, address: str,
                    job: JobContext, base_env: dict[str, str]) -> None:  # fmt: skip
     """Start this node's share of attempt n, supervise it, post its first failure or its end, stop on request."""
     node = gang.node_index
-    method = start.choose(None if request.get("forks", True) else "spawn")  # node 0 said whether ranks may fork
-    call = unship(request["call"]) if method.forks else request["call"]
-    out = _OutputSender(store, n, node, bool(request.get("prefix_output", True)))
+    method = start.choose(None if request.forks else "spawn")  # node 0 said whether ranks may fork
+    call = unship(request.call) if method.forks else request.call
+    out = _OutputSender(store, n, node, request.prefix_output)
     watcher = Watcher(out.add)
     ranks: list[Child] = []
     first = gang.first_rank(node)
     user_env = {**os.environ, **base_env}
-    board = stalls.BoardFolder(gang.shares[node]) if request.get("diagnostics") else None
-    answers = _Answers(store, n, node, board, request.get("stall_timeout"))
+    board = stalls.BoardFolder(gang.shares[node]) if request.diagnostics else None
+    answers = _Answers(store, n, node, board, request.stall_timeout)
     try:
         for local in range(gang.shares[node]):
             rank = first + local
-            spec = RankSpec(rank, gang.world_size, request["backend"], None if board is None else str(board.path), job,
-                            make_group=request["make_group"], board_slot=local)  # fmt: skip
+            spec = RankSpec(rank, gang.world_size, request.backend, None if board is None else str(board.path), job,
+                            make_group=request.make_group, board_slot=local)  # fmt: skip
             target = RankTarget(spec, call)
-            env = {**base_env, **request["env"], **socket_env(address, user_env),
-                   **node_rank_env(rank, local, gang.world_size, gang, node, tuple(request["master"]), request["run_id"],
-                                   request["attempt_env"])}  # fmt: skip
+            env = {**base_env, **request.env, **socket_env(address, user_env),
+                   **node_rank_env(rank, local, gang.world_size, gang, node, request.master, request.run_id,
+                                   request.attempt_env)}  # fmt: skip
             child = start.start(target, method=method, shipped=None if method.forks else ship(target), env=env,
                                 name=f"rank {rank}")  # fmt: skip
             ranks.append(watcher.add(child))
@@ -647,34 +608,35 @@ def _serve_attempt(store: Any, beat: _Heartbeat, n: int, request: dict[str, Any]
                 watcher.drain(0.2)
                 out.send()  # output first: node 0 reads it before it acts on the failure
                 reports = [report_of(p, first + i, node, address) for i, p in enumerate(ranks) if p.failed]
-                store.set(f"a{n}/fail/{node}", ship(root_of(reports)))
+                store.post_failure(n, node, root_of(reports))
                 return
             if failed_at is None and all(p.status is not None for p in ranks):
                 watcher.drain()
                 out.send()
-                store.set(f"a{n}/done/{node}", "1")
+                store.post_done(n, node)
                 return
             if now >= next_poll:
                 next_poll = now + POLL_EVERY_S
                 out.send()
                 answers.post(now, lambda: where_on_node(board, ranks, first, node, address) if board else "")
-                if beat.gone.is_set() or store.check([f"a{n}/stop"]) or store.check(["end"]):
+                if beat.gone.is_set() or store.stop_asked(n) or store.ended():
                     return
     finally:
-        watcher.stop(float(request["stop_grace"]))
+        watcher.stop(request.stop_grace)
         watcher.close()
         if board is not None:
             board.remove()
         with contextlib.suppress(Exception):
-            store.set(f"a{n}/stopped/{node}", "1")
+            store.post_stopped(n, node)
 
 
 class _Answers:
     """What an agent posts about its ranks for node 0 while an attempt runs: its Quiet every poll (stall_timeout=),
     a Quiet on fresh samples for each confirmation round, and where its ranks are when asked once."""
 
-    def __init__(self, store: Any, attempt: int, node: int, board: stalls.BoardFolder | None, stall_timeout: float | None) -> None:
-        self.store, self.key, self.node, self.board, self.stall_timeout = store, f"a{attempt}", node, board, stall_timeout
+    def __init__(self, store: ControlStore, attempt: int, node: int, board: stalls.BoardFolder | None,
+                 stall_timeout: float | None) -> None:  # fmt: skip
+        self.store, self.attempt, self.node, self.board, self.stall_timeout = store, attempt, node, board, stall_timeout
         self.rounds = 0
         self.told_where = False
 
@@ -682,11 +644,11 @@ class _Answers:
         if self.board is None:
             return
         if self.stall_timeout is not None:
-            self.store.set(f"{self.key}/quiet/{self.node}", ship(stalls.quiet_now(self.board, now)))
-            asked = int(self.store.get(f"{self.key}/confirm")) if self.store.check([f"{self.key}/confirm"]) else 0
+            self.store.post_quiet(self.attempt, self.node, stalls.quiet_now(self.board, now))
+            asked = self.store.confirm_asked(self.attempt)
             if asked > self.rounds:
                 self.rounds = asked
-                self.store.set(f"{self.key}/confirmed/{self.node}/{asked}", ship(stalls.quiet_confirmed(self.board)))
-        if not self.told_where and self.store.check([f"{self.key}/where"]):
+                self.store.post_confirmed(self.attempt, self.node, asked, stalls.quiet_confirmed(self.board))
+        if not self.told_where and self.store.where_asked(self.attempt):
             self.told_where = True
-            self.store.set(f"{self.key}/where/{self.node}", where())
+            self.store.post_where(self.attempt, self.node, where())

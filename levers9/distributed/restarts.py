@@ -32,7 +32,7 @@ from levers9.errors import (
     first_line,
 )
 from levers9.procs import waits
-from levers9.retries import RESTART_WORDS, RetryPolicy, run_with_retries
+from levers9.retries import RetryPolicy, run_with_retries, word_for, words_adding
 
 FIRST_LINE_CHARS = 160  # of a failure's message, in the one-line account of an attempt
 
@@ -60,8 +60,8 @@ class FailedAttempt:
 
 
 def word(kind: FailureKind) -> str:
-    """restart_on='s word for `kind` ('exception' for a rank that exited with a code of its own)."""
-    return RetryPolicy().word_for(kind, RESTART_WORDS)
+    """restart_on='s word for `kind`."""
+    return word_for(kind)
 
 
 def run_attempts(
@@ -183,9 +183,10 @@ def _why_not(kind: FailureKind | None, policy: RetryPolicy) -> str:
     name = word(kind)
     reason = {
         "exception": "an exception raised by the user's code is usually raised again at the same step",
+        "exit": "a rank that chose its own exit code usually chooses it again at the same step",
         "timeout": "a run longer than timeout= would time out again",
     }.get(name, "it was left out")
     return (
         f"it was a '{name}' failure and restart_on={policy.on!r} leaves that out ({reason}). "
-        f"Pass restart_on={policy.on + (name,)!r} to restart on it too."
+        f"Pass restart_on={words_adding(policy.on, kind, 'restart_on')!r} to restart on it too."
     )

@@ -289,7 +289,8 @@ def _run_as_main(script: ScriptTarget) -> None:
 def _run_in_place(script: ScriptTarget) -> None:
     """One rank: run the target in this process under torchrun's variables for a world of one, then put back
     sys.argv, sys.path and the environment; a sys.exit(N) with N != 0 becomes RankCrashed, as with more ranks."""
-    from levers9.distributed.spawner import hosted_store, rank_env
+    from levers9.distributed.spawner import rank_env
+    from levers9.distributed.store_server import hosted_store
 
     if script.kind == "program":
         with hosted_store() as port:

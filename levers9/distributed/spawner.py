@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import functools
 import inspect
-import math
 import os
-import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from levers9.context import JobContext, current_job
@@ -26,6 +23,7 @@ from levers9.distributed import detect, group, restarts, stalls, world
 from levers9.distributed.rank_process import RankSpec, RankTarget, to_cpu
 from levers9.distributed.self_timer import SelfTimer
 from levers9.distributed.stalls import flight_recorder
+from levers9.distributed.store_server import hosted_store
 from levers9.errors import (
     ConfigError,
     NotShippableError,
@@ -42,6 +40,7 @@ from levers9.procs.outcome import Outcome, StopReason, kind_of, root_cause
 from levers9.procs.supervise import DRAIN_S, Supervisor
 from levers9.procs.watch import Child, Watcher, exit_on_terminate, output_excerpt
 from levers9.retries import RetryPolicy, restart_policy
+from levers9.seconds import is_seconds
 
 STOP_GRACE_S = 5.0  # default stop_grace: SIGTERM, then SIGKILL after this long
 # What to do instead of each argument that only ranks started here use, under a launcher.
@@ -100,8 +99,8 @@ def run(
         max_restarts: How many times every rank is stopped and all are started again after a
             failure `restart_on` names (default 0, or what `@job(max_restarts=...)` set).
             `restart_count()` tells fn which attempt it is in.
-        restart_on: Failure kinds that restart, from "crash", "comm", "stall", "timeout" and
-            "exception" (default the first three, see levers9.distributed.restarts).
+        restart_on: Failure kinds that restart, from "crash", "exit", "exception", "comm", "lost",
+            "stall" and "timeout" (default crash, comm, lost, stall; see levers9.retries).
         restart_delay: Seconds between attempts, with no rank running (default 1).
         init_group: True (the default): levers9 joins every rank into the group before fn. False:
             no group; fn makes its own with `init_process_group` (a classic torchrun `main()`;
@@ -292,8 +291,7 @@ def spawn_ranks(call: Callable[[int], Any], nprocs: int, start_method: str | Non
 def _check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> None:
     if value is None and name != "stop_grace":
         return
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
-            or (value == 0 and not allow_zero)):  # fmt: skip
+    if not is_seconds(value, zero_ok=allow_zero):
         expected = "a finite number of seconds >= 0" if allow_zero else "a finite positive number of seconds, or None for no limit"
         raise ConfigError(f"{name}={value!r}; expected {expected}. Pass e.g. {name}=30.")
 
@@ -600,25 +598,6 @@ def _redraws_prefixed(text: str, prefix: str) -> str:
     """`text` with `prefix` after every "\\r" that starts a redrawn line (not one that ends a line, "\\r\\n")."""
     parts = text.split("\r")
     return parts[0] + "".join("\r" + ("" if part.startswith("\n") or not part else prefix) + part for part in parts[1:])
-
-
-@contextlib.contextmanager
-def hosted_store(host: str = "127.0.0.1") -> Iterator[int]:
-    """A rendezvous store on a loopback port this process bound itself (port 0: nothing collides, nothing
-    reachable from other hosts), for as long as the block runs; yields its port. A run across nodes passes
-    node 0's address as `host` instead."""
-    import torch.distributed as td
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind((host, 0))
-        listener.listen(128)
-        port = listener.getsockname()[1]
-        store = td.TCPStore(host, port, None, True, datetime.timedelta(seconds=60),
-                            wait_for_workers=False, master_listen_fd=os.dup(listener.fileno()))  # fmt: skip
-    try:
-        yield port
-    finally:
-        del store
 
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:

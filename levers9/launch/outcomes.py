@@ -29,7 +29,7 @@ from levers9.procs import oom
 from levers9.procs.failure import rebuild, unship
 from levers9.procs.outcome import Outcome, StopReason, kind_of
 from levers9.procs.watch import cut_line
-from levers9.retries import RETRY_WORDS, run_with_retries
+from levers9.retries import run_with_retries, word_for
 
 TAIL_LINES = 40  # lines of a job's output kept for the message when it crashes
 
@@ -65,7 +65,7 @@ def attempt_cell(
     def retry(number: int, exc: BaseException, kind: FailureKind) -> bool:
         if batch.cancel.cancelled or future.cancelled():
             return False
-        word = policy.word_for(kind, RETRY_WORDS)
+        word = word_for(kind)
         log.info("%s: %s; retrying (attempt %d of %d)", label, word, number + 1, policy.max_retries + 1)
         batch.events.retrying(cell, number + 1, word)
         return True

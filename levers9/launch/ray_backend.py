@@ -32,7 +32,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -61,13 +60,13 @@ from levers9.launch.local import LocalBackend
 from levers9.launch.outcomes import Cancelled, OutputTail
 from levers9.launch.pool import holds_cards
 from levers9.launch.ray_cli import RESOURCE_PREFIX, node_resources, resource_name
+from levers9.launch.ray_task import GangSlot, TaskPayload, cards_of_task, scratch_dir
 from levers9.launch.spec import JobSpec
-from levers9.private_dir import private_dir
 from levers9.procs import start
 from levers9.procs.failure import ship, unship
 from levers9.procs.outcome import Outcome
 from levers9.procs.supervise import Supervisor
-from levers9.procs.watch import Watcher, pid_alive
+from levers9.procs.watch import Watcher
 from levers9.state_files import AppendLog
 
 log = logging.getLogger("levers9.launch.ray")
@@ -107,7 +106,7 @@ class RayBackend:
                 f"module level, with arguments and globals that can be pickled."
             ) from exc
         run_dir = runs.run_folder(batch.run_id)
-        sys_path = [p for p in sys.path if p]
+        sys_path = tuple(p for p in sys.path if p)
         cells: list[_RayCell] = []
         for cell in batch.cells:
             try:
@@ -117,16 +116,7 @@ class RayBackend:
                     f"the arguments of {batch.cell_label(cell)} {cell.describe()} cannot be pickled "
                     f"({type(exc).__name__}: {exc}); pass plain data, or a path to a file."
                 ) from exc
-            payload = {
-                "sys_path": sys_path,
-                "func": func_blob,
-                "arguments": arguments,
-                "spec": batch.spec,
-                "run_id": batch.run_id,
-                "index": cell.index,
-                "gpu_type": plan.gpu_type,
-                "gang": None,
-            }
+            payload = TaskPayload(sys_path, func_blob, arguments, batch.spec, batch.run_id, cell.index, plan.gpu_type)
             cells.append(_RayCell(self, batch, cell, plan, payload, run_dir))
         dispatch(batch, cells, 2 * plan.capacity(nodes))
         return [c.future for c in cells]
@@ -267,6 +257,25 @@ def plan_job(spec: JobSpec, nodes: list[Node]) -> TaskRequest:
     )
 
 
+def plan_text(gpu: str, gpu_count: int) -> str:
+    """How a job of `gpu_count` cards of type `gpu` would be placed on the Ray cluster now, in one line
+    ('4 x RTXPro6000 as 2 nodes x 2: <ip>, <ip>'); the job's own InfeasibleJobError when it could not be."""
+    from levers9.launch.spec import build_spec
+
+    spec = build_spec(name="levers9 doctor", gpu=gpu, gpu_count=gpu_count, timeout=None, retries=0, env=None, cpu=None,
+                      memory=None, queue_timeout=None, stop_grace=10.0, stream_output=False)  # fmt: skip
+    connect()
+    nodes = alive_nodes()
+    try:
+        plan = plan_job(spec, nodes)
+    except InfeasibleJobError as single:
+        if gpu_count < 2:
+            raise
+        gang = ray_gang.plan_gang(spec, nodes, single, ray_gang.free_by_node())
+        return f"{gang.describe()} (Ray's placement group picks the nodes when the job starts)"
+    return f"{gpu_count} x {plan.gpu_type or 'GPU'} on one node ({len(nodes)} alive node(s)), on loopback as on one machine"
+
+
 def _gang_plan(spec: JobSpec, nodes: list[Node], single: InfeasibleJobError) -> TaskRequest:
     """The plan of a job split across nodes (ray_gang.py), or InfeasibleJobError with a table of the nodes."""
     gang = ray_gang.plan_gang(spec, nodes, single, ray_gang.free_by_node())
@@ -382,7 +391,7 @@ class _RayCell:
     """Runs one cell to completion on Ray: wait its turn, submit, follow, retry, resolve the Future."""
 
     def __init__(
-        self, backend: RayBackend, batch: Batch, cell: Cell, plan: TaskRequest, payload: dict[str, Any], run_dir: Path,
+        self, backend: RayBackend, batch: Batch, cell: Cell, plan: TaskRequest, payload: TaskPayload, run_dir: Path,
     ) -> None:  # fmt: skip
         self.backend, self.batch, self.cell, self.plan = backend, batch, cell, plan
         self.payload, self.run_dir = payload, run_dir
@@ -422,14 +431,14 @@ class _RayCell:
             if self.stopped():
                 raise Cancelled()
             raise self._queue_timeout()
-        options, payload, pg = self.plan.options(self.label), {**self.payload, "attempt": attempt}, None
+        options, payload, pg = self.plan.options(self.label), dataclasses.replace(self.payload, attempt=attempt), None
         if self.plan.gang is not None:  # gang-allocate one bundle per node first, within queue_timeout
             pg = ray_gang.reserve(self.plan.gang, self.plan.num_cpus, self.plan.memory, deadline, self.stopped)
             if pg is None:
                 raise Cancelled() if self.stopped() else self._queue_timeout()
             options.update(ray_gang.in_bundle(pg, 0))
-            payload["gang"] = {"pg": pg, "share": self.plan.gang.share, "nodes": self.plan.gang.nodes,
-                               "gpu_type": self.plan.gang.gpu_type}  # fmt: skip
+            gang = GangSlot(pg, self.plan.gang.share, self.plan.gang.nodes, self.plan.gang.gpu_type)
+            payload = dataclasses.replace(payload, gang=gang)
         try:
             gen = _node_task.options(**options).remote(payload)
         except BaseException:
@@ -542,30 +551,28 @@ def _free_gpus() -> str:
 # ---- inside the Ray task, on the node -------------------------------------------------------------
 
 
-def _run_on_node(payload: dict[str, Any]) -> Iterator[TaskStarted | TaskOutput | TaskEnded]:
+def _run_on_node(payload: TaskPayload) -> Iterator[TaskStarted | TaskOutput | TaskEnded]:
     """Start the cell as a job process with exactly this task's cards, supervise it, and report on it: one
     TaskStarted, TaskOutput items with batches of lines, one TaskEnded with the job's Outcome."""
-    for entry in reversed(payload["sys_path"]):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
-    func = unship(payload["func"])
-    args, kwargs = unship(payload["arguments"])
-    spec: JobSpec = payload["spec"]
-    index, attempt = int(payload["index"]), int(payload["attempt"])
+    payload.use_sys_path()
+    func = unship(payload.func)
+    args, kwargs = unship(payload.arguments)
+    spec = payload.spec
+    index, attempt = payload.index, payload.attempt
     ids = [str(i) for i in ray.get_gpu_ids()] if spec.gpu_count else []
-    simulated, gpu_type = _cards_of_task(ids, payload["gpu_type"])
-    job_dir = _scratch_dir(index, attempt)
+    simulated, gpu_type = cards_of_task(ids, payload.gpu_type)
+    job_dir = scratch_dir(index, attempt)
     lines: collections.deque[tuple[str, str]] = collections.deque()
     watcher = Watcher(lambda child, stream, line: lines.append((stream, line + "\n")))
     node = ray.util.get_node_ip_address()
     hosting = contextlib.ExitStack()  # a job across nodes: its control store and agents (ray_gang.host)
     try:
-        gang_host = hosting.enter_context(ray_gang.host(payload, node, spec.stop_grace)) if payload.get("gang") else None
+        gang_host = hosting.enter_context(ray_gang.host(payload, node, spec.stop_grace)) if payload.gang else None
         gang = None if gang_host is None else gang_host.context
         env = job_process.job_env(spec, [])
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)  # Ray's ids for this task; "" for a CPU job
         context = JobContext(
-            run_id=payload["run_id"],
+            run_id=payload.run_id,
             cell_index=index,
             attempt=attempt,
             job_dir=str(job_dir),
@@ -606,38 +613,6 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[TaskStarted | TaskOutput |
 
 
 _node_task = ray.remote(_run_on_node)
-
-
-def _cards_of_task(ids: list[str], gpu_type: str) -> tuple[bool, str]:
-    """(simulated, type): the task's GPUs are logical when NVML shows no card for them (a CPU node
-    declared with --num-gpus, as in tests); then the job runs its ranks on gloo, as locally."""
-    if not ids:
-        return False, ""
-    from levers9.distributed.hardware.cards import visible_cards
-
-    cards = visible_cards({"CUDA_VISIBLE_DEVICES": ",".join(ids), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
-    simulated = len(cards) < len(ids)
-    if not gpu_type and cards and not simulated:
-        gpu_type = cards[0].type_name
-    return simulated, gpu_type
-
-
-def _scratch_dir(index: int, attempt: int) -> Path:
-    """A folder for the job (its context's job_dir), removed when the task ends. Folders of
-    tasks whose worker was killed (cancel, lost caller) are removed by the next task on the node."""
-    root = Path(tempfile.gettempdir()) / f"levers9-ray-{os.getuid()}"
-    for _ in range(10):
-        try:  # the task that empties the root removes it: it can vanish at any step below
-            private_dir(root)
-            with contextlib.suppress(OSError):
-                for stale in root.iterdir():
-                    owner = stale.name.partition("-")[0]
-                    if owner.isdigit() and not pid_alive(int(owner)):
-                        shutil.rmtree(stale, ignore_errors=True)
-            return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-{index:04d}-{attempt}-", dir=root))
-        except FileNotFoundError:
-            continue
-    return Path(tempfile.mkdtemp(prefix=f"levers9-ray-{os.getpid()}-"))
 
 
 def _drain(lines: collections.deque[tuple[str, str]]) -> list[tuple[str, str]]:

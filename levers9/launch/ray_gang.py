@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
-import os
 import shutil
-import socket
-import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from levers9.context import GangContext, JobContext, describe_split
+from levers9.distributed.control_store import ControlStore
+from levers9.distributed.store_server import serve_store
 from levers9.errors import InfeasibleJobError
 from levers9.launch.ray_cli import resource_name
+from levers9.launch.ray_task import AgentPayload, TaskPayload, cards_of_task, scratch_dir
 from levers9.launch.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -125,26 +124,6 @@ def free_by_node() -> dict[str, dict[str, float]] | None:
         return None
 
 
-def plan_text(gpu: str, gpu_count: int) -> str:
-    """How a job of `gpu_count` cards of type `gpu` would be placed on the Ray cluster now, in one line
-    ('4 x RTXPro6000 as 2 nodes x 2: <ip>, <ip>'); the job's own InfeasibleJobError when it could not be."""
-    from levers9.launch import ray_backend
-    from levers9.launch.spec import build_spec
-
-    spec = build_spec(name="levers9 doctor", gpu=gpu, gpu_count=gpu_count, timeout=None, retries=0, env=None, cpu=None,
-                      memory=None, queue_timeout=None, stop_grace=10.0, stream_output=False)  # fmt: skip
-    ray_backend.connect()
-    nodes = ray_backend.alive_nodes()
-    try:
-        plan = ray_backend.plan_job(spec, nodes)
-    except InfeasibleJobError as single:
-        if gpu_count < 2:
-            raise
-        gang = plan_gang(spec, nodes, single, free_by_node())
-        return f"{gang.describe()} (Ray's placement group picks the nodes when the job starts)"
-    return f"{gpu_count} x {plan.gpu_type or 'GPU'} on one node ({len(nodes)} alive node(s)), on loopback as on one machine"
-
-
 def bundles(gang: GangPlan, num_cpus: float, memory: int | None) -> list[dict[str, float]]:
     """One bundle per node: the share of cards (GPU and the type's resource), the job's CPUs and memory."""
     bundle = {"GPU": float(gang.share), "CPU": float(num_cpus)}
@@ -203,24 +182,19 @@ def bundle_addresses(pg: Any) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def host(payload: dict[str, Any], address: str, stop_grace: float) -> Iterator[GangHost]:
+def host(payload: TaskPayload, address: str, stop_grace: float) -> Iterator[GangHost]:
     """Host the job's control store on this node's address and start the agents of nodes 1..k-1; yields what the
     task's loop needs: the GangContext the job process gets, and `poll()`, which replaces a lost node's agent
     when the job process asks. At the end the agents are told the job is over, then cancelled."""
-    import torch.distributed as td
-
-    gang: dict[str, Any] = payload["gang"]
-    spec: JobSpec = payload["spec"]
-    k = int(gang["nodes"])
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind((address, 0))
-        listener.listen(128)
-        port = listener.getsockname()[1]
-        store = td.TCPStore(address, port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False,
-                            master_listen_fd=os.dup(listener.fileno()))  # fmt: skip
-    placed = bundle_addresses(gang["pg"])
+    gang = payload.gang
+    assert gang is not None, "host() is for a job across nodes"
+    spec = payload.spec
+    k = gang.nodes
+    server, port = serve_store(address)
+    store = ControlStore(server)
+    placed = bundle_addresses(gang.pg)
     within = REPLACE_WAIT_S if spec.queue_timeout is None else spec.queue_timeout
-    context = GangContext(address, port, (address, *placed[1:]), (int(gang["share"]),) * k, 0, within)
+    context = GangContext(address, port, (address, *placed[1:]), (gang.share,) * k, 0, within)
     agents = GangHost(payload, context, store)
     try:
         for i in range(1, k):
@@ -228,38 +202,40 @@ def host(payload: dict[str, Any], address: str, stop_grace: float) -> Iterator[G
         yield agents
     finally:
         with contextlib.suppress(Exception):
-            store.set("end", "1")
+            store.end()
         agents.wait_then_cancel(stop_grace + AGENT_EXIT_WAIT_S)
-        del agents, store
+        del agents, store, server
 
 
 class GangHost:
     """Node 0's Ray task's side of a job across nodes: the agent tasks of nodes 1..k-1, one per placement-group
     bundle, each launched again in its bundle when the job process asks for a replacement of a lost node
-    (`replace/<i>`), for at most the gang's replace_within s. No thread: the task's loop calls `poll`."""
+    (levers9/distributed/control_store.py), for at most the gang's replace_within s. No thread: the task's loop
+    calls `poll`."""
 
-    def __init__(self, payload: dict[str, Any], context: GangContext, store: Any) -> None:
-        self.payload, self.context, self.store = payload, context, store  # the control store, hosted here
+    def __init__(self, payload: TaskPayload, context: GangContext, store: ControlStore) -> None:
+        assert payload.gang is not None
+        self.payload, self.gang, self.context, self.store = payload, payload.gang, context, store  # store: hosted here
         self.refs: dict[int, Any] = {}  # node -> its current agent task
         self.pending: dict[int, tuple[int, float]] = {}  # node being replaced -> (attempt it starts at, deadline)
         self.next_poll = 0.0
 
     def launch(self, node: int, first_attempt: int) -> None:
         """A new agent for `node` in its bundle, one generation newer than any before it (an older one exits)."""
-        gang = self.payload["gang"]
-        share = int(gang["share"])
-        generation = int(self.store.add(f"gen/{node}", 1))
+        gang = self.gang
+        share = gang.share
+        generation = self.store.new_generation(node)
         opts = {"num_gpus": share, "num_cpus": 0, "max_retries": 0, "retry_exceptions": False, "name": "levers9-agent",
-                "resources": {resource_name(gang["gpu_type"]): float(share)} if gang["gpu_type"] else {},
-                **in_bundle(gang["pg"], node)}  # fmt: skip
-        agent_payload = {**self.payload, "gang": None, "gang_context": dataclasses.replace(self.context, node_index=node),
-                         "generation": generation, "first_attempt": first_attempt}  # fmt: skip
+                "resources": {resource_name(gang.gpu_type): float(share)} if gang.gpu_type else {},
+                **in_bundle(gang.pg, node)}  # fmt: skip
+        agent_payload = AgentPayload(dataclasses.replace(self.payload, gang=None),
+                                     dataclasses.replace(self.context, node_index=node), generation, first_attempt)
         self.refs[node] = _agent_task.options(**opts).remote(agent_payload)
 
     def poll(self) -> None:
-        """Answer each replace/<i> (at most every PG_POLL_S): cancel the lost agent, launch one in its bundle (again
+        """Answer each ask for a replacement (at most every PG_POLL_S): cancel the lost agent, launch one in its bundle (again
         if that one ends before it joins: Ray re-places a bundle of a dead node on another node, once it knows the
-        node is dead), and post noreplace/<i> when none joined within replace_within s, or at once with the error
+        node is dead), and post the refusal when none joined within replace_within s, or at once with the error
         when Ray refused the launch."""
         now = time.monotonic()
         if now < self.next_poll:
@@ -270,27 +246,25 @@ class GangHost:
         except Exception as exc:  # the job process then fails naming the lost node and this error
             for i in list(self.pending):
                 with contextlib.suppress(Exception):
-                    self.store.set(f"noreplace/{i}", f"starting its agent failed: {type(exc).__name__}: {exc}")
+                    self.store.refuse_replacement(i, f"starting its agent failed: {type(exc).__name__}: {exc}")
                 del self.pending[i]
 
     def _poll(self, now: float) -> None:
         import ray
 
         for i in range(1, len(self.context.shares)):
-            if i not in self.pending and self.store.check([f"replace/{i}"]):
-                first_attempt = int(self.store.get(f"replace/{i}"))
-                self.store.delete_key(f"replace/{i}")
+            if i not in self.pending and (first_attempt := self.store.take_replacement(i)) is not None:
                 with contextlib.suppress(Exception):
                     ray.cancel(self.refs[i], force=True)
                 self.pending[i] = (first_attempt, now + self.context.replace_within)
                 self.launch(i, first_attempt)
         for i, (first_attempt, deadline) in list(self.pending.items()):
-            if self.store.check([f"ready/{i}"]):
+            if self.store.joined(i) is not None:
                 del self.pending[i]
             elif now >= deadline:
                 with contextlib.suppress(Exception):
                     ray.cancel(self.refs[i], force=True)
-                self.store.set(f"noreplace/{i}", "Ray placed no agent of levers9 on an alive node with the cards free")
+                self.store.refuse_replacement(i, "Ray placed no agent of levers9 on an alive node with the cards free")
                 del self.pending[i]
             elif ray.wait([self.refs[i]], timeout=0)[0]:  # it ended before joining: its node died too
                 self.launch(i, first_attempt)
@@ -308,9 +282,9 @@ class GangHost:
                 ray.cancel(ref, force=True)
 
 
-def _declared_lost(store: Any, node: int) -> bool:
+def _declared_lost(store: ControlStore, node: int) -> bool:
     try:
-        return bool(store.check([f"lost/{node}"]))
+        return store.is_lost(node)
     except Exception:
         return True
 
@@ -318,31 +292,28 @@ def _declared_lost(store: Any, node: int) -> bool:
 # ---- inside the agent's Ray task on node i ----------------------------------------------------------------
 
 
-def _agent(payload: dict[str, Any]) -> None:
+def _agent(payload: AgentPayload) -> None:
     """Node i's agent: this bundle's cards, a scratch folder, then nodes.serve until the job ends."""
     import ray
 
     from levers9.distributed import nodes
     from levers9.launch import job_process
-    from levers9.launch.ray_backend import _cards_of_task, _scratch_dir
 
-    for entry in reversed(payload["sys_path"]):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
-    spec: JobSpec = payload["spec"]
-    gang: GangContext = payload["gang_context"]
+    task, gang = payload.task, payload.gang
+    task.use_sys_path()
+    spec = task.spec
     ids = [str(i) for i in ray.get_gpu_ids()]
-    simulated, gpu_type = _cards_of_task(ids, payload["gpu_type"])
-    index, attempt = int(payload["index"]), int(payload["attempt"])
-    job_dir = _scratch_dir(index, attempt)
+    simulated, gpu_type = cards_of_task(ids, task.gpu_type)
+    index, attempt = task.index, task.attempt
+    job_dir = scratch_dir(index, attempt)
     try:
         env = job_process.job_env(spec, [])
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
-        context = JobContext(run_id=payload["run_id"], cell_index=index, attempt=attempt, job_dir=str(job_dir),
+        context = JobContext(run_id=task.run_id, cell_index=index, attempt=attempt, job_dir=str(job_dir),
                              gpu_count=len(ids), gpu_type=gpu_type, simulated=simulated, stall_timeout=spec.stall_timeout,
                              max_restarts=spec.max_restarts, gang=gang)  # fmt: skip
-        nodes.serve(gang, ray.util.get_node_ip_address(), context, env, generation=int(payload["generation"]),
-                    first_attempt=int(payload["first_attempt"]))  # fmt: skip
+        nodes.serve(gang, ray.util.get_node_ip_address(), context, env, generation=payload.generation,
+                    first_attempt=payload.first_attempt)  # fmt: skip
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
 

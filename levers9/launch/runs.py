@@ -31,7 +31,6 @@ import inspect
 import json
 import logging
 import marshal
-import math
 import os
 import shutil
 import stat
@@ -50,6 +49,7 @@ from levers9.launch.cells import Cell
 from levers9.launch.settings import runs_dir
 from levers9.private_dir import private_dir
 from levers9.procs.watch import pid_alive
+from levers9.seconds import is_seconds
 from levers9.state_files import write_atomic
 
 log = logging.getLogger("levers9.launch")
@@ -341,7 +341,7 @@ def _is_int(value: Any, least: int = 0) -> bool:
 
 
 def _is_time(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    return is_seconds(value, zero_ok=True)
 
 
 def _is_cells(value: Any) -> bool:

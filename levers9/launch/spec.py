@@ -7,7 +7,6 @@ machine's feasibility are checked per call, in policy.py and by the backend.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 from levers9.distributed.hardware.gpu_types import parse_gpu_type
 from levers9.errors import JobConfigError
 from levers9.retries import Retries, RetryPolicy
+from levers9.seconds import is_seconds
 
 ANY = "any"
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
@@ -148,13 +148,7 @@ def _seconds(name: str, value: Any) -> float | None:
     if value is None:
         return None
     least_ok = name == "stop_grace"
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-        or (value == 0 and not least_ok)
-    ):
+    if not is_seconds(value, zero_ok=least_ok):
         expected = (
             "a finite number of seconds, 0 or more (0: SIGKILL at once)"
             if least_ok
