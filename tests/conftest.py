@@ -49,7 +49,8 @@ LAUNCHER_NAMES = (
 #   launchers  runs torchrun, accelerate launch or `levers9 run` as subprocesses, side by side
 #   notebook   runs a Jupyter kernel
 #   ray        uses the session's local Ray (tests/ray_cluster.py); last, or on a worker of their own with -n
-TIERS = ("fast", "procs", "launchers", "notebook", "ray")
+#   slurm      uses the real two-node SLURM of compat_tests/slurm_cluster.sh (tests/slurm_cluster.py)
+TIERS = ("fast", "procs", "launchers", "notebook", "ray", "slurm")
 # A module not named here is "procs" (the safe guess for a new test file: it is not in the fast tier).
 TIER_BY_MODULE = {
     "test_cards": "fast",
@@ -71,6 +72,7 @@ TIER_BY_MODULE = {
     "test_notebook": "notebook",
     "test_ray_backend": "ray",
     "test_ray_nodes": "ray",
+    "test_slurm": "slurm",
 }
 # Tests whose tier is not their module's: (module, test name prefix) -> tier. Pure tests in modules that
 # mostly start processes, and tests of "fast" modules that start a process.
@@ -101,6 +103,8 @@ TIER_BY_TEST = {
 #   ray         the session's one Ray (tests/ray_cluster.py) and the two-node cluster of test_ray_nodes,
 #               which shuts that one down first: one worker runs them all, one after another
 #   notebook    one kernel per scenario, shared by the module's tests (a module-scoped fixture)
+#   slurm       the one SLURM cluster, started by the first test that needs it and stopped at the end of
+#               that worker's session: one worker runs them all
 XDIST_GROUP_BY_TEST = {
     ("test_contract", ""): "port-29500",
     ("test_examples", "test_torchrun_script"): "port-29500",
@@ -109,6 +113,7 @@ XDIST_GROUP_BY_TEST = {
     ("test_run_everywhere", "test_timeout_under_torchrun"): "port-29500",
     ("test_run_script", "test_torchrun_code_inside_distributed_run_under_a_launcher[accelerate]"): "port-29500",
     ("test_notebook", ""): "notebook",
+    ("test_slurm", ""): "slurm",
 }
 
 
@@ -136,7 +141,7 @@ def tier_of(item: pytest.Item) -> str:
 # and its SIGSEGV handler are copied into the child, which then crashes or reports a crash in Ray's words): a
 # run without workers runs the Ray tests after everything else, and with workers they run on a worker of
 # their own (tests/xdist_schedule.py).
-RUN_ORDER = ("launchers", "notebook", "procs", "fast", "ray")
+RUN_ORDER = ("launchers", "slurm", "notebook", "procs", "fast", "ray")
 
 
 def mark_tiers(items: list[pytest.Item]) -> None:
