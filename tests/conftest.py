@@ -73,6 +73,7 @@ TIER_BY_MODULE = {
     "test_ray_backend": "ray",
     "test_ray_nodes": "ray",
     "test_slurm": "slurm",
+    "test_slurm_plan": "fast",
 }
 # Tests whose tier is not their module's: (module, test name prefix) -> tier. Pure tests in modules that
 # mostly start processes, and tests of "fast" modules that start a process.

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests import slurm_cluster
+from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout
+from levers9.launch import job
+from levers9.launch.settings import update_settings
+from tests import slurm_cluster, slurmfns
 
 pytestmark = pytest.mark.slurm
 
@@ -94,3 +99,118 @@ def test_job_script_without_srun_names_the_sbatch_line(env: dict[str, str], tmp_
     text = out.read_text()
     assert "was not started by srun (no SLURM_STEP_ID)" in text
     assert f"`srun python {RANKS}`" in text and "`#SBATCH --ntasks-per-node=2`" in text
+
+
+# ---- @job(backend="slurm") ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def on_slurm(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs of this test go to the session's SLURM (its tasks import levers9 and tests/ from this checkout)."""
+    monkeypatch.setenv("SLURM_CONF", env["SLURM_CONF"])
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    update_settings(multi_gpu=True)
+
+
+def squeue(name: str, env: dict[str, str]) -> list[str]:
+    """This test's jobs still known to SLURM in any state but completed: '<id> <state>' lines."""
+    done = subprocess.run(["squeue", "-h", "-r", "-n", name, "-o", "%i %T"], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    return [line for line in done.stdout.splitlines() if not line.endswith("COMPLETED")]
+
+
+def wait_until(condition: Callable[[], bool], within: float) -> bool:
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def test_remote_runs_one_job_on_a_node(on_slurm: None) -> None:
+    value = job(slurmfns.where, gpu_count=1, backend="slurm").remote(7)
+    assert value["x"] == 7 and value["node"] in ("l9node1", "l9node2")
+    assert value["cards"] == "0"  # SLURM's GRES: one card, as CUDA_VISIBLE_DEVICES
+    assert value["array"] is None
+
+
+def test_map_is_one_job_array_with_a_concurrency_limit(on_slurm: None) -> None:
+    results = job(slurmfns.where, gpu_count=1, backend="slurm", slurm={"max_running": 3}).map(range(12))
+    values = list(results)
+    assert [v["x"] for v in values] == list(range(12))
+    assert len({v["array"] for v in values}) == 1 and values[0]["array"] is not None
+    scripts = list((Path(os.environ["LEVERS9_STATE_DIR"]) / "runs" / str(results.run_id) / "slurm").glob("*submission.sh"))
+    assert len(scripts) == 1 and "#SBATCH --array=0-11%3" in scripts[0].read_text()
+
+
+def test_more_cards_than_a_node_is_one_training_across_nodes(on_slurm: None) -> None:
+    value = job(slurmfns.train, gpu_count=4, backend="slurm").remote()
+    ranks = value["ranks"]
+    assert [(r["rank"], r["node_rank"], r["node"], r["world"], r["sum"]) for r in ranks] == [
+        (0, 0, "l9node1", 4, 6.0), (1, 0, "l9node1", 4, 6.0), (2, 1, "l9node2", 4, 6.0), (3, 1, "l9node2", 4, 6.0),
+    ]  # fmt: skip
+
+
+def test_a_job_of_cards_on_one_node_starts_a_rank_per_card(on_slurm: None) -> None:
+    ranks = job(slurmfns.train, gpu_count=2, backend="slurm").remote()["ranks"]
+    assert [(r["rank"], r["world"], r["node_rank"]) for r in ranks] == [(0, 2, 0), (1, 2, 0)]
+    assert ranks[0]["node"] == ranks[1]["node"]
+
+
+def test_a_rank_on_the_second_node_raising_is_named(on_slurm: None) -> None:
+    with pytest.raises(ValueError, match="rank 3 failed on purpose") as caught:
+        job(slurmfns.fail_on_rank, gpu_count=4, backend="slurm").remote(3)
+    note = caught.value.__notes__[-1]
+    assert "on l9node2 as rank 3 of l9node[1-2]" in note
+    assert any("raise ValueError" in n for n in caught.value.__notes__)  # the rank's traceback
+
+
+def test_a_rank_killed_by_a_signal_is_named(on_slurm: None) -> None:
+    with pytest.raises(JobCrashed, match=r"rank\(s\) 3 on l9node2 killed \(srun: Killed\)"):
+        job(slurmfns.fail_on_rank, gpu_count=4, backend="slurm").remote(3, "kill")
+
+
+def test_more_cards_than_the_cluster_is_refused_before_submitting(on_slurm: None) -> None:
+    with pytest.raises(InfeasibleJobError, match=r"l9node1 \(2 GPU\(s\)"):
+        job(slurmfns.square, gpu_count=6, backend="slurm").remote(1)
+
+
+def test_timeout_cancels_the_job(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
+    marker = tmp_path / "started"
+    with pytest.raises(JobTimeout, match=r"exceeded timeout=2s .* was cancelled"):
+        job(slurmfns.sleep_then, backend="slurm", timeout=2, name="l9-timeout").remote(120, str(marker))
+    pid = int(marker.read_text().split()[0])
+    assert wait_until(lambda: not squeue("l9-timeout", env) and not _alive(pid), 30), squeue("l9-timeout", env)
+
+
+def test_a_crash_is_retried_as_a_new_job(on_slurm: None) -> None:
+    assert job(slurmfns.crash_on_first_attempt, backend="slurm", retries=1).remote() == 2
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL"])
+def test_stopping_the_caller_leaves_nothing_in_squeue(on_slurm: None, env: dict[str, str], tmp_path: Path, how: str) -> None:
+    marker = tmp_path / "started"
+    name = f"l9-stop-{how}"
+    code = (f"from levers9.launch import job\nfrom tests import slurmfns\n"
+            f"job(slurmfns.sleep_then, backend='slurm', name={name!r}).remote(300, {str(marker)!r})\n")  # fmt: skip
+    caller = subprocess.Popen([sys.executable, "-c", code], env={**os.environ}, cwd=ROOT)
+    try:
+        assert wait_until(marker.exists, 90), "the job never started"
+        caller.send_signal(getattr(signal, how))
+        caller.wait(60)
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+            caller.wait()
+    pid = int(marker.read_text().split()[0])
+    assert wait_until(lambda: not squeue(name, env) and not _alive(pid), 30), squeue(name, env)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(")")[-1].split()[0] != "Z"

@@ -553,7 +553,7 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[TaskStarted | TaskOutput |
     spec: JobSpec = payload["spec"]
     index, attempt = int(payload["index"]), int(payload["attempt"])
     ids = [str(i) for i in ray.get_gpu_ids()] if spec.gpu_count else []
-    simulated, gpu_type = _cards_of_task(ids, payload["gpu_type"])
+    simulated, gpu_type = job_process.cards_of_task(ids, payload["gpu_type"])
     job_dir = _scratch_dir(index, attempt)
     lines: collections.deque[tuple[str, str]] = collections.deque()
     watcher = Watcher(lambda child, stream, line: lines.append((stream, line + "\n")))
@@ -606,20 +606,6 @@ def _run_on_node(payload: dict[str, Any]) -> Iterator[TaskStarted | TaskOutput |
 
 
 _node_task = ray.remote(_run_on_node)
-
-
-def _cards_of_task(ids: list[str], gpu_type: str) -> tuple[bool, str]:
-    """(simulated, type): the task's GPUs are logical when NVML shows no card for them (a CPU node
-    declared with --num-gpus, as in tests); then the job runs its ranks on gloo, as locally."""
-    if not ids:
-        return False, ""
-    from levers9.distributed.hardware.cards import visible_cards
-
-    cards = visible_cards({"CUDA_VISIBLE_DEVICES": ",".join(ids), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
-    simulated = len(cards) < len(ids)
-    if not gpu_type and cards and not simulated:
-        gpu_type = cards[0].type_name
-    return simulated, gpu_type
 
 
 def _scratch_dir(index: int, attempt: int) -> Path:

@@ -324,7 +324,7 @@ def _agent(payload: dict[str, Any]) -> None:
 
     from levers9.distributed import nodes
     from levers9.launch import job_process
-    from levers9.launch.ray_backend import _cards_of_task, _scratch_dir
+    from levers9.launch.ray_backend import _scratch_dir
 
     for entry in reversed(payload["sys_path"]):
         if entry not in sys.path:
@@ -332,7 +332,7 @@ def _agent(payload: dict[str, Any]) -> None:
     spec: JobSpec = payload["spec"]
     gang: GangContext = payload["gang_context"]
     ids = [str(i) for i in ray.get_gpu_ids()]
-    simulated, gpu_type = _cards_of_task(ids, payload["gpu_type"])
+    simulated, gpu_type = job_process.cards_of_task(ids, payload["gpu_type"])
     index, attempt = int(payload["index"]), int(payload["attempt"])
     job_dir = _scratch_dir(index, attempt)
     try:
