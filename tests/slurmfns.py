@@ -79,3 +79,21 @@ def crash_on_first_attempt() -> int:
     if attempt == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     return attempt
+
+
+def resume_after_requeue(folder: str) -> dict[str, Any]:
+    """A job that checkpoints: each run counts itself in `folder`/checkpoint, and the first run waits there
+    to be requeued (its `started` file says it is running); a later run returns at once."""
+    from pathlib import Path
+
+    checkpoint = Path(folder) / "checkpoint"
+    runs = int(checkpoint.read_text()) + 1 if checkpoint.exists() else 1
+    checkpoint.write_text(str(runs))
+    (Path(folder) / f"started-{runs}").write_text(os.environ.get("SLURM_JOB_ID", ""))
+    if runs == 1:
+        time.sleep(300)
+    from levers9 import current_job
+
+    context = current_job()
+    return {"runs": runs, "restart_count": os.environ.get("SLURM_RESTART_COUNT"),
+            "attempt": None if context is None else context.attempt}  # fmt: skip

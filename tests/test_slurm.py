@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -214,3 +215,25 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_a_requeued_job_resumes_from_its_checkpoint(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
+    """`scontrol requeue` (as preemption does): the job runs again, knows it (attempt 2), and resumes."""
+
+    def requeue_when_running() -> None:
+        assert wait_until((tmp_path / "started-1").exists, 90)
+        job_id = (tmp_path / "started-1").read_text()
+        subprocess.run(["scontrol", "requeue", job_id], env=env, check=True, timeout=60)
+        # SLURM holds a requeued job back two minutes: let it start again now
+        for _ in range(100):
+            done = subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env,
+                                  capture_output=True, text=True, timeout=60)  # fmt: skip
+            if done.returncode == 0 and (tmp_path / "started-2").exists():
+                return
+            time.sleep(0.3)
+
+    helper = threading.Thread(target=requeue_when_running, daemon=True)
+    helper.start()
+    value = job(slurmfns.resume_after_requeue, backend="slurm").remote(str(tmp_path))
+    helper.join(60)
+    assert value == {"runs": 2, "restart_count": "1", "attempt": 2}

@@ -367,6 +367,8 @@ class _Tracker:
         self.timed_out = False
         self.peer_loss_at: float | None = None  # when a rank first reported losing a peer
         self.died: tuple[str, str, str] | None = None  # (node, tasks, how) of srun's "task N: Killed" line
+        self.requeued = False  # SLURM requeued the job (scontrol requeue, preemption): its kills are not deaths
+        self.queued_again = False  # ... and it was seen queued since
         self.ended_polls = 0
         self.logs: dict[str, AppendLog] = {}
 
@@ -377,6 +379,10 @@ class _Tracker:
         if state is not None:
             self.state, self.reason, node = state
             self.node = node or self.node
+            if self.requeued and self.state not in RUNNING:
+                self.queued_again = True
+            elif self.requeued and self.queued_again:  # running again: resumes, as the user's checkpoint allows
+                self.requeued = self.queued_again = False
         if self.started_at is None and (self.state in RUNNING or any(p.exists() for p in self.results)):
             self.started_at = time.monotonic()
             self.started.set()
@@ -385,9 +391,8 @@ class _Tracker:
         roots = [r for r in failed if r.failure is not None and not r.failure.peer_loss]
         if failed and self.peer_loss_at is None:
             self.peer_loss_at = time.monotonic()
-        if not roots and (died := _srun_error(self.tail.text)) is not None:
-            self.died = died  # a rank died without a report (a signal): it is the news, not the peers that lost it
-            self.submitter.cancel(self.job_id)
+        if not roots and self.died is not None:  # a rank died without a report (a signal): it is the news,
+            self.submitter.cancel(self.job_id)  # not the peers that lost it
             self._end(None)
             return
         lost_long_ago = self.peer_loss_at is not None and time.monotonic() - self.peer_loss_at > ROOT_WAIT_S
@@ -424,6 +429,10 @@ class _Tracker:
         losses = state_files.losses(self.cell.run_dir)
         for stream in self.streams:
             for line in stream.read():
+                if "DUE TO JOB REQUEUE" in line or "DUE TO PREEMPTION" in line:
+                    self.requeued = True
+                elif not self.requeued and self.died is None:
+                    self.died = _srun_error(line)
                 if stream.stream not in self.logs:
                     self.logs[stream.stream] = AppendLog(self.run.job_dir / f"{stream.stream}.log", losses)
                 self.logs[stream.stream].write((stream.prefix + line + "\n").encode())
