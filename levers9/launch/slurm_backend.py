@@ -60,7 +60,8 @@ from levers9.state_files import AppendLog
 
 log = logging.getLogger("levers9.launch.slurm")
 
-POLL_S = 0.25  # seconds between squeue calls and output reads while jobs are live
+POLL_S = 0.25  # seconds between reads of the live jobs' output and result files
+STATES_EVERY_S = 1.0  # seconds between squeue calls (each one costs slurmctld an RPC)
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
          "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}  # fmt: skip
 RUNNING = {"RUNNING", "COMPLETING", "STOPPED", "SUSPENDED", "SIGNALING", "STAGE_OUT"} | ENDED
@@ -383,7 +384,8 @@ class _Tracker:
                 self.queued_again = True
             elif self.requeued and self.queued_again:  # running again: resumes, as the user's checkpoint allows
                 self.requeued = self.queued_again = False
-        if self.started_at is None and (self.state in RUNNING or any(p.exists() for p in self.results)):
+        if self.started_at is None and (self.state in RUNNING or any(p.exists() for p in self.results)
+                                        or any(stream.offset for stream in self.streams)):
             self.started_at = time.monotonic()
             self.started.set()
         reports = sorted(self._reports(), key=lambda r: r.rank)
@@ -523,6 +525,7 @@ class _Follower:
         threading.Thread(target=self._loop, name=f"levers9-slurm-{self.batch.spec.name}", daemon=True).start()
 
     def _loop(self) -> None:
+        asked = 0.0  # when squeue was last asked
         while True:
             with self.lock:
                 live = [t for t in self.trackers if not t.done.is_set()]
@@ -531,7 +534,9 @@ class _Follower:
             if finished:
                 break
             if live:
-                states = _states()
+                states = None
+                if time.monotonic() - asked >= STATES_EVERY_S:
+                    states, asked = _states(), time.monotonic()
                 for tracker in live:
                     try:
                         tracker.poll(states)
