@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout
+from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, WorkspacePolicyError
 from levers9.launch import job
 from levers9.launch.settings import update_settings
 from tests import slurm_cluster, slurmfns
@@ -237,3 +237,33 @@ def test_a_requeued_job_resumes_from_its_checkpoint(on_slurm: None, env: dict[st
     value = job(slurmfns.resume_after_requeue, backend="slurm").remote(str(tmp_path))
     helper.join(60)
     assert value == {"runs": 2, "restart_count": "1", "attempt": 2}
+
+
+def test_the_compat_contract_script_gives_the_same_numbers_under_srun(env: dict[str, str]) -> None:
+    """compat_tests/contract_script.py on 2 tasks of srun (one per node) and on 2 ranks levers9 spawns."""
+    script = str(ROOT / "compat_tests" / "contract_script.py")
+
+    def contract(done: subprocess.CompletedProcess[str]) -> tuple[dict[str, object], dict[str, object]]:
+        assert done.returncode == 0, done.stderr
+        lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines()
+                 if line.startswith(("CONTRACT ", "WORLD "))}  # fmt: skip
+        return lines["CONTRACT"], lines["WORLD"]
+
+    spawned, _ = contract(subprocess.run([sys.executable, script, "--mode", "run", "--nprocs", "2"], env=env,
+                                         capture_output=True, text=True, timeout=180))  # fmt: skip
+    # --mode direct: the helpers make the group themselves (dist.run under srun is covered above)
+    numbers, world = contract(srun(env, "-N2", "--ntasks-per-node=1", sys.executable, script, "--mode", "direct"))
+    assert world["launcher"] == "slurm"
+    assert numbers == spawned
+
+
+def test_spawn_returns_a_future(on_slurm: None) -> None:
+    future = job(slurmfns.square, backend="slurm").spawn(9)
+    assert future.result(timeout=120) == 81
+
+
+def test_the_workspace_switch_applies_before_anything_is_submitted(on_slurm: None, env: dict[str, str]) -> None:
+    update_settings(multi_gpu=False)
+    with pytest.raises(WorkspacePolicyError, match="levers9 workspace multi-gpu on"):
+        job(slurmfns.square, gpu_count=2, backend="slurm", name="l9-policy").remote(1)
+    assert squeue("l9-policy", env) == []
