@@ -267,3 +267,11 @@ def test_the_workspace_switch_applies_before_anything_is_submitted(on_slurm: Non
     with pytest.raises(WorkspacePolicyError, match="levers9 workspace multi-gpu on"):
         job(slurmfns.square, gpu_count=2, backend="slurm", name="l9-policy").remote(1)
     assert squeue("l9-policy", env) == []
+
+
+def test_doctor_shows_the_nodes_and_the_sbatch_lines_of_a_job(env: dict[str, str]) -> None:
+    done = subprocess.run([sys.executable, "-m", "levers9", "doctor", "--json", "--slurm-plan", "4"], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    report = json.loads(done.stdout)["slurm"]["report"]
+    assert "l9node1 (l9): 2 GPU(s)" in report and "l9node2 (l9): 2 GPU(s)" in report
+    assert "gpu_count=4 would be: #SBATCH --nodes=2 #SBATCH --ntasks-per-node=2 #SBATCH --gres=gpu:2" in report

@@ -6,7 +6,7 @@ import pytest
 
 from levers9.errors import InfeasibleJobError, JobConfigError
 from levers9.launch import job
-from levers9.launch.slurm_backend import SlurmNode, SlurmPlan, _gres_gpus, plan_job
+from levers9.launch.slurm_nodes import SlurmNode, SlurmPlan, _gres_gpus, plan_job
 from levers9.launch.slurm_options import merged, sbatch_options
 from levers9.launch.spec import JobSpec
 from tests import jobfns

@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -40,20 +39,19 @@ from submitit.core import utils as submitit_utils
 from levers9 import state_files
 from levers9.errors import (
     FailureKind,
-    InfeasibleJobError,
     JobConfigError,
     JobCrashed,
     JobFailure,
     JobTimeout,
     NotShippableError,
 )
-from levers9.launch import outcomes, runs, slurm_options, slurm_task
+from levers9.launch import outcomes, runs, slurm_nodes, slurm_options, slurm_task
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.lanes import dispatch
 from levers9.launch.outcomes import Cancelled, OutputTail
 from levers9.launch.settings import load_settings
-from levers9.launch.spec import JobSpec
+from levers9.launch.slurm_nodes import SlurmPlan
 from levers9.procs.failure import ship
 from levers9.procs.outcome import Outcome
 from levers9.state_files import AppendLog
@@ -66,109 +64,7 @@ ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
          "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}  # fmt: skip
 RUNNING = {"RUNNING", "COMPLETING", "STOPPED", "SUSPENDED", "SIGNALING", "STAGE_OUT"} | ENDED
 ROOT_WAIT_S = 3.0  # how long reports of a lost peer wait for the report of the rank that failed first
-ARRAY_LIMIT = 256  # the default concurrency limit of a map when the cluster's size gives none smaller
 REAPER = Path(__file__).with_name("slurm_reaper.py")
-
-
-# ---- the cluster and the plan ----------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class SlurmNode:
-    """A node as `sinfo -N` lists it: its name, its GPUs (GRES gpu), its CPUs and partition."""
-
-    name: str
-    cards: int
-    cpus: int
-    partition: str
-    state: str
-
-    def describe(self) -> str:
-        return f"{self.name} ({self.cards} GPU(s), {self.cpus} CPU(s), {self.state})"
-
-
-def _gres_gpus(gres: str) -> int:
-    """GPUs in sinfo's %G: 'gpu:2', 'gpu:a100:4(S:0-1)', 'gpu:a100:4,gpu:v100:2'; 0 for '(null)'."""
-    total = 0
-    for part in gres.split(","):
-        fields = part.split("(")[0].split(":")
-        if fields[0] == "gpu" and len(fields) >= 2 and fields[-1].isdigit():
-            total += int(fields[-1])
-    return total
-
-
-def cluster_nodes(partition: str | None) -> list[SlurmNode]:
-    """The nodes of `partition` (all partitions when None), from sinfo; JobConfigError if sinfo cannot answer."""
-    command = ["sinfo", "-h", "-N", "-o", "%N|%G|%c|%P|%t"] + (["-p", partition] if partition else [])
-    done = _slurm(command, "read the cluster's nodes")
-    nodes: list[SlurmNode] = []
-    for line in done.stdout.splitlines():
-        name, gres, cpus, part, state = (line.split("|") + ["", "", "", "", ""])[:5]
-        if name and all(node.name != name for node in nodes):  # a node of several partitions once
-            nodes.append(SlurmNode(name, _gres_gpus(gres), int(cpus) if cpus.isdigit() else 1, part.rstrip("*"), state))
-    return nodes
-
-
-def _slurm(command: list[str], what: str) -> subprocess.CompletedProcess[str]:
-    """Run a SLURM command; JobConfigError with its own words if it is missing or fails."""
-    if shutil.which(command[0]) is None:
-        raise JobConfigError(
-            f"backend='slurm' needs SLURM's commands, but {command[0]} is not on PATH. Expected to run on a "
-            f"SLURM login node (sbatch, squeue, scancel, sinfo); use backend='local' elsewhere."
-        )
-    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    if done.returncode != 0:
-        raise JobConfigError(
-            f"`{' '.join(command)}` failed (exit {done.returncode}) when trying to {what}: {done.stderr.strip()}. "
-            f"Check the partition, account and qos (@job(slurm={{...}}) or [slurm] in workspace.toml) and SLURM_CONF."
-        )
-    return done
-
-
-@dataclasses.dataclass(frozen=True)
-class SlurmPlan:
-    """How a job's cards are asked of SLURM: `nodes` nodes, `tasks` tasks with `cards` GPUs on each node."""
-
-    nodes: int
-    tasks: int  # tasks per node
-    cards: int  # GPUs per node
-
-    def where(self, tracker: _Tracker) -> str:
-        """What the status line says a running job holds: '2 on l9node1 (SLURM job 28)', 'no card'."""
-        if not self.cards:
-            return "no card"
-        split = f"{self.nodes * self.cards} as {self.nodes} nodes x {self.cards}" if self.nodes > 1 else str(self.cards)
-        return f"{split} on {tracker.node or '?'} (SLURM job {tracker.job_id})"
-
-
-def plan_job(spec: JobSpec, nodes: list[SlurmNode], partition: str | None) -> SlurmPlan:
-    """One node with all the cards when some node has them; else the fewest nodes with equal shares, one task
-    per card; InfeasibleJobError naming the nodes when no such split exists."""
-    n = spec.gpu_count
-    if n == 0:
-        return SlurmPlan(1, 1, 0)
-    if any(node.cards >= n for node in nodes):
-        return SlurmPlan(1, 1, n)
-    for count in range(2, len(nodes) + 1):
-        share = n // count
-        if n % count == 0 and sum(node.cards >= share for node in nodes) >= count:
-            return SlurmPlan(count, share, share)
-    where = f"partition {partition!r}" if partition else "the cluster"
-    listed = "; ".join(node.describe() for node in nodes) or "no node"
-    raise InfeasibleJobError(
-        f"Job {spec.name!r} needs {spec.describe_cards()}, and {where} can never hold them, not even split "
-        f"into equal shares across nodes: {listed}. Ask for what the nodes have (gpu_count=), or another "
-        f"partition (@job(slurm={{'partition': ...}}))."
-    )
-
-
-def _capacity(plan: SlurmPlan, spec: JobSpec, nodes: list[SlurmNode]) -> int:
-    """How many cells of this plan the nodes could run at once (at least 1)."""
-    if plan.cards:
-        fits = sum(node.cards // plan.cards for node in nodes) // plan.nodes
-    else:
-        fits = sum(node.cpus // max(1, math.ceil(spec.cpu or 1)) for node in nodes)
-    return max(1, min(ARRAY_LIMIT, fits))
 
 
 # ---- submission ------------------------------------------------------------------------------------
@@ -183,8 +79,8 @@ class SlurmBackend:
         spec = batch.spec
         settings = load_settings()
         options = slurm_options.merged(spec.slurm, {k: getattr(settings, k) for k in slurm_options.SETTING_KEYS})
-        nodes = cluster_nodes(options.get("partition"))
-        plan = plan_job(spec, nodes, options.get("partition"))
+        nodes = slurm_nodes.cluster_nodes(options.get("partition"))
+        plan = slurm_nodes.plan_job(spec, nodes, options.get("partition"))
         try:
             func_blob = ship(batch.func)
         except Exception as exc:
@@ -193,7 +89,7 @@ class SlurmBackend:
                 f"level, with globals that can be pickled."
             ) from exc
         run_dir = runs.run_folder(batch.run_id)
-        limit = int(options.get("max_running", _capacity(plan, spec, nodes)))
+        limit = int(options.get("max_running", slurm_nodes.capacity(plan, spec, nodes)))
         submitter = _Submitter(batch, plan, options, run_dir / "slurm", limit)
         follower = _Follower(batch)
         cells = [_SlurmCell(batch, cell, submitter, follower, run_dir, func_blob) for cell in batch.cells]
@@ -645,7 +541,7 @@ class _SlurmCell:
             if attempt == 1 and not self.future.set_running_or_notify_cancel():
                 self.submitter.cancel(tracker.job_id)
                 raise Cancelled()
-            self.batch.events.started(self.cell, self.submitter.plan.where(tracker), attempt)
+            self.batch.events.started(self.cell, self.submitter.plan.where(tracker.node, tracker.job_id), attempt)
             tracker.done.wait()
             return tracker.outcome()
         finally:
