@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,6 +59,11 @@ def register(subparsers: Any) -> None:
         "--ray-plan", default=None, metavar="GPU:N",
         help="how a job of N cards of type GPU would be placed on the Ray cluster (RAY_ADDRESS, or a local Ray)",
     )  # fmt: skip
+    p.add_argument(
+        "--slurm-plan", type=int, default=None, metavar="N",
+        help="the #SBATCH lines @job(gpu_count=N, backend='slurm') would submit (SLURM_CONF's cluster)",
+    )  # fmt: skip
+    p.add_argument("--partition", default=None, help="the SLURM partition to show (default: all)")
     p.set_defaults(handler=main)
 
 
@@ -72,6 +78,9 @@ def main(args: argparse.Namespace) -> int:
     report = collect(nprocs=args.nprocs)
     if getattr(args, "ray_plan", None):
         report["ray_plan"] = _ray_plan(args.ray_plan)
+    login_node = shutil.which("sinfo") and (os.environ.get("SLURM_CONF") or os.path.exists("/etc/slurm/slurm.conf"))
+    if login_node or getattr(args, "slurm_plan", None) is not None:
+        report["slurm"] = _slurm(getattr(args, "slurm_plan", None), getattr(args, "partition", None))
     if args.probe:
         report["probe"] = probe(len(report["cards"]["cards"]), timeout=args.probe_timeout)
     if args.json:
@@ -96,6 +105,17 @@ def _ray_plan(asked: str) -> dict[str, Any]:
     try:
         return {"plan": ray_backend.plan_text(gpu, int(count))}
     except Levers9Error as exc:
+        return {"error": str(exc)}
+
+
+def _slurm(gpu_count: int | None, partition: str | None) -> dict[str, Any]:
+    """{'report': nodes, cards free and the plan (slurm_nodes.report)}, or {'error': why not}."""
+    from levers9.errors import Levers9Error
+    from levers9.launch import slurm_nodes
+
+    try:
+        return {"report": slurm_nodes.report(gpu_count, partition)}
+    except (Levers9Error, OSError, subprocess.TimeoutExpired) as exc:
         return {"error": str(exc)}
 
 
@@ -310,6 +330,9 @@ def render(r: dict[str, Any]) -> str:
     if "ray_plan" in r:
         out.append("Ray plan")
         out.extend(f"  {line}" for line in r["ray_plan"].get("plan", r["ray_plan"].get("error", "")).splitlines())
+    if "slurm" in r:
+        out.append("SLURM")
+        out.extend(r["slurm"].get("report", f"  {r['slurm'].get('error', '')}").splitlines())
     inv = r["cards"]
     out.append("Cards")
     if not inv["cards"]:

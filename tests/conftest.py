@@ -51,6 +51,7 @@ LAUNCHER_NAMES = (
 #   launchers  runs torchrun, accelerate launch or `levers9 run` as subprocesses, side by side
 #   notebook   runs a Jupyter kernel
 #   ray        uses the session's local Ray (tests/ray_cluster.py); last, or on a worker of their own with -n
+#   slurm      uses the real two-node SLURM of compat_tests/slurm_cluster.sh (tests/slurm_cluster.py)
 # Tests that must share one pytest-xdist worker when the suite runs on several (`-n 3 --dist loadgroup`) say so
 # with `pytest.mark.xdist_group(...)` too; every `ray` test is in the group "ray":
 #   port-29500  torchrun without --standalone and `accelerate launch` rendezvous on the default port, so
@@ -58,7 +59,7 @@ LAUNCHER_NAMES = (
 #   ray         the session's one Ray (tests/ray_cluster.py) and the two-node cluster of test_ray_nodes,
 #               which shuts that one down first: one worker runs them all, one after another
 #   notebook    one kernel per scenario, shared by the module's tests (a module-scoped fixture)
-TIERS = ("fast", "procs", "launchers", "notebook", "ray")
+TIERS = ("fast", "procs", "launchers", "notebook", "ray", "slurm")
 
 
 def _take_tiers(module: pytest.Module) -> list[str]:
@@ -79,7 +80,7 @@ def tier_of(item: pytest.Item) -> str:
 # and its SIGSEGV handler are copied into the child, which then crashes or reports a crash in Ray's words): a
 # run without workers runs the Ray tests after everything else, and with workers they run on a worker of
 # their own (tests/xdist_schedule.py).
-RUN_ORDER = ("launchers", "notebook", "procs", "fast", "ray")
+RUN_ORDER = ("launchers", "slurm", "notebook", "procs", "fast", "ray")
 
 
 def mark_tiers(items: list[pytest.Item]) -> None:

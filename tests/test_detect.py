@@ -159,3 +159,20 @@ def test_partial_or_contradictory_environment_is_an_error_naming_the_variables(e
 def test_errors_say_how_to_fix() -> None:
     with pytest.raises(LauncherEnvError, match="torchrun --nproc-per-node"):
         detect({"RANK": "0"})
+
+
+def test_a_step_of_one_task_is_not_a_launched_world() -> None:
+    """`srun -n1` or a submitted job of one task: distributed.run must start one rank per card itself."""
+    one = {**SRUN, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "1",
+           "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1"}  # fmt: skip
+    assert detect(one).launcher == "single"
+
+
+def test_slurm_ports_differ_between_neighbouring_jobs_and_concurrent_steps() -> None:
+    from levers9.distributed.slurm_env import master_port
+
+    ports = {master_port({"SLURM_JOB_ID": str(job), "SLURM_STEP_ID": str(step)}) for job in range(5000, 5100) for step in range(4)}
+    assert len(ports) == 400
+    assert all(p is not None and 10000 <= p < 30000 for p in ports)
+    assert master_port({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "batch"}) == master_port({"SLURM_JOB_ID": "77"})
+    assert master_port({}) is None

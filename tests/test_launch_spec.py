@@ -163,5 +163,5 @@ def test_bad_simulated_pool_names_the_variable(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_unknown_backend_is_refused() -> None:
-    with pytest.raises(JobConfigError, match="Unknown backend 'slurm'"):
-        job(backend="slurm")(jobfns.add)
+    with pytest.raises(JobConfigError, match=r"Unknown backend 'kubernetes'.*Expected one of: local, ray, slurm"):
+        job(backend="kubernetes")(jobfns.add)

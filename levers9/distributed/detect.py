@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 
 import hostlist
 
+from levers9.distributed import slurm_env
 from levers9.errors import LauncherEnvError
 
 # levers9's ranks carry torchrun's TORCHELASTIC_RUN_ID too (scripts test it); this prefix tells them apart.
@@ -124,19 +125,22 @@ def _tasks_on_node(spec: str, node: int) -> int:
 
 
 def detect_slurm(env: Mapping[str, str]) -> LaunchInfo | None:
-    """A task started by `srun`: SLURM_PROCID with a job step (SLURM_STEP_ID); an sbatch script itself is not a rank."""
+    """A task of several started by `srun`: SLURM_PROCID with a job step (SLURM_STEP_ID). An sbatch script itself
+    is not a rank, and neither is a step of one task: it is a world of one that may start its own ranks."""
     if "SLURM_PROCID" not in env or not ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
         return None
     size_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
     _require(env, (size_var, "SLURM_LOCALID"), "slurm", "SLURM_PROCID")
+    if env[size_var].strip() == "1":
+        return None  # one task (`srun -n1`, a submitted job): as on a workstation, distributed.run starts a rank per card
     node = _int(env, "SLURM_NODEID", "slurm", 0)
     per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1"
     variable = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
     nodelist = env.get(variable, "")
     hosts = expand_nodelist(nodelist, variable) if nodelist and not env.get("MASTER_ADDR") else []
-    job_id = env.get("SLURM_JOB_ID", "0")
-    default_port = 10000 + int(job_id) % 20000 if job_id.isdigit() else 29500
+    derived = slurm_env.master_port(env)
     port = _port(env, "slurm")
+    default_port = 29500 if derived is None else derived
     return LaunchInfo("slurm", _int(env, "SLURM_PROCID", "slurm"), _int(env, size_var, "slurm"), _int(env, "SLURM_LOCALID", "slurm"),
                       _tasks_on_node(per_node, node), node, env.get("MASTER_ADDR") or (hosts[0] if hosts else None),
                       default_port if port is None else port)  # fmt: skip

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from levers9 import runtime
-from levers9.distributed import world
+from levers9.distributed import master_host, slurm_env, world
 from levers9.distributed.detect import LaunchInfo
 from levers9.errors import ConfigError, DeviceError, LauncherEnvError
 
@@ -108,6 +108,8 @@ def join_launcher_group(info: LaunchInfo, backend: str | None = None) -> bool:
     """
     if info.world_size <= 1 or world.live_group() is not None:
         return False
+    if info.launcher == "slurm":
+        slurm_env.check_tasks_match_cards(os.environ, info.local_world_size)
     backend = backend or default_backend()
     apply_quirks_here(info.local_world_size, backend)
     import torch
@@ -156,6 +158,8 @@ def _init_method(info: LaunchInfo) -> str:
                 f"and MASTER_ADDR are unset). Expected the address of rank 0's node; export MASTER_ADDR=<host> "
                 f"(and MASTER_PORT) before launching."
             )
+        source = "MASTER_ADDR" if os.environ.get("MASTER_ADDR") else "the first node of SLURM_STEP_NODELIST/SLURM_JOB_NODELIST"
+        master_host.check_resolves(info.master_addr, source)
         return f"tcp://{info.master_addr}:{info.master_port or 29500}"
     if "TORCHELASTIC_USE_AGENT_STORE" not in os.environ:
         for name in ("MASTER_ADDR", "MASTER_PORT"):
@@ -165,6 +169,8 @@ def _init_method(info: LaunchInfo) -> str:
                     f"Expected MASTER_ADDR and MASTER_PORT naming rank 0's rendezvous; export {name}=... "
                     f"or launch with `torchrun`."
                 )
+    if os.environ.get("MASTER_ADDR"):
+        master_host.check_resolves(os.environ["MASTER_ADDR"], "MASTER_ADDR")
     return "env://"
 
 

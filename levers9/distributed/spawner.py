@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from levers9.context import JobContext, current_job
-from levers9.distributed import detect, group, restarts, stalls, world
+from levers9.distributed import detect, group, restarts, slurm_env, stalls, world
 from levers9.distributed.rank_process import RankSpec, RankTarget, to_cpu
 from levers9.distributed.self_timer import SelfTimer
 from levers9.distributed.stalls import flight_recorder
@@ -175,6 +175,7 @@ def run_with(fn: Callable[..., Any], cfg: Any, options: RunOptions) -> Any:
     info = world.launch_info()
     if info.launcher != "single" or world.live_group() is not None:
         return _run_under_launcher(call, info, options)
+    slurm_env.check_started_by_srun(os.environ)  # a job script's own process, where srun was meant
     layout = plan_layout(options.nprocs, options.backend)
     job = current_job()
     if options.max_restarts is None and job is not None:

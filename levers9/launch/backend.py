@@ -144,6 +144,7 @@ class Backend(Protocol):
 BACKENDS: dict[str, str] = {
     "local": "levers9.launch.local:LocalBackend",
     "ray": "levers9.launch.ray_backend:RayBackend",
+    "slurm": "levers9.launch.slurm_backend:SlurmBackend",
 }
 # One backend of each kind per process: the Ray one holds its connection and its admission queue.
 _instances: dict[str, Backend] = {}

@@ -437,6 +437,7 @@ def job(
     stall_timeout: float | None = None,
     max_restarts: int = 0,
     backend: str | None = None,
+    slurm: Mapping[str, Any] | None = None,
 ) -> Callable[[Callable[P, R]], JobFunction[P, R]]: ...
 
 
@@ -458,6 +459,7 @@ def job(
     stall_timeout: float | None = None,
     max_restarts: int = 0,
     backend: str | None = None,
+    slurm: Mapping[str, Any] | None = None,
 ) -> JobFunction[P, R] | Callable[[Callable[P, R]], JobFunction[P, R]]:
     """Make `func` runnable as jobs. Arguments are checked now; JobConfigError names the bad one.
 
@@ -488,7 +490,9 @@ def job(
         max_restarts: how often distributed.run inside the job stops every rank and starts them all again
             after a crash, a lost peer or a stall, on the same cards (fn resumes from its own checkpoint;
             see dist.restart_count()). Distinct from retries=, which re-runs the whole job from scratch.
-        backend: 'local' (this machine; the default) or 'ray'; $LEVERS9_BACKEND sets the default.
+        backend: 'local' (this machine; the default), 'ray' or 'slurm'; $LEVERS9_BACKEND sets the default.
+        slurm: for backend='slurm': {'partition', 'account', 'qos', 'sbatch' (more #SBATCH options as one
+            string), 'max_running' (a map's concurrency limit)}; the workspace's [slurm] table gives defaults.
 
     Returns:
         A `JobFunction`: calling it runs the function here; `.remote`, `.spawn` and `.map` run jobs.
@@ -513,6 +517,7 @@ def job(
             stream_output=stream_output,
             stall_timeout=stall_timeout,
             max_restarts=max_restarts,
+            slurm=slurm,
         )
         if backend is not None:
             backend_name(backend)

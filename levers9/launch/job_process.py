@@ -42,14 +42,18 @@ class JobTarget:
     context: JobContext
 
     def __call__(self) -> bytes:
+        """`call()`, its value shipped for the caller."""
+        return ship_value(self.call(), "the job's return value")
+
+    def call(self) -> Any:
         """Enter the job's context, apply its cards' quirks (once, for every rank it may start), call the
-        function, ship its value for the caller."""
+        function; its value."""
         runtime.begin(Runtime(job=self.context))
         if self.context.gpu_count > 0 and not self.context.simulated:
             from levers9.distributed.hardware import quirks
 
             quirks.apply_quirks(local_world_size=self.context.gpu_count, backend="nccl", is_main=True)
-        return ship_value(self.func(*self.args, **self.kwargs), "the job's return value")
+        return self.func(*self.args, **self.kwargs)
 
 
 def ship_target(target: JobTarget) -> bytes:
@@ -63,3 +67,18 @@ def ship_target(target: JobTarget) -> bytes:
             f"when this process has already initialised CUDA. Define it at module level, or start the jobs "
             f"before touching CUDA in this process."
         ) from exc
+
+
+def cards_of_task(ids: list[str], gpu_type: str) -> tuple[bool, str]:
+    """(simulated, type) of the cards a scheduler gave a job (Ray's GPU ids, SLURM's CUDA_VISIBLE_DEVICES):
+    they are logical when NVML shows no card for them (a CPU node declared with GPUs, as in tests); then
+    the job runs its ranks on gloo, as locally."""
+    if not ids:
+        return False, ""
+    from levers9.distributed.hardware.cards import visible_cards
+
+    cards = visible_cards({"CUDA_VISIBLE_DEVICES": ",".join(ids), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+    simulated = len(cards) < len(ids)
+    if not gpu_type and cards and not simulated:
+        gpu_type = cards[0].type_name
+    return simulated, gpu_type

@@ -60,7 +60,7 @@ from levers9.launch.local import LocalBackend
 from levers9.launch.outcomes import Cancelled, OutputTail
 from levers9.launch.pool import holds_cards
 from levers9.launch.ray_cli import RESOURCE_PREFIX, node_resources, resource_name
-from levers9.launch.ray_task import GangSlot, TaskPayload, cards_of_task, scratch_dir
+from levers9.launch.ray_task import GangSlot, TaskPayload, scratch_dir
 from levers9.launch.spec import JobSpec
 from levers9.procs import start
 from levers9.procs.failure import ship, unship
@@ -560,7 +560,7 @@ def _run_on_node(payload: TaskPayload) -> Iterator[TaskStarted | TaskOutput | Ta
     spec = payload.spec
     index, attempt = payload.index, payload.attempt
     ids = [str(i) for i in ray.get_gpu_ids()] if spec.gpu_count else []
-    simulated, gpu_type = cards_of_task(ids, payload.gpu_type)
+    simulated, gpu_type = job_process.cards_of_task(ids, payload.gpu_type)
     job_dir = scratch_dir(index, attempt)
     lines: collections.deque[tuple[str, str]] = collections.deque()
     watcher = Watcher(lambda child, stream, line: lines.append((stream, line + "\n")))

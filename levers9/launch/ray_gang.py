@@ -26,7 +26,7 @@ from levers9.distributed.control_store import ControlStore
 from levers9.distributed.store_server import serve_store
 from levers9.errors import InfeasibleJobError
 from levers9.launch.ray_cli import resource_name
-from levers9.launch.ray_task import AgentPayload, TaskPayload, cards_of_task, scratch_dir
+from levers9.launch.ray_task import AgentPayload, TaskPayload, scratch_dir
 from levers9.launch.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -303,7 +303,7 @@ def _agent(payload: AgentPayload) -> None:
     task.use_sys_path()
     spec = task.spec
     ids = [str(i) for i in ray.get_gpu_ids()]
-    simulated, gpu_type = cards_of_task(ids, task.gpu_type)
+    simulated, gpu_type = job_process.cards_of_task(ids, task.gpu_type)
     index, attempt = task.index, task.attempt
     job_dir = scratch_dir(index, attempt)
     try:

@@ -64,20 +64,6 @@ class AgentPayload:
 # ---- inside a task, on its node
 
 
-def cards_of_task(ids: list[str], gpu_type: str) -> tuple[bool, str]:
-    """(simulated, type): the task's GPUs are logical when NVML shows no card for them (a CPU node
-    declared with --num-gpus, as in tests); then the job runs its ranks on gloo, as locally."""
-    if not ids:
-        return False, ""
-    from levers9.distributed.hardware.cards import visible_cards
-
-    cards = visible_cards({"CUDA_VISIBLE_DEVICES": ",".join(ids), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
-    simulated = len(cards) < len(ids)
-    if not gpu_type and cards and not simulated:
-        gpu_type = cards[0].type_name
-    return simulated, gpu_type
-
-
 def scratch_dir(index: int, attempt: int) -> Path:
     """A folder for the job (its context's job_dir), removed when the task ends. Folders of
     tasks whose worker was killed (cancel, lost caller) are removed by the next task on the node."""

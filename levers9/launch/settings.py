@@ -50,6 +50,10 @@ _KNOWN: dict[tuple[str, str], str] = {
     ("workspace", "name"): "a string",
     ("limits", "max_gpu_count"): f"an integer from 1 to {MAX_GPU_COUNT_LIMIT}",
     ("local", "simulate_gpus"): 'a string such as "RTXPro6000:4"',
+    ("slurm", "partition"): 'a string: #SBATCH --partition of backend="slurm" jobs',
+    ("slurm", "account"): 'a string: #SBATCH --account of backend="slurm" jobs',
+    ("slurm", "qos"): 'a string: #SBATCH --qos of backend="slurm" jobs',
+    ("slurm", "sbatch"): 'a string of more #SBATCH options, such as "--exclusive --constraint=a100"',
 }
 
 
@@ -63,6 +67,10 @@ class Settings:
     multi_gpu: bool = DEFAULT_MULTI_GPU
     max_gpu_count: int = DEFAULT_MAX_GPU_COUNT
     simulate_gpus: str | None = None
+    partition: str | None = None  # [slurm]: what @job(backend="slurm") jobs ask for unless slurm={...} says otherwise
+    account: str | None = None
+    qos: str | None = None
+    sbatch: str | None = None
 
 
 def config_dir(env: os._Environ[str] | dict[str, str] | None = None) -> Path:
@@ -202,6 +210,10 @@ def _check_value(path: Path, table: str, key: str, value: Any) -> Any:
         and not isinstance(value, bool)
         and 1 <= value <= MAX_GPU_COUNT_LIMIT,
         "simulate_gpus": isinstance(value, str),
+        "partition": isinstance(value, str),
+        "account": isinstance(value, str),
+        "qos": isinstance(value, str),
+        "sbatch": isinstance(value, str),
     }[key]
     if not ok:
         fix = _FIXES.get((table, key), f"edit {path}")
@@ -225,6 +237,10 @@ max_gpu_count = 8        # per job; `levers9 workspace max-gpu-count N`
 
 [local]
 # simulate_gpus = "RTXPro6000:4"   # fake cards for machines without GPUs
+
+[slurm]
+# partition = "gpu"                # backend="slurm": #SBATCH --partition (also account, qos)
+# sbatch = "--exclusive"           # more #SBATCH options; @job(slurm={...}) wins key by key
 """
 
 

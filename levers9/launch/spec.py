@@ -13,6 +13,7 @@ from typing import Any
 
 from levers9.distributed.hardware.gpu_types import parse_gpu_type
 from levers9.errors import JobConfigError
+from levers9.launch import slurm_options
 from levers9.retries import Retries, RetryPolicy
 from levers9.seconds import is_seconds
 
@@ -45,6 +46,7 @@ class JobSpec:
     stream_output: bool = True
     stall_timeout: float | None = None
     max_restarts: int = 0
+    slurm: tuple[tuple[str, str], ...] = ()  # @job(slurm={...}), checked (slurm_options.py)
 
     def describe_cards(self) -> str:
         """'2 RTXPro6000 cards', '1 card of any type', 'no card'."""
@@ -70,6 +72,7 @@ def build_spec(
     stream_output: bool,
     stall_timeout: Any = None,
     max_restarts: Any = 0,
+    slurm: Any = None,
 ) -> JobSpec:
     """Check @job's arguments and return the spec; JobConfigError (seen, expected, fix) on the first bad one."""
     types, count = _gpu(gpu, gpu_count)
@@ -87,6 +90,7 @@ def build_spec(
         stream_output=bool(stream_output),
         stall_timeout=_seconds("stall_timeout", stall_timeout),
         max_restarts=_max_restarts(max_restarts),
+        slurm=slurm_options.check(slurm),
     )
 
 

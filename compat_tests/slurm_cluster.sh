@@ -1,0 +1,211 @@
+#!/usr/bin/env bash
+# A real two-node SLURM 22.05 cluster on this machine, for levers9's `slurm` tests and benchmarks.
+#
+#   compat_tests/slurm_cluster.sh start     # idempotent: a running cluster is left as it is
+#   compat_tests/slurm_cluster.sh status    # the daemons, then `sinfo`; exit 1 when not running
+#   compat_tests/slurm_cluster.sh stop      # stops every daemon it started; the folder stays
+#   compat_tests/slurm_cluster.sh env       # prints `export SLURM_CONF=...` for `eval "$(...)"`
+#
+# Needs root and Debian's packages: apt-get install -y slurm-wlm munge
+# One slurmctld and two slurmd (Debian's build has MULTIPLE_SLURMD, so `slurmd -N l9node1` and
+# `slurmd -N l9node2` are two nodes with their own port), each node with 2 fake GPUs declared as GRES
+# (character devices with NVIDIA's major number 195, made with mknod in the cluster's folder, so SLURM
+# sets CUDA_VISIBLE_DEVICES as it would on a GPU node), and a munged of its own.
+#
+# Everything lives in $LEVERS9_SLURM_DIR (default /tmp/levers9-slurm, 0700): slurm.conf, gres.conf,
+# the munge key and socket, state, spool, pid files and logs. The daemons get `-f slurm.conf`, the
+# clients SLURM_CONF (see `env`). Machine files touched: /etc/hosts only, two lines ending in
+# "# levers9-slurm" (127.0.0.2 l9node1, 127.0.0.3 l9node2: node names must resolve for the ranks to
+# meet), added by start and removed by stop. The system munged, /etc/munge and /etc/slurm are not used.
+set -euo pipefail
+
+DIR="${LEVERS9_SLURM_DIR:-/tmp/levers9-slurm}"
+CONF="$DIR/slurm.conf"
+NODES=(l9node1 l9node2)
+ADDRS=(127.0.0.2 127.0.0.3)
+CTLD_PORT="${LEVERS9_SLURM_PORT:-16817}"  # slurmd ports follow: +1, +2
+MARK="# levers9-slurm"
+SOCKET="$DIR/munge/munge.socket"
+CPUS_PER_NODE=8  # more than the machine has (config_overrides): a 200-cell map needs room, not cores
+
+die() { echo "slurm_cluster.sh: $*" >&2; exit 1; }
+
+pid_alive() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+need_tools() {
+    [[ $(id -u) == 0 ]] || die "must run as root (the daemons run as root); seen uid $(id -u)"
+    local missing=()
+    for tool in slurmctld slurmd munged mungekey srun sinfo mknod; do
+        command -v "$tool" >/dev/null || missing+=("$tool")
+    done
+    ((${#missing[@]} == 0)) || die "${missing[*]} not found; install them with: apt-get install -y slurm-wlm munge"
+}
+
+write_hosts() {
+    local i
+    for i in "${!NODES[@]}"; do
+        grep -qE "^${ADDRS[$i]}[[:space:]]+${NODES[$i]}[[:space:]]" /etc/hosts \
+            || echo "${ADDRS[$i]} ${NODES[$i]} $MARK" >>/etc/hosts
+    done
+}
+
+remove_hosts() {
+    # /etc/hosts is often a bind mount (containers): rewrite it in place, never replace the file.
+    if grep -q "$MARK\$" /etc/hosts; then
+        local kept
+        kept="$(grep -v "$MARK\$" /etc/hosts)"
+        printf '%s\n' "$kept" >/etc/hosts
+    fi
+}
+
+write_config() {
+    mkdir -p "$DIR"
+    chmod 0700 "$DIR"
+    mkdir -p "$DIR/state" "$DIR/log" "$DIR/run" "$DIR/munge" "$DIR/dev"
+    chmod 0700 "$DIR/munge"
+    [[ -s "$DIR/munge/munge.key" ]] || mungekey --create --keyfile="$DIR/munge/munge.key" --force
+    chmod 0600 "$DIR/munge/munge.key"
+    local i n gres=""
+    for i in "${!NODES[@]}"; do
+        n="${NODES[$i]}"
+        mkdir -p "$DIR/spool/$n" "$DIR/dev/$n"
+        for card in 0 1; do
+            [[ -c "$DIR/dev/$n/nvidia$card" ]] || mknod "$DIR/dev/$n/nvidia$card" c 195 "$((2 * i + card))"
+        done
+        gres+="NodeName=$n Name=gpu File=$DIR/dev/$n/nvidia[0-1]"$'\n'
+    done
+    printf '%s' "$gres" >"$DIR/gres.conf"
+    cat >"$CONF" <<EOF
+# Written by compat_tests/slurm_cluster.sh; rewritten on every start.
+ClusterName=levers9
+SlurmctldHost=$(hostname -s)(127.0.0.1)
+SlurmctldPort=$CTLD_PORT
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$SOCKET
+StateSaveLocation=$DIR/state
+SlurmdSpoolDir=$DIR/spool/%n
+SlurmctldPidFile=$DIR/run/slurmctld.pid
+SlurmdPidFile=$DIR/run/slurmd-%n.pid
+SlurmctldLogFile=$DIR/log/slurmctld.log
+SlurmdLogFile=$DIR/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SwitchType=switch/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmdParameters=config_overrides
+GresTypes=gpu
+ReturnToService=2
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
+MessageTimeout=10
+KillWait=5
+MinJobAge=60
+InactiveLimit=0
+MaxArraySize=1001
+PrologFlags=Alloc
+EOF
+    for i in "${!NODES[@]}"; do
+        echo "NodeName=${NODES[$i]} NodeAddr=${ADDRS[$i]} Port=$((CTLD_PORT + 1 + i)) CPUs=$CPUS_PER_NODE RealMemory=4000 Gres=gpu:2 State=UNKNOWN" >>"$CONF"
+    done
+    echo "PartitionName=l9 Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO" >>"$CONF"
+    # slurmd and slurmctld refuse a slurm.conf others can write
+    chmod 0644 "$CONF" "$DIR/gres.conf"
+}
+
+start() {
+    need_tools
+    write_hosts
+    if pid_alive "$DIR/run/slurmctld.pid" && all_slurmd_alive && pid_alive "$DIR/run/munged.pid"; then
+        echo "slurm_cluster.sh: already running in $DIR"
+        wait_nodes_idle
+        return 0
+    fi
+    stop_daemons
+    write_config
+    munged --force --socket="$SOCKET" --key-file="$DIR/munge/munge.key" --pid-file="$DIR/run/munged.pid" \
+        --log-file="$DIR/log/munged.log" --seed-file="$DIR/munge/munged.seed"
+    slurmctld -f "$CONF" -i
+    local n
+    for n in "${NODES[@]}"; do
+        slurmd -f "$CONF" -N "$n"
+    done
+    wait_nodes_idle
+    echo "slurm_cluster.sh: running in $DIR; use it with: export SLURM_CONF=$CONF"
+}
+
+all_slurmd_alive() {
+    local n
+    for n in "${NODES[@]}"; do pid_alive "$DIR/run/slurmd-$n.pid" || return 1; done
+}
+
+wait_nodes_idle() {
+    local i states=""
+    for i in $(seq 1 60); do
+        states="$(SLURM_CONF="$CONF" sinfo -h -N -o '%N %t' 2>/dev/null || true)"
+        if [[ -n "$states" ]] && ! grep -qvE ' (idle|mix|alloc)$' <<<"$states"; then
+            return 0
+        fi
+        # a node left down/drained by an earlier run comes back at once
+        SLURM_CONF="$CONF" scontrol update NodeName="$(IFS=,; echo "${NODES[*]}")" State=RESUME >/dev/null 2>&1 || true
+        sleep 1
+    done
+    die "nodes not idle after 60 s (sinfo: ${states:-no answer}); see $DIR/log/"
+}
+
+stop_daemons() {
+    local pidfile pid i
+    if pid_alive "$DIR/run/slurmctld.pid"; then  # jobs first, so no step outlives its slurmd
+        SLURM_CONF="$CONF" scancel --partition=l9 --full >/dev/null 2>&1 || true
+        for i in $(seq 1 30); do
+            [[ -z "$(SLURM_CONF="$CONF" squeue -h -o %i 2>/dev/null)" ]] && break
+            sleep 0.5
+        done
+    fi
+    for pidfile in "$DIR"/run/slurmd-*.pid "$DIR/run/slurmctld.pid" "$DIR/run/munged.pid"; do
+        [[ -f "$pidfile" ]] || continue
+        pid="$(cat "$pidfile")"
+        if kill -0 "$pid" 2>/dev/null; then
+            kill "$pid"
+            for i in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+            if kill -0 "$pid" 2>/dev/null; then kill -9 "$pid"; fi
+        fi
+        rm -f "$pidfile"
+    done
+    # a job step left behind (its slurmd killed first) holds a socket in this cluster's spool
+    for pid in $(pgrep -x slurmstepd || true); do
+        if ls -l "/proc/$pid/fd" 2>/dev/null | grep -qF "$DIR/"; then kill -9 "$pid" 2>/dev/null || true; fi
+    done
+}
+
+stop() {
+    stop_daemons
+    remove_hosts
+    echo "slurm_cluster.sh: stopped (state and logs kept in $DIR)"
+}
+
+status() {
+    local ok=0 f
+    for f in munged slurmctld "${NODES[@]/#/slurmd-}"; do
+        if pid_alive "$DIR/run/$f.pid"; then echo "$f: running (pid $(cat "$DIR/run/$f.pid"))"; else echo "$f: not running"; ok=1; fi
+    done
+    ((ok == 0)) && SLURM_CONF="$CONF" sinfo -N -o '%N %t %G %c'
+    return $ok
+}
+
+case "${1:-}" in
+    start) start ;;
+    stop) stop ;;
+    status) status ;;
+    env) echo "export SLURM_CONF=$CONF" ;;
+    *) die "usage: $0 start|stop|status|env (seen: '${1:-}')" ;;
+esac

@@ -1,0 +1,144 @@
+"""The SLURM cluster as `sinfo` shows it, and how a job's cards are asked of it (used by the backend and
+`levers9 doctor`; imports no submitit)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+import subprocess
+
+from levers9.errors import InfeasibleJobError, JobConfigError
+from levers9.launch.spec import JobSpec
+
+ARRAY_LIMIT = 256  # the default concurrency limit of a map when the cluster's size gives none smaller
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmNode:
+    """A node as `sinfo -N` lists it: its name, its GPUs (GRES gpu), its CPUs and partition."""
+
+    name: str
+    cards: int
+    cpus: int
+    partition: str
+    state: str
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.cards} GPU(s), {self.cpus} CPU(s), {self.state})"
+
+
+def _gres_gpus(gres: str) -> int:
+    """GPUs in sinfo's %G: 'gpu:2', 'gpu:a100:4(S:0-1)', 'gpu:a100:4,gpu:v100:2'; 0 for '(null)'."""
+    total = 0
+    for part in gres.split(","):
+        fields = part.split("(")[0].split(":")
+        if fields[0] == "gpu" and len(fields) >= 2 and fields[-1].isdigit():
+            total += int(fields[-1])
+    return total
+
+
+def cluster_nodes(partition: str | None) -> list[SlurmNode]:
+    """The nodes of `partition` (all partitions when None), from sinfo; JobConfigError if sinfo cannot answer."""
+    command = ["sinfo", "-h", "-N", "-o", "%N|%G|%c|%P|%t"] + (["-p", partition] if partition else [])
+    done = _slurm(command, "read the cluster's nodes")
+    nodes: list[SlurmNode] = []
+    for line in done.stdout.splitlines():
+        name, gres, cpus, part, state = (line.split("|") + ["", "", "", "", ""])[:5]
+        if name and all(node.name != name for node in nodes):  # a node of several partitions once
+            nodes.append(SlurmNode(name, _gres_gpus(gres), int(cpus) if cpus.isdigit() else 1, part.rstrip("*"), state))
+    return nodes
+
+
+def _slurm(command: list[str], what: str) -> subprocess.CompletedProcess[str]:
+    """Run a SLURM command; JobConfigError with its own words if it is missing or fails."""
+    if shutil.which(command[0]) is None:
+        raise JobConfigError(
+            f"backend='slurm' needs SLURM's commands, but {command[0]} is not on PATH. Expected to run on a "
+            f"SLURM login node (sbatch, squeue, scancel, sinfo); use backend='local' elsewhere."
+        )
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise JobConfigError(
+            f"`{' '.join(command)}` failed (exit {done.returncode}) when trying to {what}: {done.stderr.strip()}. "
+            f"Check the partition, account and qos (@job(slurm={{...}}) or [slurm] in workspace.toml) and SLURM_CONF."
+        )
+    return done
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmPlan:
+    """How a job's cards are asked of SLURM: `nodes` nodes, `tasks` tasks with `cards` GPUs on each node."""
+
+    nodes: int
+    tasks: int  # tasks per node
+    cards: int  # GPUs per node
+
+    def where(self, node: str, job_id: str) -> str:
+        """What the status line says a running job holds: '2 on l9node1 (SLURM job 28)', 'no card'."""
+        if not self.cards:
+            return "no card"
+        split = f"{self.nodes * self.cards} as {self.nodes} nodes x {self.cards}" if self.nodes > 1 else str(self.cards)
+        return f"{split} on {node or '?'} (SLURM job {job_id})"
+
+
+def plan_job(spec: JobSpec, nodes: list[SlurmNode], partition: str | None) -> SlurmPlan:
+    """One node with all the cards when some node has them; else the fewest nodes with equal shares, one task
+    per card; InfeasibleJobError naming the nodes when no such split exists."""
+    n = spec.gpu_count
+    if n == 0:
+        return SlurmPlan(1, 1, 0)
+    if any(node.cards >= n for node in nodes):
+        return SlurmPlan(1, 1, n)
+    for count in range(2, len(nodes) + 1):
+        share = n // count
+        if n % count == 0 and sum(node.cards >= share for node in nodes) >= count:
+            return SlurmPlan(count, share, share)
+    where = f"partition {partition!r}" if partition else "the cluster"
+    listed = "; ".join(node.describe() for node in nodes) or "no node"
+    raise InfeasibleJobError(
+        f"Job {spec.name!r} needs {spec.describe_cards()}, and {where} can never hold them, not even split "
+        f"into equal shares across nodes: {listed}. Ask for what the nodes have (gpu_count=), or another "
+        f"partition (@job(slurm={{'partition': ...}}))."
+    )
+
+
+def capacity(plan: SlurmPlan, spec: JobSpec, nodes: list[SlurmNode]) -> int:
+    """How many cells of this plan the nodes could run at once (at least 1)."""
+    if plan.cards:
+        fits = sum(node.cards // plan.cards for node in nodes) // plan.nodes
+    else:
+        fits = sum(node.cpus // max(1, math.ceil(spec.cpu or 1)) for node in nodes)
+    return max(1, min(ARRAY_LIMIT, fits))
+
+
+def report(gpu_count: int | None, partition: str | None) -> str:
+    """`levers9 doctor`'s SLURM section: each node's partition, cards (in use now), CPUs and state; with
+    `gpu_count`, the #SBATCH lines @job(gpu_count=N, backend="slurm") would submit, or why it could not."""
+    nodes = cluster_nodes(partition)
+    used = _gres_in_use(partition)
+    lines = [f"  {n.name} ({n.partition}): {n.cards} GPU(s), {max(0, n.cards - used.get(n.name, 0))} free; "
+             f"{n.cpus} CPU(s); {n.state}" for n in nodes] or ["  no node"]  # fmt: skip
+    if gpu_count is not None:
+        try:
+            plan = plan_job(JobSpec("doctor", gpu_count=gpu_count), nodes, partition)
+        except InfeasibleJobError as exc:
+            lines.append(f"  gpu_count={gpu_count}: {exc}")
+        else:
+            sbatch = [f"--nodes={plan.nodes}", f"--ntasks-per-node={plan.tasks}"] + ([f"--gres=gpu:{plan.cards}"] if plan.cards else [])
+            sbatch += [f"--partition={partition}"] if partition else []
+            lines.append(f"  gpu_count={gpu_count} would be: " + " ".join(f"#SBATCH {flag}" for flag in sbatch)
+                         + ("" if plan.nodes == 1 else f" (srun starts {plan.nodes * plan.tasks} ranks)"))  # fmt: skip
+    return "\n".join(lines)
+
+
+def _gres_in_use(partition: str | None) -> dict[str, int]:
+    """node -> GPUs allocated now (sinfo's GresUsed: 'gpu:1(IDX:0)')."""
+    command = ["sinfo", "-h", "-N", "-O", "NodeList:200,GresUsed:200"] + (["-p", partition] if partition else [])
+    done = _slurm(command, "read the cards in use")
+    used: dict[str, int] = {}
+    for line in done.stdout.splitlines():
+        fields = line.split()
+        if len(fields) >= 2:
+            used[fields[0]] = _gres_gpus(fields[1])
+    return used

@@ -1,0 +1,86 @@
+"""What a job asks of SLURM beyond its cards: @job(slurm={...}) and the workspace's [slurm] table.
+
+    @job(gpu_count=4, backend="slurm", slurm={"partition": "gpu", "account": "lab", "qos": "normal",
+                                              "sbatch": "--exclusive --constraint=a100", "max_running": 8})
+
+Checked at decoration time (keys and types); the keyword's values win over the workspace's, key by key.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+from typing import Any
+
+from levers9.errors import JobConfigError
+
+# key -> what it becomes
+KEYS = {
+    "partition": "#SBATCH --partition",
+    "account": "#SBATCH --account",
+    "qos": "#SBATCH --qos",
+    "sbatch": "more #SBATCH options, as one string ('--exclusive --constraint=a100')",
+    "max_running": "the job array's concurrency limit (#SBATCH --array=0-N%max_running)",
+}
+SETTING_KEYS = ("partition", "account", "qos", "sbatch")  # the workspace's [slurm] table
+
+
+def check(value: Any, source: str = "slurm=") -> tuple[tuple[str, str], ...]:
+    """`value` (a dict of the KEYS, or None) as sorted (key, text) pairs; JobConfigError on a bad key or value."""
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise JobConfigError(
+            f"{source} must be a dict such as {{'partition': 'gpu'}}, got {type(value).__name__} {value!r}."
+        )
+    out: dict[str, str] = {}
+    for key, text in value.items():
+        if key not in KEYS:
+            raise JobConfigError(
+                f"{source} has the key {key!r}; expected some of: "
+                + "; ".join(f"{k} ({what})" for k, what in KEYS.items())
+                + ". Other #SBATCH options go in 'sbatch'."
+            )
+        if key == "max_running":
+            if isinstance(text, bool) or not isinstance(text, int) or text < 1:
+                raise JobConfigError(f"{source}['max_running'] must be a whole number >= 1, got {text!r}.")
+            out[key] = str(text)
+            continue
+        if not isinstance(text, str) or not text.strip():
+            raise JobConfigError(f"{source}[{key!r}] must be a non-empty string, got {text!r}.")
+        if key == "sbatch":
+            sbatch_options(text, source)
+        out[key] = text.strip()
+    return tuple(sorted(out.items()))
+
+
+def sbatch_options(text: str, source: str = "slurm=") -> dict[str, Any]:
+    """'--exclusive --constraint=a100 --gres-flags enforce-binding' as submitit's additional_parameters
+    ({'exclusive': True, 'constraint': 'a100', ...}); JobConfigError for words that are not options."""
+    words = shlex.split(text)
+    options: dict[str, Any] = {}
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if not word.startswith("--") or len(word) < 3:
+            raise JobConfigError(
+                f"{source}['sbatch'] = {text!r}: {word!r} is not a long sbatch option. Expected options such as "
+                f"'--exclusive --constraint=a100' (write short ones long: '-C a100' as '--constraint=a100')."
+            )
+        name, eq, given = word[2:].partition("=")
+        if eq:
+            options[name] = given
+        elif i + 1 < len(words) and not words[i + 1].startswith("--"):
+            options[name] = words[i + 1]
+            i += 1
+        else:
+            options[name] = True
+        i += 1
+    return options
+
+
+def merged(job: tuple[tuple[str, str], ...], workspace: Mapping[str, str | None]) -> dict[str, str]:
+    """The workspace's values overridden, key by key, by the job's."""
+    out = {key: value for key, value in workspace.items() if value}
+    out.update(dict(job))
+    return out

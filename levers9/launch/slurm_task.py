@@ -1,0 +1,83 @@
+"""Inside a SLURM job: one task of a submitted cell, called by submitit's worker under `srun`.
+
+A job of one task (one node) is the job process: it enters the job's context (its cards, which
+distributed.run inside reads, as on a workstation) and calls the function. A job across nodes has one
+task per card, started by SLURM's srun; each task is a rank, and the function runs in every rank through
+`distributed.run`, which finds the world SLURM made (levers9.distributed.detect). Every task reports
+back a TaskReport (its value, or its failure with the traceback) in submitit's result file, never an
+exception of its own, so the caller sees the job's exception with its type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from typing import Any
+
+from levers9 import runtime
+from levers9.context import JobContext
+from levers9.launch import job_process
+from levers9.launch.spec import JobSpec
+from levers9.procs.failure import Failure, capture, exit_status, ship_value, unship
+from levers9.runtime import Runtime
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskReport:
+    """How one task of a SLURM job ended: its rank's value (shipped) or its failure."""
+
+    rank: int
+    node: str
+    pid: int
+    value: bytes | None = None
+    failure: Failure | None = None
+
+
+def run_task(payload: dict[str, Any]) -> TaskReport:
+    """Run this task's part of the cell in `payload` and report how it ended (never raises an Exception)."""
+    rank = int(os.environ.get("SLURM_PROCID", "0"))
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    job_dir = tempfile.mkdtemp(prefix=f"levers9-slurm-{os.getpid()}-")
+    try:
+        value = ship_value(_call(payload, job_dir), "the job's return value")
+        return TaskReport(rank, node, os.getpid(), value=value)
+    except SystemExit as exc:
+        return TaskReport(rank, node, os.getpid(), failure=capture(exc, exit_status(exc)))
+    except Exception as exc:
+        return TaskReport(rank, node, os.getpid(), failure=capture(exc))
+    finally:
+        shutil.rmtree(job_dir, ignore_errors=True)
+
+
+def _call(payload: dict[str, Any], job_dir: str) -> Any:
+    for entry in reversed(payload["sys_path"]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    func = unship(payload["func"])
+    args, kwargs = unship(payload["arguments"])
+    spec: JobSpec = payload["spec"]
+    ids = [c for c in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if c.strip()] if spec.gpu_count else []
+    simulated, gpu_type = job_process.cards_of_task(ids, "")
+    os.environ.update(spec.env)
+    context = JobContext(
+        run_id=payload["run_id"],
+        cell_index=int(payload["index"]),
+        attempt=int(payload["attempt"]) + int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+        job_dir=job_dir,
+        gpu_count=len(ids),
+        gpu_type=gpu_type,
+        simulated=simulated,
+        stall_timeout=spec.stall_timeout,
+        max_restarts=spec.max_restarts,
+    )
+    if int(payload["tasks"]) == 1:
+        return job_process.JobTarget(func, args, kwargs, context).call()
+    from levers9 import distributed as dist
+
+    runtime.begin(Runtime(job=context))
+    return dist.run(functools.partial(func, *args, **kwargs))

@@ -1,0 +1,99 @@
+"""Functions the SLURM tests run as jobs (module level, so a job imports them by name)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+from levers9 import distributed as dist
+
+
+def where(x: int) -> dict[str, Any]:
+    """The cell's value and where SLURM ran it."""
+    print(f"cell {x} on {os.environ.get('SLURMD_NODENAME')}", flush=True)
+    return {"x": x, "node": os.environ.get("SLURMD_NODENAME"), "cards": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "array": os.environ.get("SLURM_ARRAY_JOB_ID"), "host": socket.gethostname()}  # fmt: skip
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+def _rank_report() -> dict[str, Any]:
+    import torch
+    import torch.distributed as td
+
+    total = torch.tensor([float(dist.rank())])
+    td.all_reduce(total)
+    return {"rank": dist.rank(), "world": dist.world_size(), "node_rank": dist.node_rank(),
+            "node": os.environ.get("SLURMD_NODENAME"), "sum": total.item()}  # fmt: skip
+
+
+def train(_cfg: Any = None) -> dict[str, Any]:
+    """A job that calls distributed.run, as the seed's @job(gpu_count=4) does: every rank's report, from rank 0."""
+    import torch.distributed as td
+
+    def one_rank() -> list[Any]:
+        reports: list[Any] = [None] * dist.world_size()
+        td.all_gather_object(reports, _rank_report())
+        return reports
+
+    return {"ranks": dist.run(one_rank)}
+
+
+def fail_on_rank(bad_rank: int, how: str = "raise") -> int:
+    """Raise (or die by SIGKILL) on `bad_rank` only; the others wait for it in a collective."""
+    import torch
+    import torch.distributed as td
+
+    def one_rank() -> int:
+        if dist.rank() == bad_rank and how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if dist.rank() == bad_rank:
+            raise ValueError(f"rank {dist.rank()} failed on purpose")
+        td.all_reduce(torch.zeros(1))
+        return dist.rank()
+
+    return dist.run(one_rank)
+
+
+def sleep_then(seconds: float, marker: str = "") -> str:
+    """Sleep; `marker`: a file written when the job starts (so a test waits for that, not for time)."""
+    if marker:
+        with open(marker, "w") as out:
+            out.write(f"{os.getpid()} {os.environ.get('SLURM_JOB_ID')}\n")
+    time.sleep(seconds)
+    return "slept"
+
+
+
+def crash_on_first_attempt() -> int:
+    """Die by SIGKILL in attempt 1; return the attempt's number after that."""
+    from levers9 import current_job
+
+    context = current_job()
+    attempt = 0 if context is None else context.attempt
+    if attempt == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return attempt
+
+
+def resume_after_requeue(folder: str) -> dict[str, Any]:
+    """A job that checkpoints: each run counts itself in `folder`/checkpoint, and the first run waits there
+    to be requeued (its `started` file says it is running); a later run returns at once."""
+    from pathlib import Path
+
+    checkpoint = Path(folder) / "checkpoint"
+    runs = int(checkpoint.read_text()) + 1 if checkpoint.exists() else 1
+    checkpoint.write_text(str(runs))
+    (Path(folder) / f"started-{runs}").write_text(os.environ.get("SLURM_JOB_ID", ""))
+    if runs == 1:
+        time.sleep(300)
+    from levers9 import current_job
+
+    context = current_job()
+    return {"runs": runs, "restart_count": os.environ.get("SLURM_RESTART_COUNT"),
+            "attempt": None if context is None else context.attempt}  # fmt: skip

@@ -1,0 +1,277 @@
+"""levers9 under a real SLURM 22.05: two nodes (two slurmd on this machine), 2 GRES cards each
+(tests/slurm_cluster.py starts compat_tests/slurm_cluster.sh). Real srun and sbatch, never a mock.
+
+The cards are device files SLURM hands out as CUDA_VISIBLE_DEVICES; the ranks run on gloo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, WorkspacePolicyError
+from levers9.launch import job
+from levers9.launch.settings import update_settings
+from tests import slurm_cluster, slurmfns
+
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]  # one worker: the one cluster
+
+ROOT = Path(__file__).resolve().parent.parent
+RANKS = ROOT / "tests" / "scripts" / "slurm_ranks.py"
+
+
+@pytest.fixture
+def env(request: pytest.FixtureRequest) -> dict[str, str]:
+    """This test's environment (no launcher variables) with the session cluster's SLURM_CONF."""
+    conf = slurm_cluster.slurm_conf(request.config)
+    return {**os.environ, "SLURM_CONF": conf, "PYTHONPATH": str(ROOT)}
+
+
+def srun(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`srun ARGS`, its output as text; a hang fails the test at `timeout`."""
+    return subprocess.run(["srun", *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def ranks_seen(out: str) -> list[dict[str, object]]:
+    """The RANK lines of tests/scripts/slurm_ranks.py, sorted by rank."""
+    lines = [json.loads(line.partition("RANK ")[2]) for line in out.splitlines() if "RANK {" in line]
+    return sorted(lines, key=lambda r: int(str(r["rank"])))
+
+
+def test_srun_two_nodes_two_tasks_each(env: dict[str, str]) -> None:
+    done = srun(env, "-N2", "--ntasks-per-node=2", sys.executable, str(RANKS))
+    assert done.returncode == 0, done.stderr
+    seen = ranks_seen(done.stdout)
+    assert [(r["rank"], r["local_rank"], r["node_rank"], r["node"]) for r in seen] == [
+        (0, 0, 0, "l9node1"), (1, 1, 0, "l9node1"), (2, 0, 1, "l9node2"), (3, 1, 1, "l9node2"),
+    ]  # fmt: skip
+    assert {(r["world_size"], r["local_world_size"], r["launcher"], r["sum"]) for r in seen} == {(4, 2, "slurm", 4.0)}
+    assert done.stdout.count("VALUE 0") == 4  # rank 0's value on every rank
+
+
+def test_srun_one_node_two_tasks(env: dict[str, str]) -> None:
+    done = srun(env, "-N1", "-n2", sys.executable, str(RANKS))
+    assert done.returncode == 0, done.stderr
+    seen = ranks_seen(done.stdout)
+    assert [(r["rank"], r["local_rank"], r["node_rank"], r["world_size"], r["sum"]) for r in seen] == [
+        (0, 0, 0, 2, 2.0), (1, 1, 0, 2, 2.0),
+    ]  # fmt: skip
+
+
+def test_one_task_with_cards_starts_its_own_ranks(env: dict[str, str]) -> None:
+    """`srun -n1` (an sbatch job of one task): distributed.run starts the ranks, as on a workstation."""
+    done = srun(env, "-N1", "-n1", "--gres=gpu:2", sys.executable, str(RANKS), "2")
+    assert done.returncode == 0, done.stderr
+    seen = ranks_seen(done.stdout)
+    assert [(r["rank"], r["world_size"], r["launcher"]) for r in seen] == [(0, 2, "levers9"), (1, 2, "levers9")]
+
+
+def test_unresolvable_master_is_one_error_within_seconds(env: dict[str, str]) -> None:
+    started = time.monotonic()
+    done = srun({**env, "MASTER_ADDR": "no-such-node.invalid"}, "-N1", "-n2", sys.executable, str(RANKS), timeout=90)
+    assert done.returncode != 0
+    assert "The rendezvous host 'no-such-node.invalid' (from MASTER_ADDR) does not resolve" in done.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_tasks_per_node_not_matching_cards_names_the_sbatch_line(env: dict[str, str]) -> None:
+    done = srun(env, "-N2", "--ntasks-per-node=1", "--gres=gpu:2", sys.executable, str(RANKS), timeout=90)
+    assert done.returncode != 0
+    assert "1 card(s) would sit idle" in done.stderr
+    assert "change `#SBATCH --ntasks-per-node=1` to `#SBATCH --ntasks-per-node=2`" in done.stderr
+
+
+def test_job_script_without_srun_names_the_sbatch_line(env: dict[str, str], tmp_path: Path) -> None:
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\n#SBATCH -N1 --ntasks-per-node=2\n{sys.executable} {RANKS}\n")
+    out = tmp_path / "job.out"
+    done = subprocess.run(["sbatch", "--wait", "-o", str(out), str(script)], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)  # fmt: skip
+    assert done.returncode != 0
+    text = out.read_text()
+    assert "was not started by srun (no SLURM_STEP_ID)" in text
+    assert f"`srun python {RANKS}`" in text and "`#SBATCH --ntasks-per-node=2`" in text
+
+
+# ---- @job(backend="slurm") ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def on_slurm(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs of this test go to the session's SLURM (its tasks import levers9 and tests/ from this checkout)."""
+    monkeypatch.setenv("SLURM_CONF", env["SLURM_CONF"])
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    update_settings(multi_gpu=True)
+
+
+def squeue(name: str, env: dict[str, str]) -> list[str]:
+    """This test's jobs still known to SLURM in any state but completed: '<id> <state>' lines."""
+    done = subprocess.run(["squeue", "-h", "-r", "-n", name, "-o", "%i %T"], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    return [line for line in done.stdout.splitlines() if not line.endswith("COMPLETED")]
+
+
+def wait_until(condition: Callable[[], bool], within: float) -> bool:
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def test_remote_runs_one_job_on_a_node(on_slurm: None) -> None:
+    value = job(slurmfns.where, gpu_count=1, backend="slurm").remote(7)
+    assert value["x"] == 7 and value["node"] in ("l9node1", "l9node2")
+    assert value["cards"] == "0"  # SLURM's GRES: one card, as CUDA_VISIBLE_DEVICES
+    assert value["array"] is None
+
+
+def test_map_is_one_job_array_with_a_concurrency_limit(on_slurm: None) -> None:
+    results = job(slurmfns.where, gpu_count=1, backend="slurm", slurm={"max_running": 3}).map(range(12))
+    values = list(results)
+    assert [v["x"] for v in values] == list(range(12))
+    assert len({v["array"] for v in values}) == 1 and values[0]["array"] is not None
+    scripts = list((Path(os.environ["LEVERS9_STATE_DIR"]) / "runs" / str(results.run_id) / "slurm").glob("*submission.sh"))
+    assert len(scripts) == 1 and "#SBATCH --array=0-11%3" in scripts[0].read_text()
+
+
+def test_more_cards_than_a_node_is_one_training_across_nodes(on_slurm: None) -> None:
+    value = job(slurmfns.train, gpu_count=4, backend="slurm").remote()
+    ranks = value["ranks"]
+    assert [(r["rank"], r["node_rank"], r["node"], r["world"], r["sum"]) for r in ranks] == [
+        (0, 0, "l9node1", 4, 6.0), (1, 0, "l9node1", 4, 6.0), (2, 1, "l9node2", 4, 6.0), (3, 1, "l9node2", 4, 6.0),
+    ]  # fmt: skip
+
+
+def test_a_job_of_cards_on_one_node_starts_a_rank_per_card(on_slurm: None) -> None:
+    ranks = job(slurmfns.train, gpu_count=2, backend="slurm").remote()["ranks"]
+    assert [(r["rank"], r["world"], r["node_rank"]) for r in ranks] == [(0, 2, 0), (1, 2, 0)]
+    assert ranks[0]["node"] == ranks[1]["node"]
+
+
+def test_a_rank_on_the_second_node_raising_is_named(on_slurm: None) -> None:
+    with pytest.raises(ValueError, match="rank 3 failed on purpose") as caught:
+        job(slurmfns.fail_on_rank, gpu_count=4, backend="slurm").remote(3)
+    note = caught.value.__notes__[-1]
+    assert "on l9node2 as rank 3 of l9node[1-2]" in note
+    assert any("raise ValueError" in n for n in caught.value.__notes__)  # the rank's traceback
+
+
+def test_a_rank_killed_by_a_signal_is_named(on_slurm: None) -> None:
+    with pytest.raises(JobCrashed, match=r"rank\(s\) 3 on l9node2 killed \(srun: Killed\)"):
+        job(slurmfns.fail_on_rank, gpu_count=4, backend="slurm").remote(3, "kill")
+
+
+def test_more_cards_than_the_cluster_is_refused_before_submitting(on_slurm: None) -> None:
+    with pytest.raises(InfeasibleJobError, match=r"l9node1 \(2 GPU\(s\)"):
+        job(slurmfns.square, gpu_count=6, backend="slurm").remote(1)
+
+
+def test_timeout_cancels_the_job(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
+    marker = tmp_path / "started"
+    with pytest.raises(JobTimeout, match=r"exceeded timeout=2s .* was cancelled"):
+        job(slurmfns.sleep_then, backend="slurm", timeout=2, name="l9-timeout").remote(120, str(marker))
+    pid = int(marker.read_text().split()[0])
+    assert wait_until(lambda: not squeue("l9-timeout", env) and not _alive(pid), 30), squeue("l9-timeout", env)
+
+
+def test_a_crash_is_retried_as_a_new_job(on_slurm: None) -> None:
+    assert job(slurmfns.crash_on_first_attempt, backend="slurm", retries=1).remote() == 2
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL"])
+def test_stopping_the_caller_leaves_nothing_in_squeue(on_slurm: None, env: dict[str, str], tmp_path: Path, how: str) -> None:
+    marker = tmp_path / "started"
+    name = f"l9-stop-{how}"
+    code = (f"from levers9.launch import job\nfrom tests import slurmfns\n"
+            f"job(slurmfns.sleep_then, backend='slurm', name={name!r}).remote(300, {str(marker)!r})\n")  # fmt: skip
+    caller = subprocess.Popen([sys.executable, "-c", code], env={**os.environ}, cwd=ROOT)
+    try:
+        assert wait_until(marker.exists, 90), "the job never started"
+        caller.send_signal(getattr(signal, how))
+        caller.wait(60)
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+            caller.wait()
+    pid = int(marker.read_text().split()[0])
+    assert wait_until(lambda: not squeue(name, env) and not _alive(pid), 30), squeue(name, env)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_a_requeued_job_resumes_from_its_checkpoint(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
+    """`scontrol requeue` (as preemption does): the job runs again, knows it (attempt 2), and resumes."""
+
+    def requeue_when_running() -> None:
+        assert wait_until((tmp_path / "started-1").exists, 90)
+        job_id = (tmp_path / "started-1").read_text()
+        subprocess.run(["scontrol", "requeue", job_id], env=env, check=True, timeout=60)
+        # SLURM holds a requeued job back two minutes: let it start again now
+        for _ in range(100):
+            done = subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env,
+                                  capture_output=True, text=True, timeout=60)  # fmt: skip
+            if done.returncode == 0 and (tmp_path / "started-2").exists():
+                return
+            time.sleep(0.3)
+
+    helper = threading.Thread(target=requeue_when_running, daemon=True)
+    helper.start()
+    value = job(slurmfns.resume_after_requeue, backend="slurm").remote(str(tmp_path))
+    helper.join(60)
+    assert value == {"runs": 2, "restart_count": "1", "attempt": 2}
+
+
+def test_the_compat_contract_script_gives_the_same_numbers_under_srun(env: dict[str, str]) -> None:
+    """compat_tests/contract_script.py on 2 tasks of srun (one per node) and on 2 ranks levers9 spawns."""
+    script = str(ROOT / "compat_tests" / "contract_script.py")
+
+    def contract(done: subprocess.CompletedProcess[str]) -> tuple[dict[str, object], dict[str, object]]:
+        assert done.returncode == 0, done.stderr
+        lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines()
+                 if line.startswith(("CONTRACT ", "WORLD "))}  # fmt: skip
+        return lines["CONTRACT"], lines["WORLD"]
+
+    spawned, _ = contract(subprocess.run([sys.executable, script, "--mode", "run", "--nprocs", "2"], env=env,
+                                         capture_output=True, text=True, timeout=180))  # fmt: skip
+    # --mode direct: the helpers make the group themselves (dist.run under srun is covered above)
+    numbers, world = contract(srun(env, "-N2", "--ntasks-per-node=1", sys.executable, script, "--mode", "direct"))
+    assert world["launcher"] == "slurm"
+    assert numbers == spawned
+
+
+def test_spawn_returns_a_future(on_slurm: None) -> None:
+    future = job(slurmfns.square, backend="slurm").spawn(9)
+    assert future.result(timeout=120) == 81
+
+
+def test_the_workspace_switch_applies_before_anything_is_submitted(on_slurm: None, env: dict[str, str]) -> None:
+    update_settings(multi_gpu=False)
+    with pytest.raises(WorkspacePolicyError, match="levers9 workspace multi-gpu on"):
+        job(slurmfns.square, gpu_count=2, backend="slurm", name="l9-policy").remote(1)
+    assert squeue("l9-policy", env) == []
+
+
+def test_doctor_shows_the_nodes_and_the_sbatch_lines_of_a_job(env: dict[str, str]) -> None:
+    done = subprocess.run([sys.executable, "-m", "levers9", "doctor", "--json", "--slurm-plan", "4"], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    report = json.loads(done.stdout)["slurm"]["report"]
+    assert "l9node1 (l9): 2 GPU(s)" in report and "l9node2 (l9): 2 GPU(s)" in report
+    assert "gpu_count=4 would be: #SBATCH --nodes=2 #SBATCH --ntasks-per-node=2 #SBATCH --gres=gpu:2" in report

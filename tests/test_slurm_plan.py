@@ -1,0 +1,59 @@
+"""How a job is asked of SLURM, without a cluster: the cards split across nodes and the slurm= options."""
+
+from __future__ import annotations
+
+import pytest
+
+from levers9.errors import InfeasibleJobError, JobConfigError
+from levers9.launch import job
+from levers9.launch.slurm_nodes import SlurmNode, SlurmPlan, _gres_gpus, plan_job
+from levers9.launch.slurm_options import merged, sbatch_options
+from levers9.launch.spec import JobSpec
+from tests import jobfns
+
+pytestmark = pytest.mark.fast
+
+
+def nodes(*cards: int) -> list[SlurmNode]:
+    return [SlurmNode(f"gpu{i}", n, 32, "gpu", "idle") for i, n in enumerate(cards)]
+
+
+@pytest.mark.parametrize(
+    ("count", "cards", "plan"),
+    [
+        (0, (4, 4), SlurmPlan(1, 1, 0)),
+        (4, (4, 4), SlurmPlan(1, 1, 4)),
+        (8, (4, 4), SlurmPlan(2, 4, 4)),
+        (6, (4, 4, 4), SlurmPlan(2, 3, 3)),  # fewest nodes with equal shares
+        (12, (8, 4, 4, 4), SlurmPlan(3, 4, 4)),
+        (8, (8, 2), SlurmPlan(1, 1, 8)),
+    ],
+)
+def test_cards_go_to_one_node_else_the_fewest_nodes_with_equal_shares(count: int, cards: tuple[int, ...], plan: SlurmPlan) -> None:
+    assert plan_job(JobSpec("j", gpu_count=count), nodes(*cards), None) == plan
+
+
+def test_a_job_no_split_could_hold_names_the_nodes() -> None:
+    with pytest.raises(InfeasibleJobError, match=r"partition 'gpu' can never hold them.*gpu0 \(4 GPU\(s\)"):
+        plan_job(JobSpec("j", gpu_count=7), nodes(4, 4), "gpu")
+
+
+def test_gres_strings_as_sinfo_prints_them() -> None:
+    assert [_gres_gpus(g) for g in ("gpu:2", "gpu:a100:4(S:0-1)", "gpu:a100:4,gpu:v100:2", "(null)", "mps:100")] == [2, 4, 6, 0, 0]
+
+
+def test_slurm_options_are_checked_at_decoration() -> None:
+    with pytest.raises(JobConfigError, match="has the key 'partiton'; expected some of: partition"):
+        job(backend="slurm", slurm={"partiton": "gpu"})(jobfns.add)
+    with pytest.raises(JobConfigError, match="'-C' is not a long sbatch option"):
+        job(backend="slurm", slurm={"sbatch": "-C a100"})(jobfns.add)
+    with pytest.raises(JobConfigError, match="max_running'\\] must be a whole number"):
+        job(backend="slurm", slurm={"max_running": 0})(jobfns.add)
+    spec = job(backend="slurm", slurm={"qos": "high", "partition": "gpu"})(jobfns.add).spec
+    assert merged(spec.slurm, {"partition": "cpu", "account": "lab", "qos": None}) == {
+        "partition": "gpu", "account": "lab", "qos": "high"}  # fmt: skip
+
+
+def test_sbatch_options_as_submitit_takes_them() -> None:
+    assert sbatch_options("--exclusive --constraint=a100 --gres-flags enforce-binding") == {
+        "exclusive": True, "constraint": "a100", "gres-flags": "enforce-binding"}  # fmt: skip
