@@ -275,3 +275,11 @@ def test_doctor_shows_the_nodes_and_the_sbatch_lines_of_a_job(env: dict[str, str
     report = json.loads(done.stdout)["slurm"]["report"]
     assert "l9node1 (l9): 2 GPU(s)" in report and "l9node2 (l9): 2 GPU(s)" in report
     assert "gpu_count=4 would be: #SBATCH --nodes=2 #SBATCH --ntasks-per-node=2 #SBATCH --gres=gpu:2" in report
+
+
+def test_a_pending_cell_says_what_it_waits_for(on_slurm: None, capfd: pytest.CaptureFixture[str]) -> None:
+    """Two nodes of 2 cards, three cells of 2 cards each: the third waits, and the status lines say for what."""
+    cells = job(slurmfns.sleep_then, gpu_count=2, backend="slurm", slurm={"max_running": 3})
+    assert list(cells.map([(4.0,), (4.0,), (4.0,)])) == ["slept", "slept", "slept"]
+    err = capfd.readouterr().err
+    assert "waiting for 2 free cards on one node: " in err, err[-3000:]

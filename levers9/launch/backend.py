@@ -69,6 +69,7 @@ class CancelToken:
 class Events(Protocol):
     """What a backend reports while a batch runs (status display, output streaming, the run record)."""
 
+    def waiting(self, cell: Cell, why: str) -> None: ...
     def started(self, cell: Cell, cards: str, attempt: int) -> None: ...
     def retrying(self, cell: Cell, attempt: int, reason: str) -> None: ...
     def finished(self, cell: Cell, ok: bool, error: BaseException | None = None) -> None: ...
@@ -77,6 +78,9 @@ class Events(Protocol):
 
 class NoEvents:
     """An Events that ignores everything."""
+
+    def waiting(self, cell: Cell, why: str) -> None:
+        pass
 
     def started(self, cell: Cell, cards: str, attempt: int) -> None:
         pass
@@ -96,6 +100,10 @@ class TeeEvents:
 
     def __init__(self, *targets: Events) -> None:
         self.targets = targets
+
+    def waiting(self, cell: Cell, why: str) -> None:
+        for target in self.targets:
+            target.waiting(cell, why)
 
     def started(self, cell: Cell, cards: str, attempt: int) -> None:
         for target in self.targets:

@@ -103,6 +103,15 @@ class Reporter:
             self.done += 1
             self.reused += 1
 
+    def waiting(self, cell: Cell, why: str) -> None:
+        """`cell` has not started, for the reason `why` (in words); said once per new reason."""
+        with self._lock:
+            view = self._cells.get(cell.index)
+            if view is None or view.state != "waiting" or view.last == why:
+                return
+            view.last = why
+        self._change(cell, why)
+
     def started(self, cell: Cell, cards: str, attempt: int) -> None:
         with self._lock:
             view = self._cells.get(cell.index)

@@ -219,6 +219,9 @@ class RunRecord:
             if not self.closed.is_set():
                 self._events.write(line.encode() + b"\n")
 
+    def waiting(self, cell: Cell, why: str) -> None:
+        pass  # the record keeps when cells ran and ended; why one waits matters while it waits
+
     def started(self, cell: Cell, cards: str, attempt: int) -> None:
         self._event(cell, "running", card=cards, attempt=attempt)
 

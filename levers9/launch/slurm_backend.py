@@ -274,8 +274,11 @@ class _Tracker:
         self._read_output()
         state = None if states is None else states.get(self.job_id)
         if state is not None:
+            reason_before = self.reason
             self.state, self.reason, node = state
             self.node = node or self.node
+            if self.state == "PENDING" and self.reason != reason_before:
+                self.submitter.batch.events.waiting(self.cell.cell, slurm_nodes.pending_words(self.submitter.plan, self.reason))
             if self.requeued and self.state not in RUNNING:
                 self.queued_again = True
             elif self.requeued and self.queued_again:  # running again: resumes, as the user's checkpoint allows

@@ -82,6 +82,38 @@ class SlurmPlan:
         return f"{split} on {node or '?'} (SLURM job {job_id})"
 
 
+# SLURM's pending reasons (squeue %r) a user meets most, in words; any other is shown as SLURM gives it.
+PENDING_WORDS = {
+    "Resources": "",  # the want itself says it
+    "Priority": "jobs of higher priority come first",
+    "QOSMaxGRESPerUser": "your QOS's limit on cards per user is reached",
+    "QOSMaxJobsPerUserLimit": "your QOS's limit on jobs per user is reached",
+    "AssocGrpGRES": "your account's limit on cards is reached",
+    "JobArrayTaskLimit": "the array's limit of cells at once is reached",
+    "ReqNodeNotAvail": "a node it needs is down, drained or reserved",
+    "PartitionNodeLimit": "it asks more nodes than the partition allows",
+    "BeginTime": "its start time has not come",
+    "Dependency": "it waits for another job",
+}
+
+
+def pending_words(plan: SlurmPlan, reason: str) -> str:
+    """What a pending job waits for, in words, with SLURM's reason: 'waiting for 8 free cards on one node: Resources'."""
+    if not plan.cards:
+        want = "CPU slot"
+    elif plan.nodes == 1:
+        want = f"{plan.cards} free card{'s' if plan.cards > 1 else ''} on one node"
+    else:
+        want = f"{plan.nodes} nodes with {plan.cards} free cards each"
+    code = reason.strip("()").split(",")[0]  # "(ReqNodeNotAvail, UnavailableNodes:n2)" -> "ReqNodeNotAvail"
+    if code in ("", "None"):
+        return f"waiting for {want}: queued"
+    words = PENDING_WORDS.get(code)
+    if words is None or code == "Resources":
+        return f"waiting for {want}: {reason}"
+    return f"waiting for {want}; {words.format(want=want)}: {reason}"
+
+
 def plan_job(spec: JobSpec, nodes: list[SlurmNode], partition: str | None) -> SlurmPlan:
     """One node with all the cards when some node has them; else the fewest nodes with equal shares, one task
     per card; InfeasibleJobError naming the nodes when no such split exists."""
