@@ -27,14 +27,16 @@ TORCHRUN = str(BIN / "torchrun") if (BIN / "torchrun").exists() else "torchrun"
 REPO = str(HERE.parent)
 
 
-def time_once(cmd: list[str], tree: str) -> float:
+def time_once(cmd: list[str], tree: str) -> float | None:
+    """Wall seconds of one whole run; None (with the end of its stderr printed) when it failed."""
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "PYTHONPATH": tree, "TMPDIR": tmp, "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor")}
         start = time.perf_counter()
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         elapsed = time.perf_counter() - start
     if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+        print(f"failed (exit {done.returncode}): {' '.join(cmd)}\n{done.stderr[-1500:]}", file=sys.stderr)
+        return None
     return elapsed
 
 
@@ -48,15 +50,21 @@ def main() -> None:
     if args.before:
         contenders["levers9 run, before"] = (levers9_run, args.before)
     times: dict[str, list[float]] = {name: [] for name in contenders}
+    failed = dict.fromkeys(contenders, 0)
     for _ in range(args.repeats):
         for name, (cmd, tree) in contenders.items():
-            times[name].append(time_once(cmd, tree))
-    base = statistics.median(times["torchrun"])
+            elapsed = time_once(cmd, tree)
+            if elapsed is None:
+                failed[name] += 1
+            else:
+                times[name].append(elapsed)
+    base = statistics.median(times["torchrun"]) if times["torchrun"] else float("nan")
     print(f"2 ranks, torch.compile of a small DDP model, 20 steps, gloo on CPU; {args.repeats} runs each, interleaved")
-    print("\n| launcher | median wall time (s) | fastest (s) | vs torchrun |\n| --- | --- | --- | --- |")
+    print("\n| launcher | median wall time (s) | fastest (s) | vs torchrun | failed runs |\n| --- | --- | --- | --- | --- |")
     for name, values in times.items():
-        median = statistics.median(values)
-        print(f"| {name} | {median:.2f} | {min(values):.2f} | {median / base:.2f}x |")
+        median = statistics.median(values) if values else float("nan")
+        fastest = min(values) if values else float("nan")
+        print(f"| {name} | {median:.2f} | {fastest:.2f} | {median / base:.2f}x | {failed[name]} |")
 
 
 if __name__ == "__main__":
