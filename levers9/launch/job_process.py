@@ -56,17 +56,20 @@ class JobTarget:
         return self.func(*self.args, **self.kwargs)
 
 
+def ship_for(value: Any, name: str, where: str, fix: str) -> bytes:
+    """`value` pickled to reach `where` (a fresh interpreter, a Ray task, a SLURM job), or NotShippableError
+    naming `name` and saying `fix`."""
+    try:
+        return ship(value)
+    except Exception as exc:
+        raise NotShippableError(f"{name} cannot be sent to {where} ({type(exc).__name__}: {exc}). {fix}") from exc
+
+
 def ship_target(target: JobTarget) -> bytes:
     """The target pickled for a fresh interpreter, or NotShippableError naming the function."""
-    try:
-        return ship(target)
-    except Exception as exc:
-        name = getattr(target.func, "__qualname__", repr(target.func))
-        raise NotShippableError(
-            f"{name} cannot be sent to a fresh interpreter ({type(exc).__name__}: {exc}), which is how jobs start "
-            f"when this process has already initialised CUDA. Define it at module level, or start the jobs "
-            f"before touching CUDA in this process."
-        ) from exc
+    return ship_for(target, getattr(target.func, "__qualname__", repr(target.func)),
+                    "a fresh interpreter, which is how jobs start when this process has already initialised CUDA",
+                    "Define it at module level, or start the jobs before touching CUDA in this process.")  # fmt: skip
 
 
 def cards_of_task(ids: list[str], gpu_type: str) -> tuple[bool, str]:

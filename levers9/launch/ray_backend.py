@@ -98,13 +98,8 @@ class RayBackend:
             if batch.spec.gpu_count < 2:
                 raise
             plan = _gang_plan(batch.spec, nodes, single)
-        try:
-            func_blob = ship(batch.func)
-        except Exception as exc:
-            raise NotShippableError(
-                f"{batch.spec.name} cannot be sent to a Ray task ({type(exc).__name__}: {exc}); define it at "
-                f"module level, with arguments and globals that can be pickled."
-            ) from exc
+        func_blob = job_process.ship_for(batch.func, batch.spec.name, "a Ray task",
+                                         "Define it at module level, with arguments and globals that can be pickled.")  # fmt: skip
         run_dir = runs.run_folder(batch.run_id)
         sys_path = tuple(p for p in sys.path if p)
         cells: list[_RayCell] = []

@@ -45,7 +45,7 @@ from levers9.errors import (
     JobTimeout,
     NotShippableError,
 )
-from levers9.launch import outcomes, runs, slurm_nodes, slurm_options, slurm_task
+from levers9.launch import job_process, outcomes, runs, slurm_nodes, slurm_options, slurm_task
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.lanes import dispatch
@@ -81,13 +81,8 @@ class SlurmBackend:
         options = slurm_options.merged(spec.slurm, {k: getattr(settings, k) for k in slurm_options.SETTING_KEYS})
         nodes = slurm_nodes.cluster_nodes(options.get("partition"))
         plan = slurm_nodes.plan_job(spec, nodes, options.get("partition"))
-        try:
-            func_blob = ship(batch.func)
-        except Exception as exc:
-            raise NotShippableError(
-                f"{spec.name} cannot be sent to a SLURM job ({type(exc).__name__}: {exc}); define it at module "
-                f"level, with globals that can be pickled."
-            ) from exc
+        func_blob = job_process.ship_for(batch.func, spec.name, "a SLURM job",
+                                         "Define it at module level, with globals that can be pickled.")  # fmt: skip
         run_dir = runs.run_folder(batch.run_id)
         limit = int(options.get("max_running", slurm_nodes.capacity(plan, spec, nodes)))
         submitter = _Submitter(batch, plan, options, run_dir / "slurm", limit)
