@@ -43,17 +43,14 @@ def boards_root() -> Path:
 
 
 def board_roots() -> list[Path]:
-    """The places a board folder may go, best first; each is a private folder (created on first use)."""
-    state = os.environ.get("LEVERS9_STATE_DIR")
-    if state:
-        return [private_dir(Path(state) / "boards")]
+    """The places a board folder may go, best first; each is a private folder (created on first use). One
+    that cannot be made (a full or read-only state folder, another user's folder) is passed over."""
     found: list[Path] = []
     errors: list[str] = []
-    shm = Path("/dev/shm")
-    for base in ([shm] if shm.is_dir() and os.access(shm, os.W_OK) else []) + [Path(tempfile.gettempdir())]:
+    for base in _board_places():
         try:
-            found.append(private_dir(base / f"levers9-{os.getuid()}"))
-        except OSError as exc:  # another user's folder, a symlink: try the next place
+            found.append(private_dir(base))
+        except OSError as exc:  # another user's folder, a symlink, a full or read-only disk: try the next place
             errors.append(str(exc))
     if not found:
         raise PrivateDirError(
@@ -62,6 +59,14 @@ def board_roots() -> list[Path]:
             "LEVERS9_STATE_DIR=~/.cache/levers9)."
         )
     return found
+
+
+def _board_places() -> list[Path]:
+    """$LEVERS9_STATE_DIR/boards when that is set, then /dev/shm/levers9-<uid>, then <temp dir>/levers9-<uid>."""
+    state = os.environ.get("LEVERS9_STATE_DIR")
+    shm = Path("/dev/shm")
+    bases = ([shm] if shm.is_dir() and os.access(shm, os.W_OK) else []) + [Path(tempfile.gettempdir())]
+    return ([Path(state).expanduser() / "boards"] if state else []) + [b / f"levers9-{os.getuid()}" for b in bases]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +119,11 @@ class BoardFolder:
         failures = []
         for root in roots:
             remove_stale_runs(root)
-            path = Path(tempfile.mkdtemp(prefix=f"{BOARD_DIR_PREFIX}{os.getpid()}-", dir=root))
+            try:
+                path = Path(tempfile.mkdtemp(prefix=f"{BOARD_DIR_PREFIX}{os.getpid()}-", dir=root))
+            except OSError as exc:  # a full or read-only state folder: the next root
+                failures.append(f"{root}: {exc.strerror or exc}")
+                continue
             now = time.monotonic()
             try:
                 with open(path / "progress.bin", "wb") as f:
