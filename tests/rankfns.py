@@ -289,3 +289,56 @@ def ignore_sigterm_with_a_grandchild_when_rank_0_fails(folder: str) -> None:
     while not os.path.exists(os.path.join(folder, "pids")):
         time.sleep(0.01)
     raise CustomError("rank 0 gives up")
+
+
+OTHER_UID = 65534  # nobody: another local user
+
+
+def what_another_user_reaches_in_the_store(cfg: Any) -> dict[str, Any]:
+    """On rank 0, once the group is made: a child that became another user connects to the run's store (any
+    local user can reach a TCP port) and says whether it read this rank's environment and which of the
+    keys the ranks' group read it could name as they would be without the run's secret; then, as this
+    user, which it can name with the secret."""
+    import datetime
+    import json
+
+    import torch.distributed as td
+
+    dist.barrier()
+    if dist.rank() != 0:
+        return {}
+    port = int(os.environ["LEVERS9_STORE_PORT"])
+    secret = os.environ.get("LEVERS9_STORE_SECRET", "")
+    rank0 = os.getpid()
+
+    def gloo_keys(prefix: str) -> list[str]:  # where gloo's ranks publish the addresses the others connect to
+        return [f"{prefix}/0//cpu//0/{r}" for r in range(dist.world_size())]
+
+    def present(keys: list[str]) -> list[str]:
+        store = td.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10))
+        return [k for k in keys if store.check([k])]
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the other user
+        try:
+            os.setgroups([])
+            os.setgid(OTHER_UID)
+            os.setuid(OTHER_UID)
+            seen: dict[str, Any] = {}
+            try:
+                with open(f"/proc/{rank0}/environ", "rb") as environ:
+                    seen["environ"] = b"LEVERS9_STORE_SECRET" in environ.read()
+            except PermissionError:
+                seen["environ"] = False
+            seen["guessed"] = present(gloo_keys("levers9-group-1/"))
+            os.write(write_end, json.dumps(seen).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as answer:
+        seen = json.loads(answer.read() or b"{}")
+    os.waitpid(pid, 0)
+    seen["with_secret"] = present(gloo_keys(f"levers9-{secret}-group-1/"))
+    seen["secret"] = secret
+    return seen

@@ -367,3 +367,15 @@ def test_a_helper_the_caller_forked_does_not_keep_its_jobs_alive_after_it_is_kil
     finally:
         caller.kill()
         caller.wait()
+
+
+@pytest.mark.timeout(60)
+def test_another_local_user_cannot_name_a_key_the_ranks_read_in_the_runs_store() -> None:
+    """The store is a TCP port any local user can reach; the keys of the group levers9 makes there start with
+    a secret from the ranks' environment, which only their owner can read."""
+    from tests import rankfns
+
+    seen = dist.run(rankfns.what_another_user_reaches_in_the_store, nprocs=2, backend="gloo")
+    assert seen["environ"] is False  # another user cannot read the ranks' environment
+    assert seen["guessed"] == []  # nor name the keys holding the ranks' gloo addresses without it
+    assert len(seen["secret"]) == 32 and len(seen["with_secret"]) == 2  # which the ranks did read, under the secret

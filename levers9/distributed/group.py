@@ -27,6 +27,10 @@ from levers9.errors import ConfigError, DeviceError, LauncherEnvError
 DEFAULT_TIMEOUT_S = 600.0
 # Set by distributed.run for its ranks: the loopback port of the rendezvous store the parent hosts.
 STORE_PORT_VAR = "LEVERS9_STORE_PORT"
+# Set by distributed.run for its ranks: an unguessable token that starts every key of the group levers9
+# makes on that store. Any local user can connect to a TCP port, but one who cannot read the ranks'
+# environment (/proc/<pid>/environ is the owner's alone) cannot name, so cannot set, a key they read.
+STORE_SECRET_VAR = "LEVERS9_STORE_SECRET"
 
 
 def cpu_only() -> bool:
@@ -103,7 +107,8 @@ def join_launcher_group(info: LaunchInfo, backend: str | None = None) -> bool:
     Where a launcher hosts the store (distributed.run's parent, torchrun's agent:
     TORCHELASTIC_USE_AGENT_STORE=True) the group meets on it under keys of its own, so it never reads the
     keys of a group made there before (torch reuses them after destroy_process_group, and gloo then
-    connects to the old group's addresses), and a group fn makes there itself never reads levers9's.
+    connects to the old group's addresses), and a group fn makes there itself never reads levers9's;
+    under distributed.run those keys start with the run's secret (STORE_SECRET_VAR).
     Elsewhere torch's env:// rendezvous (rank 0 hosts a fresh store), or tcp://MASTER under SLURM and MPI.
     """
     if info.world_size <= 1 or world.live_group() is not None:
@@ -121,7 +126,9 @@ def join_launcher_group(info: LaunchInfo, backend: str | None = None) -> bool:
         this = runtime.this_process()
         this.groups_made += 1
         store = td.TCPStore(agent_store[0], agent_store[1], None, False, kwargs["timeout"])
-        td.init_process_group(backend, store=td.PrefixStore(f"levers9-group-{this.groups_made}/", store), **kwargs)
+        secret = os.environ.get(STORE_SECRET_VAR)
+        prefix = f"levers9-{secret}-group-{this.groups_made}/" if secret else f"levers9-group-{this.groups_made}/"
+        td.init_process_group(backend, store=td.PrefixStore(prefix, store), **kwargs)
     else:
         td.init_process_group(backend, init_method=_init_method(info), **kwargs)
     runtime.this_process().own_group = True

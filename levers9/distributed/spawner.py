@@ -17,6 +17,7 @@ import functools
 import inspect
 import math
 import os
+import secrets
 import socket
 import sys
 import time
@@ -603,6 +604,11 @@ def hosted_store(host: str = "127.0.0.1") -> Iterator[int]:
         del store
 
 
+# The start of the keys of every group levers9 makes on a store this process hosts (group.STORE_SECRET_VAR):
+# known only to this user's processes, as their environment is.
+_STORE_SECRET = secrets.token_hex(16)
+
+
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     """The variables a rank of a one-node run gets: those torchrun's agent gives a worker, plus levers9's own.
 
@@ -618,5 +624,5 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
         "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
         "TORCHELASTIC_RUN_ID": f"{detect.LEVERS9_RUN_ID_PREFIX}{os.getpid()}-{port}",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        "LEVERS9_LAUNCHER": "levers9", group.STORE_PORT_VAR: str(port),
+        "LEVERS9_LAUNCHER": "levers9", group.STORE_PORT_VAR: str(port), group.STORE_SECRET_VAR: _STORE_SECRET,
     }  # fmt: skip
