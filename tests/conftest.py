@@ -83,6 +83,7 @@ TIER_BY_TEST = {
     ("test_restarts", "test_restart_arguments_are_refused_under_a_launcher"): "fast",
     ("test_run", "test_bad_arguments_are_refused_before_anything_starts"): "fast",
     ("test_run", "test_not_a_function_is_refused"): "fast",
+    ("test_run", "test_a_bad_pg_timeout_variable_is_refused_by_name"): "fast",
     ("test_sweeps", "test_unknown_order_is_refused_before_anything_starts"): "fast",
     ("test_sweeps", "test_retention_keeps_what_it_promises"): "fast",
     ("test_oom", "test_the_cgroup_is_found_through_proc_and_the_mount_table"): "fast",

@@ -15,7 +15,7 @@ import pytest
 
 from levers9 import distributed as dist
 from levers9.distributed.stalls import board
-from levers9.errors import NotShippableError, RankCrashed, RankFailed, RunTimeout
+from levers9.errors import ConfigError, NotShippableError, RankCrashed, RankFailed, RunTimeout
 from tests import rankfns
 from tests.proc_util import CTRL_C_HANDLER, children_of, left_behind, wait_gone
 
@@ -181,6 +181,15 @@ def test_after_stop_grace_the_whole_tree_is_killed_even_if_it_ignores_sigterm(tm
 def test_bad_arguments_are_refused_before_anything_starts(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         dist.run(rankfns.describe, None, **kwargs)
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", "0", "-5"])
+def test_a_bad_pg_timeout_variable_is_refused_by_name_before_anything_starts(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LEVERS9_PG_TIMEOUT", value)
+    with pytest.raises(ConfigError, match=rf"LEVERS9_PG_TIMEOUT='{value}': expected a finite number of seconds above 0"):
+        dist.run(rankfns.describe, None, nprocs=2)
 
 
 def test_not_a_function_is_refused() -> None:

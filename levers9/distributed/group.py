@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import datetime
 import gc
+import math
 import os
 import traceback
 from collections.abc import Iterator
@@ -96,8 +97,21 @@ def apply_quirks_here(local_world_size: int, backend: str, disabled: tuple[str, 
 
 
 def pg_timeout() -> datetime.timedelta:
-    """The finite timeout of a group levers9 makes: LEVERS9_PG_TIMEOUT seconds, else 600."""
-    return datetime.timedelta(seconds=float(os.environ.get("LEVERS9_PG_TIMEOUT", DEFAULT_TIMEOUT_S)))
+    """The finite timeout of a group levers9 makes: LEVERS9_PG_TIMEOUT seconds, else 600. ConfigError
+    naming the variable when it is not a finite number of seconds above 0."""
+    text = os.environ.get("LEVERS9_PG_TIMEOUT", "")
+    if not text:
+        return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(
+            f"LEVERS9_PG_TIMEOUT={text!r}: expected a finite number of seconds above 0 for the process group's "
+            f"timeout (e.g. export LEVERS9_PG_TIMEOUT=1800). Unset it for {DEFAULT_TIMEOUT_S:g} s."
+        )
+    return datetime.timedelta(seconds=seconds)
 
 
 def join_launcher_group(info: LaunchInfo, backend: str | None = None) -> bool:

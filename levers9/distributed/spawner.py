@@ -155,6 +155,8 @@ class RunOptions:
         if not isinstance(self.init_group, bool):
             raise ConfigError(f"init_group={self.init_group!r}; expected True (levers9 joins the group before fn) or "
                               f"False (fn calls init_process_group itself).")  # fmt: skip
+        if self.init_group:
+            group.pg_timeout()  # a bad LEVERS9_PG_TIMEOUT is refused here, not in every rank
         from levers9.distributed.hardware import quirks  # imported on use: `import levers9` stays light
 
         quirks.check_quirk_ids(self.disable_quirks)
