@@ -40,6 +40,19 @@ def fail_on_rank_1(cfg: Any) -> None:
     time.sleep(60)
 
 
+class Unprintable(Exception):
+    """An exception whose str() itself raises."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no words for it")
+
+
+def unprintable_on_rank_1(cfg: Any) -> None:
+    if dist.rank() == 1:
+        raise Unprintable("the real trouble")
+    dist.barrier()
+
+
 def exit_3_on_rank_1(cfg: Any) -> None:
     if dist.rank() == 1:
         sys.exit(3)

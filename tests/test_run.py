@@ -88,6 +88,17 @@ def test_exception_on_a_rank_comes_back_with_type_rank_and_traceback() -> None:
     assert elapsed < 8, f"took {elapsed:.1f}s to report a failing rank"
 
 
+@pytest.mark.timeout(60)
+def test_an_exception_whose_str_raises_comes_back_with_its_type_and_traceback() -> None:
+    with pytest.raises(rankfns.Unprintable) as info:
+        dist.run(rankfns.unprintable_on_rank_1, None, nprocs=2)
+    notes = "\n".join(info.value.__notes__)
+    assert "rank 1" in notes and 'raise Unprintable("the real trouble")' in notes
+    cause = info.value.__cause__
+    assert isinstance(cause, RankFailed) and cause.failure is not None and cause.failure.rank == 1
+    assert "Unprintable" in str(cause) and "str() of this Unprintable raised RuntimeError: no words for it" in str(cause)
+
+
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_sys_exit_3_names_rank_and_code(start_method: str) -> None:
     with pytest.raises(RankCrashed) as info:

@@ -64,7 +64,7 @@ def capture(exc: BaseException, exitcode: int = 1) -> Failure:
         blob: bytes | None = ship(exc)
     except Exception:
         blob = None
-    message = str(exc)
+    message = describe(exc)
     return Failure(
         exc_blob=blob,
         exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
@@ -75,6 +75,15 @@ def capture(exc: BaseException, exitcode: int = 1) -> Failure:
         exitcode=exitcode,
         card_fault=any(marker in message for marker in CARD_FAULT_MARKERS),
     )
+
+
+def describe(exc: BaseException) -> str:
+    """str(exc); where that raises (a broken __str__), words saying so, so that the type and traceback still
+    reach the caller."""
+    try:
+        return str(exc)
+    except Exception as inner:
+        return f"<str() of this {type(exc).__name__} raised {type(inner).__name__}: {describe(inner)}>"
 
 
 def exit_status(exc: SystemExit) -> int:
