@@ -78,6 +78,12 @@ def sleep_forever(cfg: Any) -> None:
     time.sleep(600)
 
 
+def spin_forever(cfg: Any) -> None:
+    """Python code that never ends (a timeout stops it at its next instruction)."""
+    while True:
+        time.sleep(0.01)
+
+
 def big_result(cfg: Any) -> bytes:
     """Rank 0 returns far more than a pipe buffer holds."""
     return b"x" * (cfg or 50_000_000)

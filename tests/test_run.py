@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,6 +126,24 @@ def test_death_by_signal_names_the_signal(signum: int) -> None:
     if signum == signal.SIGSEGV:  # faulthandler's dump of the Python stack is in the report
         assert "kill_self_on_rank_1" in str(info.value)
     assert time.monotonic() - start < 8
+
+
+@pytest.mark.timeout(60)
+def test_timeout_in_place_from_a_thread_that_is_not_the_main_one_is_a_run_timeout() -> None:
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            dist.run(rankfns.spin_forever, None, timeout=1)  # no card: a world of one, in this thread
+        except BaseException as exc:
+            raised.append(exc)
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive() and len(raised) == 1
+    assert isinstance(raised[0], RunTimeout), repr(raised[0])
+    assert "still running after 1 s (timeout=1)" in str(raised[0])
 
 
 def test_timeout_stops_every_rank_and_says_so() -> None:
