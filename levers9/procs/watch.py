@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 
-from levers9.procs import fds, lines, tree
+from levers9.procs import fds, lines, reaping, tree
 from levers9.procs.failure import Failure, FrameReader
 
 TAIL_LINES = 400  # kept per child for failure reports
@@ -179,6 +179,8 @@ class Watcher:
         self.forwarder = lines.Forwarder(sink, self._wake_w)
         self._paused: dict[int, Child] = {}  # output pipes not read while the forwarder is full
         self._stopped_early = False  # stop() found children still running: output is not waited for
+        reaping.hold()  # exit statuses stay readable even where the caller ignores SIGCHLD
+        self._holding = True
 
     def add(self, child: Child) -> Child:
         self.children.append(child)
@@ -324,3 +326,6 @@ class Watcher:
             self.selector.close()
             fds.close(self._wake_r)
             fds.close(self._wake_w)
+            if self._holding:
+                self._holding = False
+                reaping.release()
