@@ -84,6 +84,17 @@ def spin_forever(cfg: Any) -> None:
         time.sleep(0.01)
 
 
+def value_of_a_module_only_rank_0_imports(folder: str) -> Any:
+    """Rank 0 imports a module from `folder` (not on the caller's path) and returns one of its objects."""
+    dist.barrier()
+    if dist.rank() != 0:
+        return None
+    sys.path.insert(0, folder)
+    import only_rank_0_has_it  # type: ignore[import-not-found]
+
+    return only_rank_0_has_it.Thing()
+
+
 def big_result(cfg: Any) -> bytes:
     """Rank 0 returns far more than a pipe buffer holds."""
     return b"x" * (cfg or 50_000_000)

@@ -164,6 +164,17 @@ def test_unpicklable_result_is_named() -> None:
         dist.run(rankfns.unpicklable_result, None, nprocs=2)
 
 
+def test_a_result_that_needs_a_module_only_rank_0_imported_is_named(tmp_path: Path) -> None:
+    (tmp_path / "only_rank_0_has_it.py").write_text("class Thing:\n    pass\n")
+    with pytest.raises(NotShippableError) as info:
+        dist.run(rankfns.value_of_a_module_only_rank_0_imports, str(tmp_path), nprocs=2)
+    said = str(info.value)
+    assert said.startswith("distributed.run: rank 0's return value arrived but cannot be unpickled in the caller")
+    assert "module 'only_rank_0_has_it' was imported there, not in this process" in said
+    assert "import that module in the caller too" in said
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
+
+
 def test_unpicklable_cfg_is_named_before_fresh_ranks_start() -> None:
     import threading
 

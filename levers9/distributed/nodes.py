@@ -59,7 +59,7 @@ from levers9.errors import (
     StallError,
 )
 from levers9.procs import start
-from levers9.procs.failure import Failure, raise_rank_exception, ship, unship
+from levers9.procs.failure import Failure, raise_rank_exception, ship, unship, unship_value
 from levers9.procs.outcome import Outcome, kind_of
 from levers9.procs.watch import Child, Watcher, exit_on_terminate
 from levers9.retries import RetryPolicy
@@ -452,7 +452,7 @@ class _Attempt:
             if not reports and all(p.status is not None for p in self.ranks) and self.done.issuperset(self.zero.agents):
                 self.watcher.drain()
                 rank0 = self.ranks[0].result
-                return None if rank0 is None else unship(rank0)
+                return unship_value(rank0, "distributed.run: rank 0's return value")
             if self._stalled(now):
                 stall_timeout = self.zero.run.stall_timeout
                 assert stall_timeout is not None

@@ -40,7 +40,7 @@ from levers9.errors import (
     signal_name,
 )
 from levers9.procs import oom, start
-from levers9.procs.failure import raise_rank_exception, ship, unpicklable_part, unship
+from levers9.procs.failure import raise_rank_exception, ship, unpicklable_part, unship_value
 from levers9.procs.outcome import Outcome, StopReason, kind_of
 from levers9.procs.supervise import DRAIN_S, Supervisor
 from levers9.procs.watch import Child, Watcher, exit_on_terminate
@@ -516,8 +516,7 @@ class _Spawn:
             self._raise_stopped(StallError, stalls.stall_text(self.ranks.stall_timeout))
         if any(not o.succeeded for o in outcomes):
             self._raise_root_failure(outcomes)
-        value = outcomes[0].value
-        return None if value is None else unship(value)
+        return unship_value(outcomes[0].value, "distributed.run: rank 0's return value")
 
     def _raise_root_failure(self, outcomes: list[Outcome]) -> NoReturn:
         root = root_cause(outcomes)

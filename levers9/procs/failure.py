@@ -189,6 +189,24 @@ def unship(blob: bytes) -> Any:
     return pickle.loads(blob)
 
 
+def unship_value(blob: bytes | None, what: str) -> Any:
+    """A target's return value as the caller unpickles it (None for None), or NotShippableError naming
+    `what` ("rank 0's return value") and why it cannot be rebuilt here (a module only the child imported)."""
+    from levers9.errors import NotShippableError
+
+    if blob is None:
+        return None
+    try:
+        return pickle.loads(blob)
+    except Exception as exc:
+        missing = f" (module {exc.name!r} was imported there, not in this process)" if isinstance(exc, ImportError) and exc.name else ""
+        raise NotShippableError(
+            f"{what} arrived but cannot be unpickled in the caller: {type(exc).__name__}: {describe(exc)}{missing}. "
+            f"Expected a value built from types the caller can import; import that module in the caller too, or "
+            f"return plain data (numbers, strings, lists, dicts, tensors)."
+        ) from exc
+
+
 def unpicklable_part(value: Any, path: str = "result") -> str:
     """A description of the first part of `value` that cannot be pickled, e.g. "result['log'] (a TextIOWrapper)"."""
     items: list[tuple[str, Any]] = []
