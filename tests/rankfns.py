@@ -95,6 +95,12 @@ def value_of_a_module_only_rank_0_imports(folder: str) -> Any:
     return only_rank_0_has_it.Thing()
 
 
+def first_ten_of_a_big_tensor(cfg: Any) -> dict[str, Any]:
+    """Ten floats that view a 100 MB tensor's storage (as `big[:10]` does), alone and in a dict."""
+    big = torch.arange(25_000_000, dtype=torch.float32)
+    return {"head": big[:10], "pid": os.getpid()}
+
+
 def big_result(cfg: Any) -> bytes:
     """Rank 0 returns far more than a pipe buffer holds."""
     return b"x" * (cfg or 50_000_000)

@@ -175,6 +175,16 @@ def test_a_result_that_needs_a_module_only_rank_0_imported_is_named(tmp_path: Pa
     assert isinstance(info.value.__cause__, ModuleNotFoundError)
 
 
+@pytest.mark.timeout(60)
+def test_a_few_elements_that_view_a_big_tensor_ship_alone() -> None:
+    import torch
+
+    result = dist.run(rankfns.first_ten_of_a_big_tensor, None, nprocs=2)
+    head = result["head"]
+    assert torch.equal(head, torch.arange(10, dtype=torch.float32))
+    assert head.untyped_storage().nbytes() == 40  # not the 100 MB storage it viewed in rank 0
+
+
 def test_unpicklable_cfg_is_named_before_fresh_ranks_start() -> None:
     import threading
 

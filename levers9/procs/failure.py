@@ -157,7 +157,8 @@ def ship(value: Any) -> bytes:
         def reducer_override(self, obj: Any) -> Any:
             if isinstance(obj, io.IOBase) and not isinstance(obj, (io.StringIO, io.BytesIO)):
                 raise pickle.PicklingError(f"an open file ({getattr(obj, 'name', type(obj).__name__)!r}) cannot be shipped")
-            return super().reducer_override(obj)
+            compact = compact_view(obj)
+            return compact if compact is not NotImplemented else super().reducer_override(obj)
 
     buffer = io.BytesIO()
     _Shipper(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
@@ -166,6 +167,7 @@ def ship(value: Any) -> bytes:
 
 def ship_value(value: Any, what: str) -> bytes:
     """A target's return value shipped for the caller, or NotShippableError naming the part that cannot be pickled.
+    A tensor that views a small part of a large storage ships only that part (`compact_view`).
 
     Plain data (numbers, dicts, tensors) goes through the standard pickle, so neither side pays for
     importing cloudpickle; whatever pickle cannot take by reference (a function or class defined in
@@ -173,7 +175,11 @@ def ship_value(value: Any, what: str) -> bytes:
     from levers9.errors import NotShippableError
 
     with contextlib.suppress(Exception):
-        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        if "torch" not in sys.modules:
+            return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        buffer = io.BytesIO()
+        _Compact(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+        return buffer.getvalue()
     try:
         return ship(value)
     except Exception as exc:
@@ -182,6 +188,29 @@ def ship_value(value: Any, what: str) -> bytes:
             f"{exc}). Expected plain data (numbers, strings, lists, dicts, CPU tensors); return that instead, "
             f"e.g. a dict of metrics, and save models or large data to disk and return the path."
         ) from exc
+
+
+def compact_view(obj: Any) -> Any:
+    """For a tensor that views a small part of a much larger storage (`big[:10]`), the reduction of a
+    copy of just that part (pickle would ship the whole storage); NotImplemented for anything else."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(obj) is not torch.Tensor or obj.layout != torch.strided:
+        return NotImplemented
+    try:
+        needed = obj.numel() * obj.element_size()
+        if obj.untyped_storage().nbytes() <= 2 * needed + 4096:
+            return NotImplemented
+        copy = obj.detach().clone(memory_format=torch.contiguous_format).requires_grad_(obj.requires_grad)
+    except Exception:  # a tensor without a plain storage (meta, functional, ...): pickled as it is
+        return NotImplemented
+    return copy.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+
+class _Compact(pickle.Pickler):
+    """The standard pickle, except that a tensor viewing a small part of a large storage ships only that part."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        return compact_view(obj)
 
 
 def unship(blob: bytes) -> Any:
