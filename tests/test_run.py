@@ -185,6 +185,18 @@ def test_a_few_elements_that_view_a_big_tensor_ship_alone() -> None:
     assert head.untyped_storage().nbytes() == 40  # not the 100 MB storage it viewed in rank 0
 
 
+def test_a_deleted_current_folder_with_fresh_interpreters_is_named_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with pytest.raises(ConfigError, match=r"the current folder '.*gone \(deleted\)' no longer exists") as info:
+        dist.run(rankfns.describe, None, nprocs=2, start_method="spawn")
+    assert "os.chdir() to one" in str(info.value) and "start_method='fork'" in str(info.value)
+
+
 def test_unpicklable_cfg_is_named_before_fresh_ranks_start() -> None:
     import threading
 
