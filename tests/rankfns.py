@@ -101,6 +101,13 @@ def first_ten_of_a_big_tensor(cfg: Any) -> dict[str, Any]:
     return {"head": big[:10], "pid": os.getpid()}
 
 
+def rank1_stops_itself_after_a_barrier(cfg: Any) -> None:
+    dist.barrier()
+    if dist.rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.barrier()
+
+
 def big_result(cfg: Any) -> bytes:
     """Rank 0 returns far more than a pipe buffer holds."""
     return b"x" * (cfg or 50_000_000)

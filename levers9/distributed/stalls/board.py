@@ -113,6 +113,7 @@ class BoardFolder:
         self._file = open(board, "r+b")  # noqa: SIM115 - closed in remove()
         self._map = mmap.mmap(self._file.fileno(), _SLOT_SIZE * nprocs)
         self._last_request = 0.0
+        self.pids: list[int] = []  # the ranks' pids, by slot, once started
 
     def _make(self, roots: list[Path]) -> Path:
         """A fresh folder with an empty board in the first root with room for it (a full /dev/shm moves it on)."""
@@ -140,7 +141,12 @@ class BoardFolder:
         )
 
     def write_pids(self, parent: int, pids: list[int]) -> None:
+        self.pids = list(pids)
         (self.path / "ranks.json").write_text(json.dumps({"parent": parent, "pids": pids}))
+
+    def stopped(self) -> set[int]:
+        """Slots whose rank is stopped now (SIGSTOP, a debugger): such a rank answers no request."""
+        return {slot for slot, pid in enumerate(self.pids) if is_stopped(pid)}
 
     def states(self) -> list[SlotState]:
         return [read_slot(self._map, rank) for rank in range(self.nprocs)]
@@ -153,7 +159,9 @@ class BoardFolder:
             request_samples(self.path, range(self.nprocs))
 
     def fresh_states(self, ranks: list[int]) -> list[SlotState]:
-        return fresh_states(self.path, ranks, self.states)
+        """The board after fresh samples from `ranks`, not waiting for a stopped rank's (it cannot answer)."""
+        stopped = self.stopped()
+        return fresh_states(self.path, [r for r in ranks if r not in stopped], self.states)
 
     def remove(self) -> None:
         self._map.close()
@@ -169,6 +177,16 @@ def remove_stale_runs(root: Path) -> None:
             continue
         if not pid_alive(int(pid_text)):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def is_stopped(pid: int) -> bool:
+    """True if process `pid` is stopped (state T, by SIGSTOP or job control) or held by a debugger (t)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()
+    except OSError:
+        return False
+    return bool(fields) and fields[0] in (b"T", b"t")
 
 
 def read_slot(board: mmap.mmap, rank: int) -> SlotState:
