@@ -47,7 +47,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from levers9.context import GangContext, JobContext, current_job
-from levers9.distributed import detect, restarts, stalls
+from levers9.distributed import detect, group, restarts, stalls
 from levers9.distributed.rank_process import RankSpec, RankTarget
 from levers9.errors import (
     ConfigError,
@@ -78,11 +78,20 @@ ANSWER_WAIT_S = 10.0  # how long node 0 waits for the other nodes' fresh samples
 SOCKET_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-def control_client(addr: str, port: int, timeout: float = 30.0) -> Any:
-    """A client of the job's control store."""
+def control_client(gang: GangContext, timeout: float = 30.0) -> Any:
+    """A client of the job's control store, under the job's secret (`control_prefix`)."""
     import torch.distributed as td
 
-    return td.TCPStore(addr, port, None, False, datetime.timedelta(seconds=timeout))
+    client = td.TCPStore(gang.control_addr, gang.control_port, None, False, datetime.timedelta(seconds=timeout))
+    return control_prefix(client, gang.secret)
+
+
+def control_prefix(store: Any, secret: str) -> Any:
+    """`store` with every key under `secret`: the control store listens on the cluster network, and its values
+    are unpickled, so a key only the job's processes can name is one nobody else can set."""
+    import torch.distributed as td
+
+    return td.PrefixStore(f"levers9-{secret}", store) if secret else store  # keys: levers9-<secret>/<key>
 
 
 def interface_of(address: str) -> str | None:
@@ -119,7 +128,7 @@ def node_rank_env(rank: int, local_rank: int, world: int, gang: GangContext, nod
         "ROLE_NAME": "default", "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
         "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": run_id,
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        "LEVERS9_LAUNCHER": "levers9", **attempt_env,
+        "LEVERS9_LAUNCHER": "levers9", **({group.STORE_SECRET_VAR: gang.secret} if gang.secret else {}), **attempt_env,
     }  # fmt: skip
 
 
@@ -209,7 +218,7 @@ def run_across_nodes(run: GangRun, policy: RetryPolicy, gang: GangContext) -> An
     assert job is not None
     runner = _NodeZero(run, gang, job)
     with exit_on_terminate(), contextlib.ExitStack() as cleanup:
-        runner.store = control_client(gang.control_addr, gang.control_port)
+        runner.store = control_client(gang)
         cleanup.callback(runner.forget_store)
         runner.wait_for_agents()
         return restarts.run_attempts(policy, runner.attempt, ranks=gang.world_size, timeout=run.timeout, stall_timeout=None)
@@ -572,8 +581,8 @@ class _Heartbeat:
     """A daemon thread that bumps hb/<node> every HEARTBEAT_EVERY_S on its own store client; `.gone` once the
     control store stopped answering (node 0's task ended or its node died)."""
 
-    def __init__(self, addr: str, port: int, node: int) -> None:
-        self.store = control_client(addr, port, timeout=LOST_AFTER_S)
+    def __init__(self, gang: GangContext, node: int) -> None:
+        self.store = control_client(gang, timeout=LOST_AFTER_S)
         self.node = node
         self.gone = threading.Event()
         self.stopping = threading.Event()
@@ -602,8 +611,8 @@ def serve(gang: GangContext, address: str, job: JobContext, base_env: dict[str, 
     A replacement agent starts at attempt `first_attempt`; an agent whose `generation` is no longer the node's
     newest (it was replaced) exits instead of starting another attempt."""
     node = gang.node_index
-    store = control_client(gang.control_addr, gang.control_port)
-    beat = _Heartbeat(gang.control_addr, gang.control_port, node)
+    store = control_client(gang)
+    beat = _Heartbeat(gang, node)
     try:
         store.set(f"ready/{node}", address)
         n = first_attempt

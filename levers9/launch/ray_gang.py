@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import secrets
 import shutil
 import socket
 import sys
@@ -209,6 +210,8 @@ def host(payload: dict[str, Any], address: str, stop_grace: float) -> Iterator[G
     when the job process asks. At the end the agents are told the job is over, then cancelled."""
     import torch.distributed as td
 
+    from levers9.distributed import nodes
+
     gang: dict[str, Any] = payload["gang"]
     spec: JobSpec = payload["spec"]
     k = int(gang["nodes"])
@@ -216,11 +219,13 @@ def host(payload: dict[str, Any], address: str, stop_grace: float) -> Iterator[G
         listener.bind((address, 0))
         listener.listen(128)
         port = listener.getsockname()[1]
-        store = td.TCPStore(address, port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False,
-                            master_listen_fd=os.dup(listener.fileno()))  # fmt: skip
+        hosted = td.TCPStore(address, port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False,
+                             master_listen_fd=os.dup(listener.fileno()))  # fmt: skip
+    secret = secrets.token_hex(16)
+    store = nodes.control_prefix(hosted, secret)
     placed = bundle_addresses(gang["pg"])
     within = REPLACE_WAIT_S if spec.queue_timeout is None else spec.queue_timeout
-    context = GangContext(address, port, (address, *placed[1:]), (int(gang["share"]),) * k, 0, within)
+    context = GangContext(address, port, (address, *placed[1:]), (int(gang["share"]),) * k, 0, within, secret)
     agents = GangHost(payload, context, store)
     try:
         for i in range(1, k):
@@ -230,7 +235,7 @@ def host(payload: dict[str, Any], address: str, stop_grace: float) -> Iterator[G
         with contextlib.suppress(Exception):
             store.set("end", "1")
         agents.wait_then_cancel(stop_grace + AGENT_EXIT_WAIT_S)
-        del agents, store
+        del agents, store, hosted
 
 
 class GangHost:
