@@ -26,6 +26,9 @@ class GangContext:
     shares: tuple[int, ...]  # cards (ranks) on each node
     node_index: int = 0
     replace_within: float = 120.0  # seconds a restart waits for a node to replace a lost one (the job's queue_timeout)
+    # Starts every key of the control store and of the ranks' group: the stores listen on the cluster
+    # network, and only the job's own processes, handed this value by Ray, can name (so set) a key they read.
+    secret: str = ""
 
     @property
     def world_size(self) -> int:

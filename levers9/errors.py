@@ -148,8 +148,8 @@ def signal_name(signum: int) -> str:
 class RankFailed(Levers9Error, RuntimeError):
     """A rank failed; the first failure (the root cause) is `.failure`, the rest were stopped."""
 
-    def __init__(self, message: str, failure: RankFailure | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str = "", failure: RankFailure | None = None) -> None:
+        super().__init__(message)  # "" only where Python makes one bare (an exception set in another thread)
         self.failure = failure
 
     @property

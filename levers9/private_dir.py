@@ -33,8 +33,9 @@ FIX = "set LEVERS9_STATE_DIR to a folder of your own (e.g. ~/.levers9-state), or
 def private_dir(path: Path | str, fix: str = FIX) -> Path:
     """`path`, created if missing (with missing parents), once it is a real directory owned by this
     user with mode 0700; PrivateDirError if it is anyone else's, a symlink, or writable by others, or
-    if it cannot be created for want of permission (`fix` says what to do instead). A full disk is
-    the OSError itself (ENOSPC), which callers that only record may pass over."""
+    if it cannot be created for want of permission (`fix` says what to do instead; its `errno` is then
+    set, as it is on no refusal of a folder someone else holds). A full disk is the OSError itself
+    (ENOSPC), which callers that only record may pass over."""
     path = Path(os.path.abspath(os.path.expanduser(path)))
     _check_ancestors(path.parent, fix)
     if not path.parent.exists():
@@ -46,10 +47,12 @@ def private_dir(path: Path | str, fix: str = FIX) -> Path:
     except OSError as exc:
         if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR):
             raise
-        raise PrivateDirError(
+        error = PrivateDirError(
             f"cannot create {path} ({exc.strerror}): levers9 keeps its state there and needs a folder it can "
             f"write. Fix: {fix}."
-        ) from None
+        )
+        error.errno = exc.errno  # a folder that cannot be written, not one someone else holds
+        raise error from None
     info = os.lstat(path)
     _check_ours(path, info, fix)
     if stat.S_IMODE(info.st_mode) != 0o700:

@@ -74,7 +74,8 @@ def register(sub: Any) -> None:
     same.add_argument(*_both("local-ranks-filter"), dest="local_ranks_filter", default="",
                       help="show only these ranks' output on the console, e.g. 0 or 0,2")
     same.add_argument(*_both("log-dir"), dest="log_dir", default=None,
-                      help="also write each rank's output to LOG_DIR/<rank>/stdout.log and stderr.log")
+                      help="also write each rank's output to a fresh private folder in LOG_DIR: "
+                           "LOG_DIR/levers9-<time>-<random>/<rank>/stdout.log and stderr.log")
     same.add_argument("-r", "--redirects", default="0", help="accepted: the console always keeps every stream")
     same.add_argument("-t", "--tee", default="0", help="accepted: with --log-dir, output is always teed")
     for name in ("monitor-interval", "role"):
@@ -141,6 +142,7 @@ def main(args: argparse.Namespace) -> int:
             what="levers9 run",
         )
         count, backend = scripts.resolve_nprocs(args.nproc_per_node, None, flag="--nproc-per-node")
+        target = scripts.with_log_folder(target, "levers9 run")
         scripts.say_one_thread_each(count)
         from levers9.distributed.spawner import run
 

@@ -34,7 +34,7 @@ class StateFileError(OSError):
 
 def why(exc: OSError) -> str:
     """'is full (No space left on device)', or 'cannot be written (Permission denied)'."""
-    text = exc.strerror or str(exc)
+    text = exc.strerror or (os.strerror(exc.errno) if exc.errno else str(exc))
     return f"is full ({text})" if exc.errno in FULL else f"cannot be written ({text})"
 
 

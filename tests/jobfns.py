@@ -166,6 +166,11 @@ def counted(folder: str, index: int) -> int:
     return index * 10
 
 
+def counted_with(folder: str, index: int, extra: Any) -> int:
+    """counted(folder, index), for cells whose arguments also hold `extra` (sets, objects)."""
+    return counted(folder, index)
+
+
 def when_file_exists(tag: str, path: str | None) -> str:
     """Return `tag` once `path` exists (at once for None)."""
     while path is not None and not os.path.exists(path):

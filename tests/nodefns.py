@@ -46,6 +46,39 @@ def describe_rank(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     return gathered
 
 
+def store_keys_seen_from_outside(cfg: dict[str, Any]) -> dict[str, Any]:
+    """On rank 0: which keys the ranks and agents read could be named on the job's two stores (the control store
+    and the ranks' rendezvous store, both on the cluster network) by someone who has all but the job's secret."""
+    import datetime
+
+    import torch.distributed as td
+
+    from levers9 import distributed as dist
+    from levers9.context import current_job
+
+    dist.barrier()
+    if dist.rank() != 0:
+        return {}
+    job = current_job()
+    assert job is not None and job.gang is not None
+    secret = job.gang.secret
+
+    def present(addr: str, port: int, keys: list[str]) -> list[str]:
+        store = td.TCPStore(addr, port, None, False, datetime.timedelta(seconds=10))
+        return [k for k in keys if store.check([k])]
+
+    control = (job.gang.control_addr, job.gang.control_port)
+    ranks = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    gloo = [f"/0//cpu//0/{r}" for r in range(dist.world_size())]
+    return {
+        "secret": secret,
+        "control_guessed": present(*control, ["ready/1", "a0/start"]),
+        "control_with_secret": present(*control, [f"levers9-{secret}/ready/1", f"levers9-{secret}/a0/start"]),
+        "ranks_guessed": present(*ranks, [f"levers9-group-1/{k}" for k in gloo]),
+        "ranks_with_secret": present(*ranks, [f"levers9-{secret}-group-1/{k}" for k in gloo]),
+    }
+
+
 def train(cfg: dict[str, Any]) -> Any:
     """A job body: dist.run on every card the job holds."""
     from levers9 import distributed as dist
@@ -61,15 +94,16 @@ def train_twice(cfg: dict[str, Any]) -> Any:
 
 
 def train_then_hold(cfg: dict[str, Any]) -> Any:
-    """A job body: dist.run of `mark_parent` on every card; then write the control store's address and port and
-    this process's parent (node 0's Ray task) to cfg['mark'], and return the result once cfg['mark'].go exists."""
+    """A job body: dist.run of `mark_parent` on every card; then write the control store's address, port and
+    secret and this process's parent (node 0's Ray task) to cfg['mark'], and return the result once
+    cfg['mark'].go exists."""
     from levers9 import distributed as dist
     from levers9.context import current_job
 
     result = dist.run(mark_parent, cfg)
     job = current_job()
     assert job is not None and job.gang is not None
-    Path(cfg["mark"]).write_text(f"{job.gang.control_addr} {job.gang.control_port} {os.getppid()}")
+    Path(cfg["mark"]).write_text(f"{job.gang.control_addr} {job.gang.control_port} {os.getppid()} {job.gang.secret}")
     while not Path(cfg["mark"] + ".go").exists():
         time.sleep(0.02)
     return result

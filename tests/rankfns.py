@@ -40,6 +40,19 @@ def fail_on_rank_1(cfg: Any) -> None:
     time.sleep(60)
 
 
+class Unprintable(Exception):
+    """An exception whose str() itself raises."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no words for it")
+
+
+def unprintable_on_rank_1(cfg: Any) -> None:
+    if dist.rank() == 1:
+        raise Unprintable("the real trouble")
+    dist.barrier()
+
+
 def exit_3_on_rank_1(cfg: Any) -> None:
     if dist.rank() == 1:
         sys.exit(3)
@@ -63,6 +76,36 @@ def kill_self_on_rank_1(cfg: Any) -> None:
 def sleep_forever(cfg: Any) -> None:
     print(f"sleeping on rank {dist.rank()}", flush=True)
     time.sleep(600)
+
+
+def spin_forever(cfg: Any) -> None:
+    """Python code that never ends (a timeout stops it at its next instruction)."""
+    while True:
+        time.sleep(0.01)
+
+
+def value_of_a_module_only_rank_0_imports(folder: str) -> Any:
+    """Rank 0 imports a module from `folder` (not on the caller's path) and returns one of its objects."""
+    dist.barrier()
+    if dist.rank() != 0:
+        return None
+    sys.path.insert(0, folder)
+    import only_rank_0_has_it  # type: ignore[import-not-found]
+
+    return only_rank_0_has_it.Thing()
+
+
+def first_ten_of_a_big_tensor(cfg: Any) -> dict[str, Any]:
+    """Ten floats that view a 100 MB tensor's storage (as `big[:10]` does), alone and in a dict."""
+    big = torch.arange(25_000_000, dtype=torch.float32)
+    return {"head": big[:10], "pid": os.getpid()}
+
+
+def rank1_stops_itself_after_a_barrier(cfg: Any) -> None:
+    dist.barrier()
+    if dist.rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.barrier()
 
 
 def big_result(cfg: Any) -> bytes:
@@ -289,3 +332,56 @@ def ignore_sigterm_with_a_grandchild_when_rank_0_fails(folder: str) -> None:
     while not os.path.exists(os.path.join(folder, "pids")):
         time.sleep(0.01)
     raise CustomError("rank 0 gives up")
+
+
+OTHER_UID = 65534  # nobody: another local user
+
+
+def what_another_user_reaches_in_the_store(cfg: Any) -> dict[str, Any]:
+    """On rank 0, once the group is made: a child that became another user connects to the run's store (any
+    local user can reach a TCP port) and says whether it read this rank's environment and which of the
+    keys the ranks' group read it could name as they would be without the run's secret; then, as this
+    user, which it can name with the secret."""
+    import datetime
+    import json
+
+    import torch.distributed as td
+
+    dist.barrier()
+    if dist.rank() != 0:
+        return {}
+    port = int(os.environ["LEVERS9_STORE_PORT"])
+    secret = os.environ.get("LEVERS9_STORE_SECRET", "")
+    rank0 = os.getpid()
+
+    def gloo_keys(prefix: str) -> list[str]:  # where gloo's ranks publish the addresses the others connect to
+        return [f"{prefix}/0//cpu//0/{r}" for r in range(dist.world_size())]
+
+    def present(keys: list[str]) -> list[str]:
+        store = td.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10))
+        return [k for k in keys if store.check([k])]
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the other user
+        try:
+            os.setgroups([])
+            os.setgid(OTHER_UID)
+            os.setuid(OTHER_UID)
+            seen: dict[str, Any] = {}
+            try:
+                with open(f"/proc/{rank0}/environ", "rb") as environ:
+                    seen["environ"] = b"LEVERS9_STORE_SECRET" in environ.read()
+            except PermissionError:
+                seen["environ"] = False
+            seen["guessed"] = present(gloo_keys("levers9-group-1/"))
+            os.write(write_end, json.dumps(seen).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as answer:
+        seen = json.loads(answer.read() or b"{}")
+    os.waitpid(pid, 0)
+    seen["with_secret"] = present(gloo_keys(f"levers9-{secret}-group-1/"))
+    seen["secret"] = secret
+    return seen

@@ -369,3 +369,49 @@ def test_a_helper_the_caller_forked_does_not_keep_its_jobs_alive_after_it_is_kil
     finally:
         caller.kill()
         caller.wait()
+
+
+@pytest.mark.timeout(60)
+def test_another_local_user_cannot_name_a_key_the_ranks_read_in_the_runs_store() -> None:
+    """The store is a TCP port any local user can reach; the keys of the group levers9 makes there start with
+    a secret from the ranks' environment, which only their owner can read."""
+    from tests import rankfns
+
+    seen = dist.run(rankfns.what_another_user_reaches_in_the_store, nprocs=2, backend="gloo")
+    assert seen["environ"] is False  # another user cannot read the ranks' environment
+    assert seen["guessed"] == []  # nor name the keys holding the ranks' gloo addresses without it
+    assert len(seen["secret"]) == 32 and len(seen["with_secret"]) == 2  # which the ranks did read, under the secret
+
+
+IGNORES_SIGCHLD = """
+import os, signal, sys, time
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+if sys.argv[1] == "run":  # levers9 run started by a process that ignores SIGCHLD (exec keeps it ignored)
+    os.execv(sys.executable, [sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2", sys.argv[2]])
+from levers9 import distributed as dist
+from tests import rankfns
+print(dist.run(rankfns.describe, "ok", nprocs=2)["cfg"])
+print("still ignored:", signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN)
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+time.sleep(0.2)  # the kernel reaps it at once if SIGCHLD is ignored again at the C level
+try:
+    os.waitpid(pid, 0)
+except ChildProcessError:
+    print("auto-reaped again")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_caller_that_ignores_sigchld_gets_its_success_and_its_setting_back(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", IGNORES_SIGCHLD, "call"], env=_env(), capture_output=True,
+                          text=True, timeout=100)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:3] == ["ok", "still ignored: True", "auto-reaped again"]
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'done', flush=True)\n")
+    run = subprocess.run([sys.executable, "-c", IGNORES_SIGCHLD, "run", str(script)], env=_env(),
+                         capture_output=True, text=True, timeout=100)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]  # as torchrun exits: success is success
+    assert "rank 0 done" in run.stdout

@@ -225,6 +225,85 @@ def test_a_sweep_on_a_full_state_folder_says_so_in_one_line_and_runs(
     assert not (state / "runs").exists() or list((state / "runs").iterdir()) == []  # nothing half-made left
 
 
+def _read_only(folder: Path) -> None:
+    """Remount the tmpfs at `folder` read-only (root ignores mode bits, not a read-only mount)."""
+    subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+
+
+@pytest.mark.timeout(180)
+def test_a_full_state_folder_never_costs_a_card_job_its_lease(
+    small_disk: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    state = _state_on(monkeypatch, small_disk("2m"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "runtime"))  # where leases go when the state folder is full
+    monkeypatch.setenv("LEVERS9_SIMULATE_GPUS", "RTXPro6000:4")
+    fn = job(gpu="RTXPro6000", stream_output=False)(chatty)
+    assert list(fn.map([1, 2], progress=False)) == [1, 2]  # the lease folder is made while there is room
+    _fill(state)  # as 8 cells of 700 KB of output would, sooner or later: now, so that every ticket meets it
+    with caplog.at_level(logging.WARNING, logger="levers9"):
+        assert list(fn.map([700] * 8, progress=False)) == [700] * 8
+    said = _warnings(caplog)
+    moved = [line for line in said if "card lease folder" in line]
+    assert len(moved) == 1 and str(state / "leases") in moved[0] and "is full" in moved[0], said
+    assert str(tmp_path / "runtime" / "levers9" / "leases") in moved[0]
+    assert _leftovers(state) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_read_only_state_folder_used_before_never_costs_a_cell_nor_a_timed_run(
+    small_disk: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    from levers9 import distributed as dist
+    from tests import rankfns
+
+    disk = small_disk("4m")
+    _state_on(monkeypatch, disk)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setenv("LEVERS9_SIMULATE_GPUS", "RTXPro6000:2")
+    fn = job(gpu="RTXPro6000", stream_output=False)(plus_one)
+    assert list(fn.map(range(2), progress=False)) == [1, 2]  # leases, runs and boards made while it was writable
+    assert dist.run(rankfns.describe, "ok", nprocs=2, timeout=60)["cfg"] == "ok"
+    _read_only(disk)
+    with caplog.at_level(logging.WARNING, logger="levers9"):
+        assert list(fn.map(range(4), progress=False)) == [1, 2, 3, 4]
+        assert dist.run(rankfns.describe, "still", nprocs=2, timeout=60)["cfg"] == "still"
+    said = _warnings(caplog)
+    assert any("card lease folder" in line and "cannot be written (Read-only file system)" in line for line in said), said
+
+
+@pytest.mark.timeout(60)
+def test_cards_stay_exclusive_between_a_caller_whose_lease_folder_is_read_only_and_one_that_used_it_before(
+    small_disk: Callable[[str], Path], tmp_path: Path
+) -> None:
+    from levers9.launch.leases import LeaseDir
+
+    disk = small_disk("1m")
+    fallback = tmp_path / "fallback"
+    before = LeaseDir(disk / "pool", ["c0"], fallback)
+    held = before.acquire(before.take_ticket([0]), 1, [[0]], timeout=5)
+    assert held is not None
+    view = tmp_path / "read-only-view"  # the same folder, seen through a read-only bind mount
+    view.mkdir()
+    subprocess.run(["mount", "--bind", str(disk), str(view)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True)
+        after = LeaseDir(view / "pool", ["c0"], fallback)  # cannot queue there: queues in the fallback folder
+        with pytest.raises(TimeoutError):
+            after.acquire(after.take_ticket([0]), 1, [[0]], timeout=0.3)  # card 0 is held in the first folder
+        assert after.home == fallback and after.free_slots() == []
+        held.release()
+        lease = after.acquire(after.take_ticket([0]), 1, [[0]], timeout=5)
+        assert lease is not None and lease.slots == [0]
+        assert before.free_slots() == []  # and the first folder's callers see it held from the fallback folder
+        lease.release()
+    finally:
+        held.release()  # no descriptor left open on either mount, so both unmount
+        subprocess.run(["umount", str(view)], check=True)
+    assert before.free_slots() == [0]
+
+
 # ---- bad state is contained ------------------------------------------------------------------------
 
 

@@ -267,6 +267,17 @@ def test_four_cards_run_as_two_nodes_of_two(on_cluster: str) -> None:
     nothing_left(on_cluster)
 
 
+@pytest.mark.timeout(180)
+def test_the_keys_on_the_jobs_stores_need_the_jobs_secret(on_cluster: str) -> None:
+    """Both stores listen on the cluster network, and what the agents read there is unpickled: whoever can reach
+    them but was not handed the job's secret by Ray can name none of the keys that are read."""
+    seen = gang_job(on_cluster).remote({"fn": "store_keys_seen_from_outside"})
+    assert len(seen["secret"]) == 32
+    assert seen["control_guessed"] == [] and seen["ranks_guessed"] == []
+    assert len(seen["control_with_secret"]) == 2 and len(seen["ranks_with_secret"]) == 4
+    nothing_left(on_cluster)
+
+
 @pytest.mark.timeout(120)
 def test_two_cards_stay_on_one_node_on_loopback(on_cluster: str) -> None:
     ranks = gang_job(on_cluster, gpu_count=2).remote({"fn": "describe_rank"})
@@ -507,12 +518,13 @@ def test_a_node_task_that_dies_after_the_job_ended_keeps_the_jobs_result(
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         future = pool.submit(job(gpu=TYPE, gpu_count=4, backend="ray", timeout=150, env={"L9_NODES_TEST": on_cluster},
                                  stop_grace=2.0)(nodefns.train_then_hold).remote, {"mark": str(mark)})  # fmt: skip
-        address, port, host = wait_for(mark).split()
+        address, port, host, secret = wait_for(mark).split()
         agent = int(Path(f"{mark}.2").read_text().split()[1])  # rank 2's parent: node 1's agent
         os.kill(agent, signal.SIGSTOP)  # dist.run is over: nothing watches the agent until the task's clean-up
         try:
             (tmp_path / "held.go").touch()
-            store = td.TCPStore(address, int(port), None, False, datetime.timedelta(seconds=30))
+            store = td.PrefixStore(f"levers9-{secret}", td.TCPStore(address, int(port), None, False,
+                                                                    datetime.timedelta(seconds=30)))  # fmt: skip
             deadline = time.monotonic() + 60
             while not store.check(["end"]):  # set by node 0's task after the job ended, before it waits for agents
                 assert time.monotonic() < deadline, "node 0's task never told the agents the job is over"

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 
 from levers9 import distributed as dist
 from levers9.distributed.stalls import board
-from levers9.errors import NotShippableError, RankCrashed, RankFailed, RunTimeout
+from levers9.errors import ConfigError, NotShippableError, RankCrashed, RankFailed, RunTimeout
 from tests import rankfns
 from tests.proc_util import CTRL_C_HANDLER, children_of, left_behind, wait_gone
 
@@ -90,6 +91,17 @@ def test_exception_on_a_rank_comes_back_with_type_rank_and_traceback() -> None:
     assert elapsed < 8, f"took {elapsed:.1f}s to report a failing rank"
 
 
+@pytest.mark.timeout(60)
+def test_an_exception_whose_str_raises_comes_back_with_its_type_and_traceback() -> None:
+    with pytest.raises(rankfns.Unprintable) as info:
+        dist.run(rankfns.unprintable_on_rank_1, None, nprocs=2)
+    notes = "\n".join(info.value.__notes__)
+    assert "rank 1" in notes and 'raise Unprintable("the real trouble")' in notes
+    cause = info.value.__cause__
+    assert isinstance(cause, RankFailed) and cause.failure is not None and cause.failure.rank == 1
+    assert "Unprintable" in str(cause) and "str() of this Unprintable raised RuntimeError: no words for it" in str(cause)
+
+
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_sys_exit_3_names_rank_and_code(start_method: str) -> None:
     with pytest.raises(RankCrashed) as info:
@@ -118,6 +130,24 @@ def test_death_by_signal_names_the_signal(signum: int) -> None:
     assert time.monotonic() - start < 8
 
 
+@pytest.mark.timeout(60)
+def test_timeout_in_place_from_a_thread_that_is_not_the_main_one_is_a_run_timeout() -> None:
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            dist.run(rankfns.spin_forever, None, timeout=1)  # no card: a world of one, in this thread
+        except BaseException as exc:
+            raised.append(exc)
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive() and len(raised) == 1
+    assert isinstance(raised[0], RunTimeout), repr(raised[0])
+    assert "still running after 1 s (timeout=1)" in str(raised[0])
+
+
 def test_timeout_stops_every_rank_and_says_so() -> None:
     start = time.monotonic()
     with pytest.raises(RunTimeout, match=r"timeout=1\b") as info:
@@ -134,6 +164,39 @@ def test_result_bigger_than_a_pipe_comes_back() -> None:
 def test_unpicklable_result_is_named() -> None:
     with pytest.raises(NotShippableError, match=r"result\['lock'\]"):
         dist.run(rankfns.unpicklable_result, None, nprocs=2)
+
+
+def test_a_result_that_needs_a_module_only_rank_0_imported_is_named(tmp_path: Path) -> None:
+    (tmp_path / "only_rank_0_has_it.py").write_text("class Thing:\n    pass\n")
+    with pytest.raises(NotShippableError) as info:
+        dist.run(rankfns.value_of_a_module_only_rank_0_imports, str(tmp_path), nprocs=2)
+    said = str(info.value)
+    assert said.startswith("distributed.run: rank 0's return value arrived but cannot be unpickled in the caller")
+    assert "module 'only_rank_0_has_it' was imported there, not in this process" in said
+    assert "import that module in the caller too" in said
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
+
+
+@pytest.mark.timeout(60)
+def test_a_few_elements_that_view_a_big_tensor_ship_alone() -> None:
+    import torch
+
+    result = dist.run(rankfns.first_ten_of_a_big_tensor, None, nprocs=2)
+    head = result["head"]
+    assert torch.equal(head, torch.arange(10, dtype=torch.float32))
+    assert head.untyped_storage().nbytes() == 40  # not the 100 MB storage it viewed in rank 0
+
+
+def test_a_deleted_current_folder_with_fresh_interpreters_is_named_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with pytest.raises(ConfigError, match=r"the current folder '.*gone \(deleted\)' no longer exists") as info:
+        dist.run(rankfns.describe, None, nprocs=2, start_method="spawn")
+    assert "os.chdir() to one" in str(info.value) and "start_method='fork'" in str(info.value)
 
 
 def test_unpicklable_cfg_is_named_before_fresh_ranks_start() -> None:
@@ -184,6 +247,16 @@ def test_after_stop_grace_the_whole_tree_is_killed_even_if_it_ignores_sigterm(tm
 def test_bad_arguments_are_refused_before_anything_starts(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         dist.run(rankfns.describe, None, **kwargs)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", "0", "-5"])
+def test_a_bad_pg_timeout_variable_is_refused_by_name_before_anything_starts(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LEVERS9_PG_TIMEOUT", value)
+    with pytest.raises(ConfigError, match=rf"LEVERS9_PG_TIMEOUT='{value}': expected a finite number of seconds above 0"):
+        dist.run(rankfns.describe, None, nprocs=2)
 
 
 @pytest.mark.fast

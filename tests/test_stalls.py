@@ -81,6 +81,22 @@ def test_a_rank_that_skips_a_barrier_is_named() -> None:
     assert f"rank 1: {NONE_YET} at" in text and "rank1_skips_barrier" in text
 
 
+@pytest.mark.timeout(60)
+def test_a_rank_that_stopped_itself_is_named_stopped_at_once_after_its_last_collective() -> None:
+    start = time.monotonic()
+    with pytest.raises(StallError) as info:
+        dist.run(rankfns.rank1_stops_itself_after_a_barrier, None, nprocs=2, stall_timeout=3, stop_grace=1)
+    elapsed = time.monotonic() - start
+    text = str(info.value)
+    assert "rank 0: waiting for gloo:barrier #2 to complete" in text
+    assert (
+        "rank 1: stopped (SIGSTOP, job control or a debugger: state T in /proc), so it runs no collective: it "
+        "completed 1 collective(s) with the other ranks, and has not joined gloo:barrier #2, which they wait for"
+    ) in text, text
+    # no wait for samples and stacks a stopped rank cannot give (those took 3 s each, twice, and 3 s more)
+    assert elapsed < 3 + 1 + 8, f"took {elapsed:.1f} s"
+
+
 def test_a_slow_but_progressing_run_is_never_reported() -> None:
     assert dist.run(rankfns.slow_but_progressing, 0.6, nprocs=2, stall_timeout=1.5) == 8
 

@@ -290,6 +290,68 @@ def test_resume_after_the_caller_was_killed_mid_sweep(tmp_path: Path) -> None:
     assert len(killed) == 1 and killed[0].counts() == (4, 0, 12)
 
 
+TAGS_DRIVER = """
+import dataclasses, sys
+from levers9.launch import job
+from tests import jobfns
+
+@dataclasses.dataclass
+class Config:  # made in __main__: cloudpickle copies its class by value, with a random tracker id
+    tags: set
+
+fn = job(gpu="RTXPro6000", stream_output=False)(jobfns.counted_with)
+extra = ({"alpha", "beta", "gamma", "delta", "epsilon"}, Config({"lr", "wd", "warmup", "decay"}))
+print(list(fn.map([(sys.argv[1], i, extra) for i in range(3)], resume=True, progress=False)))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_resume_finds_cells_whose_arguments_hold_sets_under_another_hash_seed(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    for seed in ("1", "2"):  # set iteration order follows the string hash seed
+        done = subprocess.run([sys.executable, "-c", TAGS_DRIVER, str(work)], env=_env(PYTHONHASHSEED=seed),
+                              capture_output=True, text=True, timeout=100)  # fmt: skip
+        assert done.returncode == 0 and done.stdout.split("\n")[0] == "[0, 10, 20]", done.stderr
+    assert _runs_of(work) == {0: 1, 1: 1, 2: 1}  # the second process reused every cell
+
+
+@pytest.mark.timeout(180)
+def test_two_resumes_of_one_sweep_at_once_run_each_unfinished_cell_once(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    for i in (2, 3):
+        (work / f"hold-{i}").write_text("")  # cells 2 and 3 wait until the second resume has started
+    driver = [sys.executable, "-c", DRIVER.replace("range(12)", "range(4)"), str(work), "off"]
+    first = subprocess.Popen(driver, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    second = None
+    try:
+        _wait_for(lambda: set(_runs_of(work)) == {0, 1, 2, 3}, "the first resume to start every cell")
+        second = subprocess.Popen(driver, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        said: list[str] = []
+        reader = threading.Thread(target=lambda: said.extend(second.stderr or ()), daemon=True)
+        reader.start()
+        _wait_for(lambda: said, "the second resume to say that it waits")
+        (first_run,) = [r for r in runs.list_runs() if r.alive and r.meta["pid"] == first.pid]
+        assert "is running some of these cells now; waiting for it to end" in said[0], said
+        assert first_run.name_on_disk in said[0] and f"pid {first.pid}" in said[0]
+        for i in (2, 3):
+            (work / f"hold-{i}").unlink()
+        out_first, err_first = first.communicate(timeout=60)
+        out_second = second.stdout.read() if second.stdout else ""  # stderr is the reader's
+        second.wait(timeout=60)
+        reader.join(timeout=10)
+        err_second = "".join(said)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert first.returncode == 0 and second.returncode == 0, err_first + err_second
+    assert out_first.split() == out_second.split() == ["0", "10", "20", "30"]
+    assert _runs_of(work) == {0: 1, 1: 1, 2: 1, 3: 1}  # each cell ran once: the second resume reused them all
+
+
 # ---- what the caller sees -------------------------------------------------------------------------
 
 

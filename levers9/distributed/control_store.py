@@ -86,6 +86,17 @@ class ControlStore:
     def __init__(self, store: Store) -> None:
         self.store = store
 
+    @classmethod
+    def under_secret(cls, store: Store, secret: str) -> ControlStore:
+        """The protocol with every key under `secret`: the store listens on the cluster network and its values are
+        unpickled, so a key only the job's own processes can name (Ray hands them the secret) is one nobody else
+        can set."""
+        if not secret:
+            return cls(store)
+        import torch.distributed as td
+
+        return cls(td.PrefixStore(f"levers9-{secret}", store))  # type: ignore[arg-type]  # keys: levers9-<secret>/<key>
+
     def _read(self, key: str) -> bytes | None:
         return self.store.get(key) if self.store.check([key]) else None
 

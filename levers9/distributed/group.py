@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import datetime
 import gc
+import math
 import os
 import traceback
 from collections.abc import Iterator
@@ -27,6 +28,10 @@ from levers9.errors import ConfigError, DeviceError, LauncherEnvError
 DEFAULT_TIMEOUT_S = 600.0
 # Set by distributed.run for its ranks: the loopback port of the rendezvous store the parent hosts.
 STORE_PORT_VAR = "LEVERS9_STORE_PORT"
+# Set by distributed.run for its ranks: an unguessable token that starts every key of the group levers9
+# makes on that store. Any local user can connect to a TCP port, but one who cannot read the ranks'
+# environment (/proc/<pid>/environ is the owner's alone) cannot name, so cannot set, a key they read.
+STORE_SECRET_VAR = "LEVERS9_STORE_SECRET"
 
 
 def cpu_only() -> bool:
@@ -92,8 +97,21 @@ def apply_quirks_here(local_world_size: int, backend: str, disabled: tuple[str, 
 
 
 def pg_timeout() -> datetime.timedelta:
-    """The finite timeout of a group levers9 makes: LEVERS9_PG_TIMEOUT seconds, else 600."""
-    return datetime.timedelta(seconds=float(os.environ.get("LEVERS9_PG_TIMEOUT", DEFAULT_TIMEOUT_S)))
+    """The finite timeout of a group levers9 makes: LEVERS9_PG_TIMEOUT seconds, else 600. ConfigError
+    naming the variable when it is not a finite number of seconds above 0."""
+    text = os.environ.get("LEVERS9_PG_TIMEOUT", "")
+    if not text:
+        return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(
+            f"LEVERS9_PG_TIMEOUT={text!r}: expected a finite number of seconds above 0 for the process group's "
+            f"timeout (e.g. export LEVERS9_PG_TIMEOUT=1800). Unset it for {DEFAULT_TIMEOUT_S:g} s."
+        )
+    return datetime.timedelta(seconds=seconds)
 
 
 def join_launcher_group(info: LaunchInfo, backend: str | None = None) -> bool:
@@ -103,7 +121,8 @@ def join_launcher_group(info: LaunchInfo, backend: str | None = None) -> bool:
     Where a launcher hosts the store (distributed.run's parent, torchrun's agent:
     TORCHELASTIC_USE_AGENT_STORE=True) the group meets on it under keys of its own, so it never reads the
     keys of a group made there before (torch reuses them after destroy_process_group, and gloo then
-    connects to the old group's addresses), and a group fn makes there itself never reads levers9's.
+    connects to the old group's addresses), and a group fn makes there itself never reads levers9's;
+    under distributed.run those keys start with the run's secret (STORE_SECRET_VAR).
     Elsewhere torch's env:// rendezvous (rank 0 hosts a fresh store), or tcp://MASTER under SLURM and MPI.
     """
     if info.world_size <= 1 or world.live_group() is not None:
@@ -123,7 +142,8 @@ def join_launcher_group(info: LaunchInfo, backend: str | None = None) -> bool:
         this = runtime.this_process()
         this.groups_made += 1
         store = td.TCPStore(agent_store[0], agent_store[1], None, False, kwargs["timeout"])
-        prefix = f"levers9-group-{this.groups_made}/"
+        secret = os.environ.get(STORE_SECRET_VAR)
+        prefix = f"levers9-{secret}-group-{this.groups_made}/" if secret else f"levers9-group-{this.groups_made}/"
         td.init_process_group(backend, store=td.PrefixStore(prefix, store), **kwargs)
         _all_joined(store, prefix, info.world_size)
     else:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
 from levers9.context import GangContext, JobContext, current_job
-from levers9.distributed import detect, restarts, stalls
+from levers9.distributed import detect, group, restarts, stalls
 from levers9.distributed.control_store import ControlStore, Report, StartRequest
 from levers9.distributed.rank_process import RankSpec, RankTarget
 from levers9.distributed.store_server import hosted_store
@@ -46,7 +46,7 @@ from levers9.errors import (
     StallError,
 )
 from levers9.procs import echo, start
-from levers9.procs.failure import raise_rank_exception, ship, unship
+from levers9.procs.failure import raise_rank_exception, ship, unship, unship_value
 from levers9.procs.outcome import Outcome, consequence, kind_of
 from levers9.procs.supervise import ROOT_CAUSE_WINDOW_S
 from levers9.procs.watch import Child, Watcher, exit_on_terminate, output_excerpt
@@ -65,11 +65,12 @@ ANSWER_WAIT_S = 10.0  # how long node 0 waits for the other nodes' fresh samples
 SOCKET_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-def control_client(addr: str, port: int, timeout: float = 30.0) -> ControlStore:
-    """A client of the job's control store."""
+def control_client(gang: GangContext, timeout: float = 30.0) -> ControlStore:
+    """A client of the job's control store, under the job's secret."""
     import torch.distributed as td
 
-    return ControlStore(td.TCPStore(addr, port, None, False, datetime.timedelta(seconds=timeout)))
+    client = td.TCPStore(gang.control_addr, gang.control_port, None, False, datetime.timedelta(seconds=timeout))
+    return ControlStore.under_secret(client, gang.secret)
 
 
 def interface_of(address: str) -> str | None:
@@ -106,7 +107,7 @@ def node_rank_env(rank: int, local_rank: int, world: int, gang: GangContext, nod
         "ROLE_NAME": "default", "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
         "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": run_id,
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        "LEVERS9_LAUNCHER": "levers9", **attempt_env,
+        "LEVERS9_LAUNCHER": "levers9", **({group.STORE_SECRET_VAR: gang.secret} if gang.secret else {}), **attempt_env,
     }  # fmt: skip
 
 
@@ -174,7 +175,7 @@ def run_across_nodes(run: GangRun, policy: RetryPolicy, gang: GangContext) -> An
     assert job is not None
     runner = _NodeZero(run, gang, job)
     with exit_on_terminate(), contextlib.ExitStack() as cleanup:
-        runner.store = control_client(gang.control_addr, gang.control_port)
+        runner.store = control_client(gang)
         cleanup.callback(runner.forget_store)
         runner.wait_for_agents()
         return restarts.run_attempts(policy, runner.attempt, ranks=gang.world_size, timeout=run.timeout, stall_timeout=None)
@@ -402,7 +403,7 @@ class _Attempt:
             if not reports and all(p.status is not None for p in self.ranks) and self.done.issuperset(self.zero.agents):
                 self.watcher.drain()
                 rank0 = self.ranks[0].result
-                return None if rank0 is None else unship(rank0)
+                return unship_value(rank0, "distributed.run: rank 0's return value")
             if self._stalled(now):
                 stall_timeout = self.zero.run.stall_timeout
                 assert stall_timeout is not None
@@ -521,8 +522,8 @@ class _Heartbeat:
     """A daemon thread that bumps node's heartbeat counter every HEARTBEAT_EVERY_S on its own store client; `.gone` once the
     control store stopped answering (node 0's task ended or its node died)."""
 
-    def __init__(self, addr: str, port: int, node: int) -> None:
-        self.store = control_client(addr, port, timeout=LOST_AFTER_S)
+    def __init__(self, gang: GangContext, node: int) -> None:
+        self.store = control_client(gang, timeout=LOST_AFTER_S)
         self.node = node
         self.gone = threading.Event()
         self.stopping = threading.Event()
@@ -551,8 +552,8 @@ def serve(gang: GangContext, address: str, job: JobContext, base_env: dict[str, 
     A replacement agent starts at attempt `first_attempt`; an agent whose `generation` is no longer the node's
     newest (it was replaced) exits instead of starting another attempt."""
     node = gang.node_index
-    store = control_client(gang.control_addr, gang.control_port)
-    beat = _Heartbeat(gang.control_addr, gang.control_port, node)
+    store = control_client(gang)
+    beat = _Heartbeat(gang, node)
     try:
         store.join(node, address)
         n = first_attempt

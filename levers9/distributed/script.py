@@ -19,6 +19,8 @@ import runpy
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 import traceback
 import types
 from collections.abc import Iterator, Sequence
@@ -83,7 +85,8 @@ def run_script(
         stall_timeout: Seconds; as in `distributed.run`.
         start_method: "fork" or "spawn"; as in `distributed.run`.
         prefix_output: Put "[rank N] " before lines from ranks other than 0 (default on).
-        log_dir: A folder that gets a copy of each rank's output in `<rank>/stdout.log` and `stderr.log`.
+        log_dir: A folder in which a fresh private folder (0700) is made for this run, holding a copy
+            of each rank's output in `<rank>/stdout.log` and `stderr.log` (0600).
         console_ranks: Local ranks whose output reaches the console (None: all); a failure report
             still does.
         max_restarts: As in `distributed.run`.
@@ -99,6 +102,7 @@ def run_script(
         target, argv, module=module, no_python=no_python, log_dir=log_dir, console_ranks=console_ranks
     )
     count, backend = resolve_nprocs(nprocs, backend)
+    script = with_log_folder(script)
     say_one_thread_each(count)
     from levers9.distributed.spawner import RunOptions, run_with
 
@@ -243,6 +247,25 @@ def say_one_thread_each(nprocs: int) -> None:
         )
 
 
+def with_log_folder(script: ScriptTarget, what: str = "distributed.run_script") -> ScriptTarget:
+    """`script` with its log folder replaced by a fresh one made under it (mode 0700, a new random name, as
+    torchrun makes), said once; so nothing another user planted in a shared log folder is written through.
+    ConfigError naming the folder if it cannot be made."""
+    if script.log_dir is None:
+        return script
+    try:
+        os.makedirs(script.log_dir, exist_ok=True)
+        fresh = tempfile.mkdtemp(prefix=f"levers9-{time.strftime('%Y%m%d-%H%M%S')}-", dir=script.log_dir)
+    except OSError as exc:
+        raise ConfigError(
+            f"{what}: cannot make a log folder in {script.log_dir} ({exc.strerror or exc}). Expected a folder you "
+            f"can write; pass another log folder (--log-dir / log_dir=), or leave it out."
+        ) from None
+    print(f"levers9: each rank's output is copied to {fresh}/<local rank>/{{stdout,stderr}}.log", file=sys.stderr,
+          flush=True)  # fmt: skip
+    return dataclasses.replace(script, log_dir=fresh)
+
+
 def run_target(script: ScriptTarget) -> None:
     """What each rank of run_script does: run the target as __main__ (in place, as a world of one, if no rank was started)."""
     if world.launch_info().launcher == "single":
@@ -369,9 +392,10 @@ def _copies_to(log_dir: str | None, local_rank: int) -> Iterator[None]:
     if log_dir is None:
         yield
         return
-    folder = Path(log_dir) / str(local_rank)
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "stdout.log", "a", buffering=1) as out, open(folder / "stderr.log", "a", buffering=1) as err:
+    folder = Path(log_dir) / str(local_rank)  # log_dir: this run's own 0700 folder (with_log_folder)
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700)
+    with _private_log(folder / "stdout.log") as out, _private_log(folder / "stderr.log") as err:
         saved = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = _Tee(saved[0], out), _Tee(saved[1], err)
         try:
@@ -381,6 +405,12 @@ def _copies_to(log_dir: str | None, local_rank: int) -> Iterator[None]:
             raise
         finally:
             sys.stdout, sys.stderr = saved
+
+
+def _private_log(path: Path) -> TextIO:
+    """`path` opened to append lines, created 0600, never through a symlink."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return open(fd, "a", buffering=1)  # noqa: SIM115 - the caller's with closes it
 
 
 def failure_of(exc: BaseException) -> RankFailure | None:

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import inspect
 import os
+import secrets
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -35,7 +36,7 @@ from levers9.errors import (
     signal_name,
 )
 from levers9.procs import echo, oom, start
-from levers9.procs.failure import raise_rank_exception, ship, unpicklable_part, unship
+from levers9.procs.failure import raise_rank_exception, ship, unpicklable_part, unship_value
 from levers9.procs.outcome import Outcome, StopReason, kind_of, root_cause
 from levers9.procs.supervise import DRAIN_S, Supervisor
 from levers9.procs.watch import Child, Watcher, exit_on_terminate, output_excerpt
@@ -150,6 +151,8 @@ class RunOptions:
         if not isinstance(self.init_group, bool):
             raise ConfigError(f"init_group={self.init_group!r}; expected True (levers9 joins the group before fn) or "
                               f"False (fn calls init_process_group itself).")  # fmt: skip
+        if self.init_group:
+            group.pg_timeout()  # a bad LEVERS9_PG_TIMEOUT is refused here, not in every rank
         from levers9.distributed.hardware import quirks  # imported on use: `import levers9` stays light
 
         quirks.check_quirk_ids(self.disable_quirks)
@@ -530,8 +533,7 @@ class _Spawn:
             self._raise_stopped(StallError, stalls.stall_text(self.ranks.stall_timeout))
         if any(not o.succeeded for o in outcomes):
             self._raise_root_failure(outcomes)
-        value = outcomes[0].value
-        return None if value is None else unship(value)
+        return unship_value(outcomes[0].value, "distributed.run: rank 0's return value")
 
     def _rank_failure(self, index: int, outcome: Outcome) -> RankFailure:
         """What is known of rank `index`'s failure, from how it ended and what it reported."""
@@ -601,6 +603,11 @@ def _redraws_prefixed(text: str, prefix: str) -> str:
     return parts[0] + "".join("\r" + ("" if part.startswith("\n") or not part else prefix) + part for part in parts[1:])
 
 
+# The start of the keys of every group levers9 makes on a store this process hosts (group.STORE_SECRET_VAR):
+# known only to this user's processes, as their environment is.
+_STORE_SECRET = secrets.token_hex(16)
+
+
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     """The variables a rank of a one-node run gets: those torchrun's agent gives a worker, plus levers9's own.
 
@@ -616,5 +623,5 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
         "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
         "TORCHELASTIC_RUN_ID": f"{detect.LEVERS9_RUN_ID_PREFIX}{os.getpid()}-{port}",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        "LEVERS9_LAUNCHER": "levers9", group.STORE_PORT_VAR: str(port),
+        "LEVERS9_LAUNCHER": "levers9", group.STORE_PORT_VAR: str(port), group.STORE_SECRET_VAR: _STORE_SECRET,
     }  # fmt: skip

@@ -191,6 +191,7 @@ class JobFunction(Generic[P, R]):
         record = RunRecord(run_id, name=self.spec.name, backend=name, func=self.func, cells=cells)
         reporter = Reporter(self.spec.name, cells, mode=mode, stream_output=self.spec.stream_output)
         try:
+            record.claim(wait=resume)
             reused = record.reuse(cells) if resume else {}
             todo = [cell for cell in cells if cell.index not in reused]
             batch = Batch(

@@ -12,6 +12,14 @@ then takes all its cards at once or none (never holding some while waiting for o
 whose lock can be taken belongs to a process that died, and is removed. A card lock lives on the
 open file description that the job process inherits, so a job that dies frees its cards through
 the kernel: no clean-up step exists or is needed.
+
+A lease folder that cannot be written (its state folder full or read-only) never costs a job: the
+folder's queue moves, once, to the fallback folder (`settings.lease_dirs`), with one warning. Cards
+stay exclusive across callers that queue in different folders because a card is taken by locking its
+lock file in the folder this caller queues in (created there), then in the other folder wherever the
+file exists (opened read-only if need be: flock needs no write access). Two callers each lock their
+own folder's file first and check the other's second, so whichever checks last sees the other's lock.
+Only first-come-first-served order is kept per folder, not across the two.
 """
 
 from __future__ import annotations
@@ -20,15 +28,27 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
-from levers9.private_dir import private_dir
+from levers9 import state_files
+from levers9.errors import PrivateDirError
+from levers9.private_dir import check_private, private_dir
 from levers9.procs import fds
+
+log = logging.getLogger("levers9.launch")
+
+# What a folder that cannot be written raises: full, read-only, or not ours to write.
+UNWRITABLE = (*state_files.FULL, errno.EROFS, errno.EACCES, errno.EPERM)
+T = TypeVar("T")
+_warned: set[Path] = set()
+_move_lock = threading.Lock()  # lease folders whose move this process has warned about
 
 
 @dataclasses.dataclass
@@ -56,16 +76,55 @@ class Lease:
 
 
 class LeaseDir:
-    """The lease folder of one pool of cards."""
+    """The lease folder of one pool of cards (and where it moves when it cannot be written)."""
 
-    def __init__(self, path: Path, lock_names: list[str]) -> None:
+    def __init__(self, path: Path, lock_names: list[str], fallback: Path | None = None) -> None:
         self.path = path
+        self.fallback = fallback
+        self.home = path  # where this caller queues and creates lock files: `path`, or `fallback` once moved
         self.lock_names = lock_names
-        (private_dir(path) / "queue").mkdir(exist_ok=True)
+        self._in_home(lambda home: (private_dir(home) / "queue").mkdir(exist_ok=True))
+
+    def _in_home(self, step: Callable[[Path], T]) -> T:
+        """step(home folder), done again in the fallback folder if the home folder cannot be written."""
+        while True:
+            home = self.home
+            try:
+                return step(home)
+            except OSError as exc:
+                self._move(exc, home)
+
+    def _move(self, exc: OSError, failed: Path) -> None:
+        """Queue in the fallback folder from now on, `exc` having been raised in folder `failed` (one
+        warning per folder); re-raise `exc` if it is not for want of room or write access, or if the
+        fallback folder failed too."""
+        unwritable = exc.errno in UNWRITABLE and not (isinstance(exc, PrivateDirError) and exc.errno is None)
+        if not unwritable or failed != self.path or self.fallback is None:
+            raise exc
+        with _move_lock:  # the lanes of one sweep share this LeaseDir
+            if self.home == self.fallback:
+                return  # another lane moved it already
+            (private_dir(self.fallback) / "queue").mkdir(exist_ok=True)
+            self.home = self.fallback
+            if self.path in _warned:
+                return
+            _warned.add(self.path)
+            log.warning(
+                "the card lease folder %s %s; card leases are kept in %s instead (cards are still never shared "
+                "with another caller). %s.", self.path, state_files.why(exc), self.fallback, state_files.MOVE_IT,
+            )
+
+    def _other(self, home: Path) -> Path | None:
+        """The folder other callers may lock cards in (not `home`, where this caller queues), if it is ours."""
+        other = self.fallback if home == self.path else self.path
+        try:
+            return other if other is not None and check_private(other) else None
+        except PrivateDirError:
+            return None  # no caller of ours keeps locks there: private_dir refuses it to them too
 
     @contextmanager
-    def _mutex(self) -> Iterator[None]:
-        fd = fds.open_fd(str(self.path / "alloc.mutex"), os.O_RDWR | os.O_CREAT)
+    def _mutex(self, home: Path) -> Iterator[None]:
+        fd = fds.open_fd(str(home / "alloc.mutex"), os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -74,28 +133,34 @@ class LeaseDir:
 
     def take_ticket(self, eligible: list[int]) -> Ticket:
         """Join the queue now (tickets are served in the order they are taken) for cards among `eligible`."""
-        with self._mutex():
-            counter = self.path / "next_ticket"
+        return self._in_home(lambda home: self._take_ticket(home, eligible))
+
+    def _take_ticket(self, home: Path, eligible: list[int]) -> Ticket:
+        with self._mutex(home):
+            counter = home / "next_ticket"
             try:
                 number = int(counter.read_text() or "0")
             except (FileNotFoundError, ValueError):
                 number = 0
-            tmp = self.path / f".next_ticket.{os.getpid()}.{threading.get_ident()}"
-            tmp.write_text(str(number + 1))
-            os.replace(tmp, counter)
-            path = self.path / "queue" / f"{number:012d}.lock"
+            state_files.write_atomic(counter, str(number + 1).encode())
+            path = home / "queue" / f"{number:012d}.lock"
             fd = fds.open_fd(str(path), os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.write(fd, ",".join(map(str, eligible)).encode())
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.write(fd, ",".join(map(str, eligible)).encode())
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                fds.close(fd)
+                raise
             return Ticket(number, fd, path, frozenset(eligible))
 
     def drop_ticket(self, ticket: Ticket) -> None:
         """Leave the queue (a no-op for a ticket already served or dropped)."""
         if ticket.fd < 0:
             return
-        with self._mutex():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(ticket.path)
+        with contextlib.suppress(OSError), self._mutex(ticket.path.parent.parent):
+            os.unlink(ticket.path)  # (in a folder that cannot be written, its closed lock marks it dead)
         fds.close(ticket.fd)
         ticket.fd = -1
 
@@ -120,11 +185,12 @@ class LeaseDir:
             while True:
                 if should_stop():
                     return None
-                with self._mutex():
-                    if self._first_in_line(ticket.number, ticket.eligible):
-                        lease = self._try_take(count, groups, excluded())
-                        if lease is not None:
-                            return lease
+                if ticket.path.parent.parent != self.home:  # the queue moved: join the new one
+                    self.drop_ticket(ticket)
+                    ticket = self.take_ticket(sorted(ticket.eligible))
+                lease = self._serve(ticket, count, groups, excluded())
+                if lease is not None:
+                    return lease
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"no {count} free cards within {timeout} s")
                 time.sleep(pause)
@@ -132,13 +198,25 @@ class LeaseDir:
         finally:
             self.drop_ticket(ticket)
 
-    def _first_in_line(self, ticket: int, eligible: frozenset[int]) -> bool:
+    def _serve(self, ticket: Ticket, count: int, groups: list[list[int]], excluded: frozenset[int]) -> Lease | None:
+        """The cards, if `ticket` is first in line for them and they are free now (None after a move)."""
+        home = ticket.path.parent.parent
+        try:
+            with self._mutex(home):
+                if self._first_in_line(home, ticket.number, ticket.eligible):
+                    return self._try_take(home, count, groups, excluded)
+            return None
+        except OSError as exc:
+            self._move(exc, home)
+            return None
+
+    def _first_in_line(self, home: Path, ticket: int, eligible: frozenset[int]) -> bool:
         """True if no older live ticket wants a card this one could use; removes tickets of dead waiters."""
-        for name in sorted(os.listdir(self.path / "queue")):
+        for name in sorted(os.listdir(home / "queue")):
             stem = name.partition(".")[0]
             if not stem.isdigit() or int(stem) >= ticket:
                 continue
-            path = self.path / "queue" / name
+            path = home / "queue" / name
             try:
                 fd = fds.open_fd(str(path), os.O_RDWR)
             except FileNotFoundError:
@@ -158,35 +236,55 @@ class LeaseDir:
                 fds.close(fd)
         return True
 
-    def _try_take(self, count: int, groups: list[list[int]], excluded: frozenset[int]) -> Lease | None:
+    def _try_take(self, home: Path, count: int, groups: list[list[int]], excluded: frozenset[int]) -> Lease | None:
+        other = self._other(home)
         for group in groups:
-            taken: list[tuple[int, int]] = []
+            taken: list[tuple[int, list[int]]] = []
             for slot in group:
                 if slot in excluded:
                     continue
-                fd = fds.open_fd(str(self.path / f"{self.lock_names[slot]}.lock"), os.O_RDWR | os.O_CREAT)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    fds.close(fd)
+                held = self._lock_card(home, self.lock_names[slot], other)
+                if held is None:
                     continue
-                taken.append((slot, fd))
+                taken.append((slot, held))
                 if len(taken) == count:
-                    return Lease([s for s, _ in taken], [f for _, f in taken])
-            for _, fd in taken:
-                fds.close(fd)
+                    return Lease([s for s, _ in taken], [f for _, held in taken for f in held])
+            for _, held in taken:
+                for fd in held:
+                    fds.close(fd)
         return None
+
+    def _lock_card(self, home: Path, name: str, other: Path | None) -> list[int] | None:
+        """The descriptors that hold card `name`: its lock file in `home` (created if missing), then in
+        `other` if it exists there; None if another caller holds either. OSError if it cannot be made."""
+        fd = fds.open_fd(str(home / f"{name}.lock"), os.O_RDWR | os.O_CREAT)
+        held = [fd]
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if other is not None:
+                try:
+                    held.append(fds.open_fd(str(other / f"{name}.lock"), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW))
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOENT, errno.ELOOP):
+                        raise
+                else:
+                    fcntl.flock(held[1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            for each in held:
+                fds.close(each)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return None
+            raise
+        return held
 
     def free_slots(self) -> list[int]:
         """Slots whose lock nobody holds right now (for messages and tests)."""
         free = []
         for slot, name in enumerate(self.lock_names):
-            fd = fds.open_fd(str(self.path / f"{name}.lock"), os.O_RDWR | os.O_CREAT)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = self._in_home(lambda home: self._lock_card(home, name, self._other(home)))  # noqa: B023 - called at once
+            if held is not None:
                 free.append(slot)
-            except OSError:
-                pass
-            finally:
-                fds.close(fd)
+                for fd in held:
+                    fds.close(fd)
         return free
+

@@ -32,7 +32,7 @@ from levers9.launch.leases import Lease, LeaseDir
 from levers9.launch.outcomes import Cancelled, OutputTail
 from levers9.launch.policy import check_feasible
 from levers9.launch.pool import Pool, local_pool
-from levers9.launch.settings import lease_dir, load_settings
+from levers9.launch.settings import lease_dirs, load_settings
 from levers9.procs import start
 from levers9.procs.supervise import Supervisor
 from levers9.procs.watch import Child, Watcher
@@ -53,7 +53,9 @@ class LocalBackend:
         if spec.gpu_count > 0:
             pool = local_pool(simulate=load_settings().simulate_gpus)
             groups = check_feasible(spec, pool)
-            leases = LeaseDir(lease_dir() / pool.pool_id, [c.lock_name for c in pool.cards])
+            primary, fallback = lease_dirs()
+            names = [c.lock_name for c in pool.cards]
+            leases = LeaseDir(primary / pool.pool_id, names, fallback and fallback / pool.pool_id)
             lanes = max(1, len(_eligible(groups)) // spec.gpu_count)
         else:
             lanes = max(1, os.cpu_count() or 1)

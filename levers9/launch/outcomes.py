@@ -26,7 +26,7 @@ from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.spec import JobSpec
 from levers9.procs import oom
-from levers9.procs.failure import rebuild, unship
+from levers9.procs.failure import rebuild, unship_value
 from levers9.procs.outcome import Outcome, StopReason, kind_of
 from levers9.procs.watch import cut_line
 from levers9.retries import run_with_retries, word_for
@@ -202,7 +202,7 @@ def result(run: JobAttempt, outcome: Outcome, tail: OutputTail, node: str | None
             kind=kind_of(outcome) or FailureKind.EXIT,
         )
     if failure is None:
-        return None if outcome.value is None else unship(outcome.value)
+        return unship_value(outcome.value, f"the return value of {run.label}")
     exc = rebuild(failure) or RemoteError(failure.exc_type, failure.message, failure.traceback)
     add_note(exc, f"levers9: traceback of {run.label}, from its job process:\n{failure.traceback.rstrip()}")
     add_note(exc, f"levers9: {run.label} ran as pid {pid}{_on(node)} ({run.attempts}). {run.where}")

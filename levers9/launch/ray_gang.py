@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import secrets
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -191,10 +192,11 @@ def host(payload: TaskPayload, address: str, stop_grace: float) -> Iterator[Gang
     spec = payload.spec
     k = gang.nodes
     server, port = serve_store(address)
-    store = ControlStore(server)
+    secret = secrets.token_hex(16)
+    store = ControlStore.under_secret(server, secret)
     placed = bundle_addresses(gang.pg)
     within = REPLACE_WAIT_S if spec.queue_timeout is None else spec.queue_timeout
-    context = GangContext(address, port, (address, *placed[1:]), (gang.share,) * k, 0, within)
+    context = GangContext(address, port, (address, *placed[1:]), (gang.share,) * k, 0, within, secret)
     agents = GangHost(payload, context, store)
     try:
         for i in range(1, k):

@@ -8,7 +8,9 @@
         <index:04d>-<attempt>/           one attempt's stdout.log, stderr.log, meta.json (written by the backends)
 
 A cell's key is a hash of the function's key (module, name, source) and the cell's pickled
-arguments, so a changed function body or changed inputs make new cells. Everything is read back
+arguments (sets in a fixed order, so the key is the same under any hash seed), so a changed function
+body or changed inputs make new cells. While a batch runs, its cells' keys are claimed (claims.py):
+a resume waits for a live run that claims any of its cells, then reuses what it stored. Everything is read back
 only from regular files of this user's that no one else can write (never through a symlink, never
 waiting on a FIFO), and every field of run.json and every events.jsonl line is checked: a folder
 that fails is passed over with a RunFormatError naming it, never the reason a sweep stops.
@@ -25,9 +27,11 @@ never removed.
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import dataclasses
 import hashlib
 import inspect
+import io
 import json
 import logging
 import marshal
@@ -45,6 +49,7 @@ import cloudpickle
 
 from levers9 import state_files
 from levers9.errors import ConfigError, PrivateDirError, RunFormatError
+from levers9.launch import claims
 from levers9.launch.cells import Cell
 from levers9.launch.settings import runs_dir
 from levers9.private_dir import private_dir
@@ -148,9 +153,68 @@ def function_key(func: Callable[..., Any]) -> str:
 
 
 def cell_key(fn_key: str, cell: Cell) -> str:
-    """A hash of the function's key and the cell's arguments (not its index)."""
-    blob = cloudpickle.dumps((cell.args, sorted(cell.kwargs.items())))
+    """A hash of the function's key and the cell's arguments (not its index), the same in every process:
+    sets are pickled in a fixed order, not in their hash order (which follows PYTHONHASHSEED)."""
+    blob = _canonical_bytes((cell.args, sorted(cell.kwargs.items())))
     return hashlib.sha256(fn_key.encode() + b"\0" + blob).hexdigest()[:40]
+
+
+class _KeyMark:
+    """Stands for 'a set of' or 'the class named' in key bytes (pickled by reference, so no argument can
+    look like it)."""
+
+
+class _KeyPickler(cloudpickle.Pickler):
+    """cloudpickle, with every set and frozenset written in the order of its members' own key bytes,
+    also inside the state of other objects (pickle calls reducer_override for those, never for a set),
+    and a class cloudpickle would copy by value (one made in __main__) by its name instead of its
+    random tracker id."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if obj is _KeyMark:
+            return NotImplemented
+        reduced = super().reducer_override(obj)  # classes and functions by value, as cloudpickle does
+        if isinstance(obj, type):
+            return reduced if reduced is NotImplemented else (_KeyMark, ("class", obj.__module__, obj.__qualname__))
+        if reduced is not NotImplemented:
+            return _sets_sorted(reduced, {})
+        try:
+            reducer = copyreg.dispatch_table.get(type(obj))
+            reduced = reducer(obj) if reducer is not None else obj.__reduce_ex__(5)
+        except Exception:
+            return NotImplemented
+        if not isinstance(reduced, tuple):
+            return NotImplemented
+        canonical = _sets_sorted(reduced, {})
+        return canonical if canonical is not reduced else NotImplemented
+
+
+def _sets_sorted(value: Any, seen: dict[int, Any]) -> Any:
+    """`value` with every set inside its lists, tuples and dicts replaced by (_KeyMark, type, sorted
+    members); `value` itself (the same object) when it holds no set."""
+    kind = type(value)
+    if id(value) in seen:
+        return seen[id(value)]
+    if kind in (set, frozenset):
+        members = sorted((_sets_sorted(m, seen) for m in value), key=_canonical_bytes)
+        made: Any = (_KeyMark, kind.__name__, tuple(members))
+    elif kind in (list, tuple):
+        items = [_sets_sorted(v, seen) for v in value]
+        made = value if all(a is b for a, b in zip(items, value, strict=True)) else kind(items)
+    elif kind is dict:
+        pairs = [(_sets_sorted(k, seen), _sets_sorted(v, seen)) for k, v in value.items()]
+        same = all(a is k and b is v for (a, b), (k, v) in zip(pairs, value.items(), strict=True))
+        made = value if same else dict(pairs)
+    else:
+        return value
+    seen[id(value)] = made
+    return made
+
+
+def _canonical_bytes(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    _KeyPickler(buffer, protocol=5).dump(_sets_sorted(value, {}))
+    return buffer.getvalue()
 
 
 # ---- ownership -----------------------------------------------------------------------------------
@@ -197,6 +261,7 @@ class RunRecord:
             "cells": {str(cell.index): cell.describe() for cell in cells},
         }
         self._lock = threading.Lock()
+        self._claim = claims.Claim(None, None)
         self.closed = threading.Event()  # set once run.json has its end (and every result was stored)
         self.done = 0
         self.failed = 0
@@ -252,6 +317,15 @@ class RunRecord:
         except OSError as exc:
             self.losses.lost_result(cell.index, exc)
 
+    def claim(self, *, wait: bool) -> None:
+        """Claim this batch's cells until the record closes; with `wait` (resume), first wait while another
+        live run claims any of them, so that what it computes is reused here, not computed twice."""
+        if self.losses.unrecorded:
+            return
+        name = f"{self._meta['name']} (run {self.path.name})"
+        keys = sorted(set(self.keys.values()))
+        self._claim = claims.claim(runs_dir().parent / "claims", self.path.name, keys, wait=wait, what=name)
+
     def reuse(self, cells: Sequence[Cell]) -> dict[int, Any]:
         """Values of `cells` that a kept run with this function already computed, by cell index; each
         reused result is linked into this run too, so this run alone holds every result it returns."""
@@ -299,6 +373,7 @@ class RunRecord:
                     if not state_files.overwrite_in_place(self.path / RUN_FILE, blob):
                         self.losses.lost_end(exc)
             state_files.report_losses(self.path)
+            self._claim.release()
             self.closed.set()
 
     def discard(self) -> None:

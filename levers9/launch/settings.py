@@ -103,15 +103,23 @@ def lease_dir(env: os._Environ[str] | dict[str, str] | None = None) -> Path:
     """The folder of card lease locks: $LEVERS9_STATE_DIR/leases, else $XDG_RUNTIME_DIR/levers9/leases,
     else /tmp/levers9-<uid>/leases (a local file system, where flock is reliable). Inside a job that
     holds cards: <the job's folder>/leases, where jobs it starts lease its own cards."""
+    return lease_dirs(env)[0]
+
+
+def lease_dirs(env: os._Environ[str] | dict[str, str] | None = None) -> tuple[Path, Path | None]:
+    """lease_dir(), and where leases go when it cannot be written (a full or read-only state folder):
+    the next folder of that list, or for a job's own cards a folder of that job's under the temp dir;
+    None when lease_dir() is the last of the list already."""
     env = os.environ if env is None else env
+    temp = Path(tempfile.gettempdir()) / f"levers9-{os.getuid()}"
     job = current_job()
     if job is not None and job.gpu_count > 0:
-        return Path(job.job_dir) / "leases"
-    if env.get("LEVERS9_STATE_DIR"):
-        return Path(env["LEVERS9_STATE_DIR"]).expanduser() / "leases"
+        return Path(job.job_dir) / "leases", temp / "jobs" / f"{job.run_id}-{job.cell_index}" / "leases"
+    places = [Path(env["LEVERS9_STATE_DIR"]).expanduser() / "leases"] if env.get("LEVERS9_STATE_DIR") else []
     if env.get("XDG_RUNTIME_DIR"):
-        return Path(env["XDG_RUNTIME_DIR"]) / "levers9" / "leases"
-    return Path(tempfile.gettempdir()) / f"levers9-{os.getuid()}" / "leases"
+        places.append(Path(env["XDG_RUNTIME_DIR"]) / "levers9" / "leases")
+    places.append(temp / "leases")
+    return places[0], places[1] if len(places) > 1 else None
 
 
 def runs_dir(env: os._Environ[str] | dict[str, str] | None = None) -> Path:

@@ -66,7 +66,7 @@ def capture(exc: BaseException, exitcode: int = 1) -> Failure:
         blob: bytes | None = ship(exc)
     except Exception:
         blob = None
-    message = str(exc)
+    message = describe(exc)
     return Failure(
         exc_blob=blob,
         exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
@@ -88,6 +88,15 @@ def user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
     while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         tb = tb.tb_next
     return tb
+
+
+def describe(exc: BaseException) -> str:
+    """str(exc); where that raises (a broken __str__), words saying so, so that the type and traceback still
+    reach the caller."""
+    try:
+        return str(exc)
+    except Exception as inner:
+        return f"<str() of this {type(exc).__name__} raised {type(inner).__name__}: {describe(inner)}>"
 
 
 def exit_status(exc: SystemExit) -> int:
@@ -161,7 +170,8 @@ def ship(value: Any) -> bytes:
         def reducer_override(self, obj: Any) -> Any:
             if isinstance(obj, io.IOBase) and not isinstance(obj, (io.StringIO, io.BytesIO)):
                 raise pickle.PicklingError(f"an open file ({getattr(obj, 'name', type(obj).__name__)!r}) cannot be shipped")
-            return super().reducer_override(obj)
+            compact = compact_view(obj)
+            return compact if compact is not NotImplemented else super().reducer_override(obj)
 
     buffer = io.BytesIO()
     _Shipper(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
@@ -170,6 +180,7 @@ def ship(value: Any) -> bytes:
 
 def ship_value(value: Any, what: str) -> bytes:
     """A target's return value shipped for the caller, or NotShippableError naming the part that cannot be pickled.
+    A tensor that views a small part of a large storage ships only that part (`compact_view`).
 
     Plain data (numbers, dicts, tensors) goes through the standard pickle, so neither side pays for
     importing cloudpickle; whatever pickle cannot take by reference (a function or class defined in
@@ -177,7 +188,11 @@ def ship_value(value: Any, what: str) -> bytes:
     from levers9.errors import NotShippableError
 
     with contextlib.suppress(Exception):
-        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        if "torch" not in sys.modules:
+            return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        buffer = io.BytesIO()
+        _Compact(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+        return buffer.getvalue()
     try:
         return ship(value)
     except Exception as exc:
@@ -188,9 +203,50 @@ def ship_value(value: Any, what: str) -> bytes:
         ) from exc
 
 
+def compact_view(obj: Any) -> Any:
+    """For a tensor that views a small part of a much larger storage (`big[:10]`), the reduction of a
+    copy of just that part (pickle would ship the whole storage); NotImplemented for anything else."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(obj) is not torch.Tensor or obj.layout != torch.strided:
+        return NotImplemented
+    try:
+        needed = obj.numel() * obj.element_size()
+        if obj.untyped_storage().nbytes() <= 2 * needed + 4096:
+            return NotImplemented
+        copy = obj.detach().clone(memory_format=torch.contiguous_format).requires_grad_(obj.requires_grad)
+    except Exception:  # a tensor without a plain storage (meta, functional, ...): pickled as it is
+        return NotImplemented
+    return copy.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+
+class _Compact(pickle.Pickler):
+    """The standard pickle, except that a tensor viewing a small part of a large storage ships only that part."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        return compact_view(obj)
+
+
 def unship(blob: bytes) -> Any:
     """The value `ship` packed."""
     return pickle.loads(blob)
+
+
+def unship_value(blob: bytes | None, what: str) -> Any:
+    """A target's return value as the caller unpickles it (None for None), or NotShippableError naming
+    `what` ("rank 0's return value") and why it cannot be rebuilt here (a module only the child imported)."""
+    from levers9.errors import NotShippableError
+
+    if blob is None:
+        return None
+    try:
+        return pickle.loads(blob)
+    except Exception as exc:
+        missing = f" (module {exc.name!r} was imported there, not in this process)" if isinstance(exc, ImportError) and exc.name else ""
+        raise NotShippableError(
+            f"{what} arrived but cannot be unpickled in the caller: {type(exc).__name__}: {describe(exc)}{missing}. "
+            f"Expected a value built from types the caller can import; import that module in the caller too, or "
+            f"return plain data (numbers, strings, lists, dicts, tensors)."
+        ) from exc
 
 
 def unpicklable_part(value: Any, path: str = "result") -> str:

@@ -117,8 +117,26 @@ def choose(requested: str | None = None) -> StartMethod:
     if requested == "fork" and not safe:
         raise ConfigError(f"{source}'fork' is not safe here: {reason}. Pass 'spawn', or leave it unset.")
     if requested == "spawn":
-        return StartMethod("spawn", f"{source}'spawn' was asked for")
-    return StartMethod("fork") if safe else StartMethod("spawn", reason)
+        return _check_cwd(StartMethod("spawn", f"{source}'spawn' was asked for"))
+    return StartMethod("fork") if safe else _check_cwd(StartMethod("spawn", reason))
+
+
+def _check_cwd(method: StartMethod) -> StartMethod:
+    """`method` (a fresh interpreter), once this process's current folder exists: the child starts in it and
+    imports from it, as the caller does; ConfigError naming the folder when it was deleted."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        try:
+            gone = os.readlink("/proc/self/cwd")
+        except OSError:
+            gone = "the current folder"
+        raise ConfigError(
+            f"the current folder {gone!r} no longer exists, and a fresh interpreter ({method.reason}) starts in "
+            f"its caller's current folder. Expected an existing folder; os.chdir() to one (or cd in the shell) "
+            f"before starting, or use start_method='fork'."
+        ) from None
+    return method
 
 
 _lock = threading.Lock()  # guards the two per-process singletons below

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 
-from levers9.procs import echo, fds, lines, tree
+from levers9.procs import echo, fds, lines, reaping, tree
 from levers9.procs.failure import Failure, FrameReader
 
 TAIL_LINES = 400  # kept per child for failure reports
@@ -195,6 +195,8 @@ class Watcher:
         self._paused: dict[int, Child] = {}  # output pipes not read while the forwarder is full
         self._stopped_early = False  # stop() found children still running: output is not waited for
         self._cutting = {"immediate": immediate, "exact": exact}  # how output is cut: see lines.LineCutter
+        reaping.hold()  # exit statuses stay readable even where the caller ignores SIGCHLD
+        self._holding = True
 
     def add(self, child: Child) -> Child:
         self.children.append(child)
@@ -354,3 +356,6 @@ class Watcher:
             self.selector.close()
             fds.close(self._wake_r)
             fds.close(self._wake_w)
+            if self._holding:
+                self._holding = False
+                reaping.release()

@@ -84,4 +84,7 @@ def quiet_confirmed(folder: BoardFolder) -> Quiet:
 def where_ranks_are(folder: BoardFolder, live: dict[int, int], names: list[str] | None = None) -> str:
     """In the parent: where each live rank (its slot on the board -> pid) is, from fresh slots and its stack
     dump; `names` labels each slot ('rank 2 on node 1 (10.0.0.3)'; default 'rank <slot>')."""
-    return describe_ranks(folder.fresh_states(list(live)), collect_stacks(live, folder.path), time.monotonic(), names)
+    stopped = folder.stopped()
+    answering = {slot: pid for slot, pid in live.items() if slot not in stopped}
+    states = folder.fresh_states(list(live))
+    return describe_ranks(states, collect_stacks(answering, folder.path), time.monotonic(), names, stopped)

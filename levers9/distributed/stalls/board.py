@@ -43,17 +43,14 @@ def boards_root() -> Path:
 
 
 def board_roots() -> list[Path]:
-    """The places a board folder may go, best first; each is a private folder (created on first use)."""
-    state = os.environ.get("LEVERS9_STATE_DIR")
-    if state:
-        return [private_dir(Path(state) / "boards")]
+    """The places a board folder may go, best first; each is a private folder (created on first use). One
+    that cannot be made (a full or read-only state folder, another user's folder) is passed over."""
     found: list[Path] = []
     errors: list[str] = []
-    shm = Path("/dev/shm")
-    for base in ([shm] if shm.is_dir() and os.access(shm, os.W_OK) else []) + [Path(tempfile.gettempdir())]:
+    for base in _board_places():
         try:
-            found.append(private_dir(base / f"levers9-{os.getuid()}"))
-        except OSError as exc:  # another user's folder, a symlink: try the next place
+            found.append(private_dir(base))
+        except OSError as exc:  # another user's folder, a symlink, a full or read-only disk: try the next place
             errors.append(str(exc))
     if not found:
         raise PrivateDirError(
@@ -62,6 +59,14 @@ def board_roots() -> list[Path]:
             "LEVERS9_STATE_DIR=~/.cache/levers9)."
         )
     return found
+
+
+def _board_places() -> list[Path]:
+    """$LEVERS9_STATE_DIR/boards when that is set, then /dev/shm/levers9-<uid>, then <temp dir>/levers9-<uid>."""
+    state = os.environ.get("LEVERS9_STATE_DIR")
+    shm = Path("/dev/shm")
+    bases = ([shm] if shm.is_dir() and os.access(shm, os.W_OK) else []) + [Path(tempfile.gettempdir())]
+    return ([Path(state).expanduser() / "boards"] if state else []) + [b / f"levers9-{os.getuid()}" for b in bases]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,13 +113,18 @@ class BoardFolder:
         self._file = open(board, "r+b")  # noqa: SIM115 - closed in remove()
         self._map = mmap.mmap(self._file.fileno(), _SLOT_SIZE * nprocs)
         self._last_request = 0.0
+        self.pids: list[int] = []  # the ranks' pids, by slot, once started
 
     def _make(self, roots: list[Path]) -> Path:
         """A fresh folder with an empty board in the first root with room for it (a full /dev/shm moves it on)."""
         failures = []
         for root in roots:
             remove_stale_runs(root)
-            path = Path(tempfile.mkdtemp(prefix=f"{BOARD_DIR_PREFIX}{os.getpid()}-", dir=root))
+            try:
+                path = Path(tempfile.mkdtemp(prefix=f"{BOARD_DIR_PREFIX}{os.getpid()}-", dir=root))
+            except OSError as exc:  # a full or read-only state folder: the next root
+                failures.append(f"{root}: {exc.strerror or exc}")
+                continue
             now = time.monotonic()
             try:
                 with open(path / "progress.bin", "wb") as f:
@@ -131,7 +141,12 @@ class BoardFolder:
         )
 
     def write_pids(self, parent: int, pids: list[int]) -> None:
+        self.pids = list(pids)
         (self.path / "ranks.json").write_text(json.dumps({"parent": parent, "pids": pids}))
+
+    def stopped(self) -> set[int]:
+        """Slots whose rank is stopped now (SIGSTOP, a debugger): such a rank answers no request."""
+        return {slot for slot, pid in enumerate(self.pids) if is_stopped(pid)}
 
     def states(self) -> list[SlotState]:
         return [read_slot(self._map, rank) for rank in range(self.nprocs)]
@@ -144,7 +159,9 @@ class BoardFolder:
             request_samples(self.path, range(self.nprocs))
 
     def fresh_states(self, ranks: list[int]) -> list[SlotState]:
-        return fresh_states(self.path, ranks, self.states)
+        """The board after fresh samples from `ranks`, not waiting for a stopped rank's (it cannot answer)."""
+        stopped = self.stopped()
+        return fresh_states(self.path, [r for r in ranks if r not in stopped], self.states)
 
     def remove(self) -> None:
         self._map.close()
@@ -160,6 +177,16 @@ def remove_stale_runs(root: Path) -> None:
             continue
         if not pid_alive(int(pid_text)):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def is_stopped(pid: int) -> bool:
+    """True if process `pid` is stopped (state T, by SIGSTOP or job control) or held by a debugger (t)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()
+    except OSError:
+        return False
+    return bool(fields) and fields[0] in (b"T", b"t")
 
 
 def read_slot(board: mmap.mmap, rank: int) -> SlotState:

@@ -125,16 +125,26 @@ def _text_since(path: Path, offset: int) -> str:
         return ""
 
 
-def describe_ranks(states: list[SlotState], dumps: dict[int, str], now: float, names: list[str] | None = None) -> str:
-    """One line per rank (waiting in which collective for how long, or where it is), then every rank's stack;
-    `names` says what to call each slot's rank (default 'rank <slot>')."""
+def describe_ranks(
+    states: list[SlotState], dumps: dict[int, str], now: float, names: list[str] | None = None,
+    stopped: set[int] | frozenset[int] = frozenset(),
+) -> str:  # fmt: skip
+    """One line per rank (stopped, waiting in which collective for how long, or where it is), then every rank's
+    stack; `names` says what to call each slot's rank (default 'rank <slot>'); `stopped`: slots whose rank is
+    stopped (SIGSTOP, a debugger)."""
     names = names or [f"rank {slot}" for slot in range(len(states))]
     lines = []
     for rank, state in enumerate(states):
         where = user_frame(main_thread_frames(dumps.get(rank, "")))
         at = f" at {where}" if where else " (no stack: the rank did not answer)"
         counts = _counts(state)
-        if state.in_collective:
+        if rank in stopped:
+            lines.append(
+                f"  {names[rank]}: stopped (SIGSTOP, job control or a debugger: state T in /proc), so it runs no "
+                f"collective: {_stopped_counts(state, states)}. Continue it with `kill -CONT <pid>`, or find what "
+                f"stopped it"
+            )
+        elif state.in_collective:
             lines.append(f"  {names[rank]}: waiting in {state.name} for {now - state.entered_at:.1f} s ({counts}){at}")
         elif state.waiting_for_issued:
             collective = state.pending or "a collective it issued"
@@ -150,6 +160,17 @@ def describe_ranks(states: list[SlotState], dumps: dict[int, str], now: float, n
         if frames:
             stacks.append(f"{names[rank][0].upper()}{names[rank][1:]} (most recent call first):\n" + "\n".join(f"  {f}" for f in frames))
     return "\n".join(lines) + ("\n\n" + "\n\n".join(stacks) if stacks else "")
+
+
+def _stopped_counts(state: SlotState, states: list[SlotState]) -> str:
+    """How far a stopped rank got. It answers no sample, so where its own recorder was never read, from the
+    others': a collective of the whole group completes only once every rank took part in it."""
+    if state.recorder_known:
+        return _counts(state)
+    peers = [s.recorder_completed for s in states if s.recorder_known]
+    awaited = next((s.pending for s in states if s.pending and s.waiting_for_issued), "")
+    done = f"it completed {min(peers)} collective(s) with the other ranks" if peers else _counts(state)
+    return done + (f", and has not joined {awaited}, which they wait for" if awaited else "")
 
 
 def _counts(state: SlotState) -> str:
