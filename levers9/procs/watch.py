@@ -327,6 +327,7 @@ class Watcher:
         try:
             for child in live:
                 child.signal_tree(signal.SIGTERM)
+                child.signal_tree(signal.SIGCONT)  # a stopped process (SIGSTOP, Ctrl-Z) acts on its SIGTERM only once continued
                 tree.signal_all(strays[child.pid], signal.SIGTERM)
             if not self.wait(live, grace):
                 for child in live:
