@@ -289,17 +289,17 @@ def _run_as_main(script: ScriptTarget) -> None:
 def _run_in_place(script: ScriptTarget) -> None:
     """One rank: run the target in this process under torchrun's variables for a world of one, then put back
     sys.argv, sys.path and the environment; a sys.exit(N) with N != 0 becomes RankCrashed, as with more ranks."""
-    from levers9.distributed.spawner import rank_env
+    from levers9.distributed.rank_set import rank_vars
     from levers9.distributed.store_server import hosted_store
 
     if script.kind == "program":
         with hosted_store() as port:
-            code = subprocess.call([script.name, *script.argv], env={**os.environ, **rank_env(0, 1, port)})
+            code = subprocess.call([script.name, *script.argv], env={**os.environ, **rank_vars(0, 1, port)})
         if code != 0:
             _raise_exit(code if code > 0 else None, -code if code < 0 else None, f"program {script.name}")
         return
     saved_argv, saved_path = list(sys.argv), list(sys.path)
-    with hosted_store() as port, _environment(rank_env(0, 1, port)):
+    with hosted_store() as port, _environment(rank_vars(0, 1, port)):
         try:
             _run_as_main(script)
         except SystemExit as exc:
