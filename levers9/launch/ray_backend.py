@@ -72,6 +72,7 @@ from levers9.state_files import AppendLog
 log = logging.getLogger("levers9.launch.ray")
 
 OUTPUT_EVERY = 0.1  # seconds between batches of output lines sent back from a task
+ITEM_CHARS = 4 << 20  # of output in one item a task sends back (a long line comes in pieces of about 1 MB)
 CANCEL_EVERY = 0.5  # seconds between repeats of ray.cancel until a cancelled task is over
 _connect_lock = threading.Lock()
 
@@ -348,7 +349,7 @@ class TaskStarted:
 
 @dataclasses.dataclass(frozen=True)
 class TaskOutput:
-    """A batch of the job's output lines, each (stream, line with its newline)."""
+    """A batch of the job's output, each (stream, a line with its newline or a piece of a long one without)."""
 
     lines: list[tuple[str, str]]
 
@@ -498,10 +499,10 @@ class _RayCell:
                         where = f"{item.cards or 'no card'} on {item.node}" if self.plan.gang is None else item.node
                         self.batch.events.started(cell, where, attempt)
                     elif isinstance(item, TaskOutput):
-                        for stream, line in item.lines:
-                            (out_log if stream == "stdout" else err_log).write(line.encode())  # never raises
-                            tail.add(line)
-                            self.batch.events.output(cell, stream, line.rstrip("\n"))
+                        for stream, text in item.lines:
+                            (out_log if stream == "stdout" else err_log).write(text.encode())  # never raises
+                            tail.add(text, piece=not text.endswith("\n"))
+                            self.batch.events.output(cell, stream, text)
                     elif isinstance(item, TaskEnded):
                         end = item
         except ray.exceptions.RayError as exc:
@@ -563,7 +564,7 @@ def _run_on_node(payload: TaskPayload) -> Iterator[TaskStarted | TaskOutput | Ta
     simulated, gpu_type = cards_of_task(ids, payload.gpu_type)
     job_dir = scratch_dir(index, attempt)
     lines: collections.deque[tuple[str, str]] = collections.deque()
-    watcher = Watcher(lambda child, stream, line: lines.append((stream, line + "\n")))
+    watcher = Watcher(on_text=lambda child, stream, text: lines.append((stream, text)))  # long lines in pieces
     node = ray.util.get_node_ip_address()
     hosting = contextlib.ExitStack()  # a job across nodes: its control store and agents (ray_gang.host)
     try:
@@ -598,9 +599,9 @@ def _run_on_node(payload: TaskPayload) -> Iterator[TaskStarted | TaskOutput | Ta
         while not supervisor.step(OUTPUT_EVERY):
             if gang_host is not None:
                 gang_host.poll()  # a lost node's agent replaced, when the job process asks
-            if lines:
+            while lines:
                 yield TaskOutput(_drain(lines))
-        if lines:
+        while lines:
             yield TaskOutput(_drain(lines))
         yield TaskEnded(supervisor.outcomes()[0], time.time())
     finally:
@@ -616,7 +617,9 @@ _node_task = ray.remote(_run_on_node)
 
 
 def _drain(lines: collections.deque[tuple[str, str]]) -> list[tuple[str, str]]:
-    out = []
-    while lines:
+    """The oldest output waiting, at most about ITEM_CHARS of it: the caller holds one item at a time."""
+    out, size = [], 0
+    while lines and size < ITEM_CHARS:
         out.append(lines.popleft())
+        size += len(out[-1][1])
     return out
