@@ -190,7 +190,7 @@ def _find_module(name: str) -> Any:
 
 def resolve_nprocs(value: int | str | None, backend: str | None = None, *, flag: str = "nprocs") -> tuple[int, str | None]:
     """How many ranks to start, and the backend a word implies ("cpu": gloo), from a number or a torchrun word."""
-    from levers9.distributed.spawner import plan_layout
+    from levers9.distributed.layout import plan_layout
 
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
@@ -224,7 +224,7 @@ def resolve_nprocs(value: int | str | None, backend: str | None = None, *, flag:
 def _has_cards() -> bool:
     """Cards to run ranks on: this job's (simulated ones included), or the visible CUDA cards."""
     from levers9.context import current_job
-    from levers9.distributed.spawner import visible_card_count
+    from levers9.distributed.layout import visible_card_count
 
     job = current_job()
     return (job is not None and job.gpu_count > 0) or visible_card_count() > 0
