@@ -53,11 +53,15 @@ class _OutputSender:
         with self.lock:
             self.pieces.append((rank, stream, text))
             self.size += len(text)
-            if self.size >= SEND_BYTES:
-                seq = self._send()
-                deadline = time.monotonic() + ANSWER_WAIT_S
-                while not self.store.output_taken(self.attempt, self.node, seq - AHEAD) and time.monotonic() < deadline:
-                    time.sleep(0.02)
+            if self.size < SEND_BYTES:
+                return
+            seq = self._send()
+        deadline = time.monotonic() + ANSWER_WAIT_S  # the lock is free meanwhile: the agent's loop sends and polls
+        while time.monotonic() < deadline:
+            with self.lock:
+                if self.store.output_taken(self.attempt, self.node, seq - AHEAD):
+                    return
+            time.sleep(0.02)
 
     def send(self) -> None:
         with self.lock:
