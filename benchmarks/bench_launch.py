@@ -2,12 +2,15 @@
 
     python benchmarks/bench_launch.py --repeats 5
     python benchmarks/bench_launch.py --repeats 3 --long-line-mb 100   # rank 0 also prints one 100 MB line
+    python benchmarks/bench_launch.py --repeats 9 --only anchor,distributed.run   # against the anchor alone
 
 Each launcher starts the whole job as a fresh process (`python ...`, `levers9 run ...`, `torchrun ...`,
 `accelerate launch ...`), interleaved round by round so machine noise hits all of them alike; the table gives
-the median and the fastest whole-process wall time, and each one's ratio to torchrun's median. With
+the median and the fastest whole-process wall time, and each one's ratio to torchrun's median; then the median
+CPU time (user + system, of the process and every process it waited for) and each one's wall and CPU time
+against the anchor's, a hand-written 2-rank job with nothing a launcher does (launch_anchor.py). With
 --long-line-mb, rank 0 also prints one line that long (the benchmark reads it all and checks its length),
-accelerate is left out, and the table adds the launcher's peak memory (the largest RSS of any of its processes).
+accelerate and the anchor are left out, and the table adds the launcher's peak memory (the largest RSS of any of its processes).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 JOB = str(HERE / "launch_job.py")
+ANCHOR = str(HERE / "launch_anchor.py")
 BIN = Path(sys.executable).parent
 
 
@@ -33,6 +37,7 @@ def tool(name: str) -> str:
 
 
 LAUNCHERS = {
+    "hand-written anchor (one import torch, two forks, a TCPStore)": [sys.executable, ANCHOR],
     "levers9 distributed.run": [sys.executable, JOB, "levers9"],
     "levers9 run": [sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2", JOB, "plain"],
     "torchrun": [tool("torchrun"), "--nproc-per-node", "2", JOB, "plain"],
@@ -41,28 +46,29 @@ LAUNCHERS = {
 }
 
 
-# Runs argv[2:] and writes the largest RSS (KiB) of it and its descendants to argv[1].
+# Runs argv[2:] and writes the largest RSS (KiB) of it and its descendants, and their CPU seconds, to argv[1].
 PEAK_RSS = (
     "import resource, subprocess, sys; code = subprocess.call(sys.argv[2:]); "
-    "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); sys.exit(code)"
+    "u = resource.getrusage(resource.RUSAGE_CHILDREN); "
+    "open(sys.argv[1], 'w').write(f'{u.ru_maxrss} {u.ru_utime + u.ru_stime}'); sys.exit(code)"
 )
 
 
-def time_once(cmd: list[str], line_bytes: int = 0) -> tuple[float, float]:
-    """Wall seconds of one whole run, and its peak RSS in MiB."""
+def time_once(cmd: list[str], line_bytes: int = 0) -> tuple[float, float, float]:
+    """Wall seconds of one whole run, its peak RSS in MiB, and its CPU seconds."""
     with tempfile.TemporaryDirectory() as tmp:  # torchrun's agent leaves torchelastic_* folders in $TMPDIR
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmp, "LAUNCH_JOB_LINE_BYTES": str(line_bytes)}
         rss_file = os.path.join(tmp, "rss")
         start = time.perf_counter()
         done = subprocess.run([sys.executable, "-c", PEAK_RSS, rss_file, *cmd], env=env, capture_output=True)
         elapsed = time.perf_counter() - start
-        rss_mib = int(open(rss_file).read() or 0) / 1024 if os.path.exists(rss_file) else float("nan")
+        rss, cpu = open(rss_file).read().split() if os.path.exists(rss_file) else ("nan", "nan")
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout[-4000:]!r}\n{done.stderr[-4000:]!r}")
     if line_bytes and b"x" * line_bytes + b"\n" not in done.stdout:
         longest = max(map(len, done.stdout.split(b"\n")))
         raise SystemExit(f"{' '.join(cmd)}: expected one {line_bytes}-byte line on stdout, the longest was {longest}")
-    return elapsed, rss_mib
+    return elapsed, float(rss) / 1024, float(cpu)
 
 
 def main() -> None:
@@ -70,31 +76,42 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--long-line-mb", type=float, default=0, help="rank 0 also prints one line this long")
     parser.add_argument("--json", help="also write every time measured to this file")
+    parser.add_argument("--only", help="comma-separated words: run only the launchers whose name holds one")
     args = parser.parse_args()
     line_bytes = int(args.long_line_mb * 1_000_000)
-    launchers = {k: v for k, v in LAUNCHERS.items() if not (line_bytes and k == "accelerate launch")}
+    launchers = {k: v for k, v in LAUNCHERS.items()
+                 if not (line_bytes and (k == "accelerate launch" or k.startswith("hand-written")))}  # fmt: skip
+    if args.only:
+        launchers = {k: v for k, v in launchers.items() if any(word in k for word in args.only.split(","))}
     times: dict[str, list[float]] = {name: [] for name in launchers}
     peaks: dict[str, list[float]] = {name: [] for name in launchers}
+    cpus: dict[str, list[float]] = {name: [] for name in launchers}
     for cmd in launchers.values():  # warm the page cache once, untimed
         time_once(cmd)
     for _ in range(args.repeats):
         for name, cmd in launchers.items():
-            elapsed, rss = time_once(cmd, line_bytes)
+            elapsed, rss, cpu = time_once(cmd, line_bytes)
             times[name].append(elapsed)
             peaks[name].append(rss)
-    base = statistics.median(times["torchrun"])
+            cpus[name].append(cpu)
+    base = statistics.median(times["torchrun"]) if "torchrun" in times else float("nan")
+    anchor = next((name for name in times if name.startswith("hand-written")), None)
+    wall0 = statistics.median(times[anchor]) if anchor else float("nan")
+    cpu0 = statistics.median(cpus[anchor]) if anchor else float("nan")
     what = f"rank 0 prints one {args.long_line_mb:g} MB line" if line_bytes else "one all_reduce"
     print(f"2-rank job, {what}, gloo on CPU; {args.repeats} runs each, interleaved; "
           f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
     print()
-    print("| launcher | median wall time (s) | fastest (s) | vs torchrun | peak RSS (MiB) |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| launcher | median wall time (s) | fastest (s) | vs torchrun | peak RSS (MiB) | median CPU time (s) "
+          "| wall vs anchor | CPU vs anchor |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, values in times.items():
-        med = statistics.median(values)
-        print(f"| {name} | {med:.2f} | {min(values):.2f} | {med / base:.2f}x | {max(peaks[name]):.0f} |")
+        med, cpu = statistics.median(values), statistics.median(cpus[name])
+        print(f"| {name} | {med:.2f} | {min(values):.2f} | {med / base:.2f}x | {max(peaks[name]):.0f} | {cpu:.2f} "
+              f"| {med / wall0:.2f}x | {cpu / cpu0:.2f}x |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"times": times, "peak_rss_mib": peaks, "line_bytes": line_bytes}, f, indent=1)
+            json.dump({"times": times, "cpu": cpus, "peak_rss_mib": peaks, "line_bytes": line_bytes}, f, indent=1)
 
 
 if __name__ == "__main__":

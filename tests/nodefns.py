@@ -13,6 +13,9 @@ VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "N
         "NCCL_SOCKET_IFNAME", "LEVERS9_STORE_PORT")  # fmt: skip
 
 
+TYPE = "RTXPro6000"  # the card type the test cluster's nodes declare
+
+
 class NodeError(Exception):
     """Raised by a rank on purpose; pickles, so the caller gets this type back."""
 
@@ -172,3 +175,12 @@ def stall_on(cfg: dict[str, Any]) -> None:
         Path(cfg["mark"]).write_text(f"{time.time()}")
         time.sleep(300)
     dist.all_reduce_mean(1.0)
+
+
+def long_line_on(cfg: dict[str, Any]) -> None:
+    """Rank cfg["rank"] prints one line of cfg["size"] bytes (procfns.pattern), then a short one."""
+    from levers9 import distributed as dist
+    from tests import procfns
+
+    if dist.rank() == cfg["rank"]:
+        procfns.long_line(cfg["size"])

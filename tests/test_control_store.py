@@ -122,15 +122,17 @@ def test_a_replacement_is_taken_once_and_forgets_the_old_join_and_refusal() -> N
 def test_output_batches_arrive_in_order_once_and_stop_at_one_not_written_yet() -> None:
     fake = DictStore()
     sender, reader = ControlStore(fake), ControlStore(fake)
-    sender.send_output(0, 1, [("stdout", "[rank 2] a")])
-    sender.send_output(0, 1, [("stderr", "[rank 3] b"), ("stdout", "[rank 2] c")])
+    assert sender.send_output(0, 1, [(2, "stdout", "a\n")]) == 1
+    assert sender.send_output(0, 1, [(3, "stderr", "b"), (2, "stdout", "c\n")]) == 2  # a piece of rank 3's line
+    assert not sender.output_taken(0, 1, 1)
     fake.add("a0/out/1/count", 1)  # a third batch numbered by its sender, not written yet
     got = list(reader.take_output(0, 1, after=0))
-    assert got == [(1, [("stdout", "[rank 2] a")]), (2, [("stderr", "[rank 3] b"), ("stdout", "[rank 2] c")])]
+    assert got == [(1, [(2, "stdout", "a\n")]), (2, [(3, "stderr", "b"), (2, "stdout", "c\n")])]
     assert sorted(fake.data) == ["a0/out/1/count"]  # each batch deleted once read
+    assert sender.output_taken(0, 1, 1) and sender.output_taken(0, 1, 2)
     assert list(reader.take_output(0, 1, after=2)) == []  # batch 3 still not written: read on a later poll
-    fake.set("a0/out/1/3", ship([("stdout", "d")]))
-    assert list(reader.take_output(0, 1, after=2)) == [(3, [("stdout", "d")])]
+    fake.set("a0/out/1/3", ship([(2, "stdout", "d\n")]))
+    assert list(reader.take_output(0, 1, after=2)) == [(3, [(2, "stdout", "d\n")])]
 
 
 def test_a_start_request_is_frozen_and_has_no_field_by_default() -> None:

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.ray
 NODES = ("127.0.0.2", "127.0.0.3")
 HEAD = "127.0.0.4"
 SPARE = "127.0.0.5"  # a node added, then removed, by the replacement test
-TYPE = "RTXPro6000"
+TYPE = nodefns.TYPE
 NODE_ARGS: dict[str, Any] = dict(num_cpus=1, num_gpus=2, resources={f"levers9_{TYPE}": 2}, object_store_memory=100 * 2**20)
 _TMPDIR: list[str] = []  # the cluster's temp root: nodes added later keep their files there too
 
@@ -308,6 +308,62 @@ def test_three_cards_are_refused_at_once_with_the_table(on_cluster: str) -> None
     assert "gpu_count=2 or gpu_count=4" in str(err.value)
     assert time.monotonic() - started < 5
     assert processes_with(on_cluster) == []
+
+
+LONG_LINE_CALLER = """
+import json, sys, threading, time
+import ray
+from levers9.launch import job
+from tests import nodefns
+
+def private_memory() -> int:  # RssAnon: what this process holds itself (Ray's shared object store pages aside)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+peak, sampling = [0], threading.Event()
+
+def sample() -> None:
+    while not sampling.wait(0.002):
+        peak[0] = max(peak[0], private_memory())
+
+address, head, marker, size, into = sys.argv[1:]
+ray.init(address=address, _node_ip_address=head, log_to_driver=False)
+train = job(gpu=nodefns.TYPE, gpu_count=4, backend="ray", timeout=150, env={"L9_NODES_TEST": marker}, stop_grace=2.0)(nodefns.train)
+train.remote({"fn": "long_line_on", "rank": 2, "size": 1000})  # everything a job loads, loaded before the peak is read
+before = private_memory()
+sampler = threading.Thread(target=sample)
+sampler.start()
+train.remote({"fn": "long_line_on", "rank": 2, "size": int(size)})
+sampling.set()
+sampler.join()
+with open(into, "w") as f:
+    json.dump({"before": before, "after": peak[0]}, f)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_100_mb_line_of_a_rank_on_the_second_node_reaches_the_caller_in_bounded_memory(
+    cluster: Any, on_cluster: str, tmp_path: Path
+) -> None:
+    """The line streams in pieces from the rank to the agent, node 0, its Ray task and the caller (a process of
+    its own, so that its peak memory is its own): the caller's private memory, sampled every 2 ms, grows by far
+    less than the line."""
+    import subprocess
+
+    from tests import procfns
+
+    size = 100 << 20
+    into = tmp_path / "peak.json"
+    done = subprocess.run([sys.executable, "-c", LONG_LINE_CALLER, cluster.address, HEAD, on_cluster, str(size), str(into)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=220, cwd=Path(__file__).parent.parent)  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    peak = json.loads(into.read_text())
+    grew = peak["after"] - peak["before"]
+    print(f"the caller's private memory grew by at most {grew / 2**20:.1f} MB for a {size >> 20} MB line")
+    assert grew < size // 4, peak
+    (log,) = [p for p in runs_dir().glob("*/0000-1/stdout.log") if p.stat().st_size > size]
+    assert b"[rank 2] " + procfns.pattern(size) + b"\n[rank 2] after the long line\n" in log.read_bytes()
+    nothing_left(on_cluster)
 
 
 @pytest.mark.timeout(180)

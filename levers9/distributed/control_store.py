@@ -11,7 +11,7 @@ torch `Store` methods used here (set, get, check, add, delete_key); `get` is onl
     a<n>/start           attempt n's StartRequest                a<n>/stop     stop attempt n's ranks now
     a<n>/fail/<i>        node i's first failure (a Report)      a<n>/done/<i> node i's ranks all returned
     a<n>/stopped/<i>     node i's ranks of attempt n are gone   end           the job is over: agents exit
-    a<n>/out/<i>/count   batches of node i's rank output        a<n>/out/<i>/<seq>  one batch (node 0 prints, deletes)
+    a<n>/out/<i>/count   batches of node i's rank output        a<n>/out/<i>/<seq>  one batch of pieces (node 0 prints, deletes)
     lost/<i>             node 0 declared node i lost (its agent is cancelled without waiting)
     replace/<i>          node 0 asks node 0's Ray task for a new agent for lost node i (value: the attempt it starts at)
     gen/<i>              the generation of node i's agent (one more per replacement); an older agent exits
@@ -58,6 +58,9 @@ class StartRequest:
     forks: bool  # node 0 forks its ranks: the agents may too
     diagnostics: bool  # each node's ranks get a board folder
     stall_timeout: float | None
+
+
+Piece = tuple[int, str, str]  # (global rank, "stdout" or "stderr", a line with its "\n", or a piece of a long one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,13 +185,18 @@ class ControlStore:
     def start_request(self, attempt: int) -> StartRequest | None:
         return self._value(f"a{attempt}/start")
 
-    def send_output(self, attempt: int, node: int, batch: list[tuple[str, str]]) -> None:
-        """One batch of node's (stream, line) pairs, numbered after the ones before it."""
+    def send_output(self, attempt: int, node: int, batch: list[Piece]) -> int:
+        """One batch of node's output pieces, numbered after the ones before it; its number."""
         key = f"a{attempt}/out/{node}"
         seq = int(self.store.add(f"{key}/count", 1))
         self.store.set(f"{key}/{seq}", ship(batch))
+        return seq
 
-    def take_output(self, attempt: int, node: int, after: int) -> Iterator[tuple[int, list[tuple[str, str]]]]:
+    def output_taken(self, attempt: int, node: int, seq: int) -> bool:
+        """True once node 0 took node's batch number `seq` (or it was never sent)."""
+        return not self.store.check([f"a{attempt}/out/{node}/{seq}"])
+
+    def take_output(self, attempt: int, node: int, after: int) -> Iterator[tuple[int, list[Piece]]]:
         """(number, batch) for node's batches numbered after `after`, in order, each deleted once the next is
         asked for; stops at the first one numbered but not written yet."""
         key = f"a{attempt}/out/{node}"

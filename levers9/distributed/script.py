@@ -194,7 +194,7 @@ def _find_module(name: str) -> Any:
 
 def resolve_nprocs(value: int | str | None, backend: str | None = None, *, flag: str = "nprocs") -> tuple[int, str | None]:
     """How many ranks to start, and the backend a word implies ("cpu": gloo), from a number or a torchrun word."""
-    from levers9.distributed.spawner import plan_layout
+    from levers9.distributed.layout import plan_layout
 
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
@@ -228,7 +228,7 @@ def resolve_nprocs(value: int | str | None, backend: str | None = None, *, flag:
 def _has_cards() -> bool:
     """Cards to run ranks on: this job's (simulated ones included), or the visible CUDA cards."""
     from levers9.context import current_job
-    from levers9.distributed.spawner import visible_card_count
+    from levers9.distributed.layout import visible_card_count
 
     job = current_job()
     return (job is not None and job.gpu_count > 0) or visible_card_count() > 0
@@ -312,17 +312,17 @@ def _run_as_main(script: ScriptTarget) -> None:
 def _run_in_place(script: ScriptTarget) -> None:
     """One rank: run the target in this process under torchrun's variables for a world of one, then put back
     sys.argv, sys.path and the environment; a sys.exit(N) with N != 0 becomes RankCrashed, as with more ranks."""
-    from levers9.distributed.spawner import rank_env
+    from levers9.distributed.rank_set import rank_vars
     from levers9.distributed.store_server import hosted_store
 
     if script.kind == "program":
         with hosted_store() as port:
-            code = subprocess.call([script.name, *script.argv], env={**os.environ, **rank_env(0, 1, port)})
+            code = subprocess.call([script.name, *script.argv], env={**os.environ, **rank_vars(0, 1, port)})
         if code != 0:
             _raise_exit(code if code > 0 else None, -code if code < 0 else None, f"program {script.name}")
         return
     saved_argv, saved_path = list(sys.argv), list(sys.path)
-    with hosted_store() as port, _environment(rank_env(0, 1, port)):
+    with hosted_store() as port, _environment(rank_vars(0, 1, port)):
         try:
             _run_as_main(script)
         except SystemExit as exc:

@@ -15,31 +15,29 @@ import dataclasses
 import functools
 import inspect
 import os
-import secrets
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from levers9.context import JobContext, current_job
 from levers9.distributed import detect, group, restarts, slurm_env, stalls, world
-from levers9.distributed.rank_process import RankSpec, RankTarget, to_cpu
+from levers9.distributed.layout import Layout, plan_layout
+from levers9.distributed.rank_process import to_cpu
+from levers9.distributed.rank_set import RankOutput, RankSet, Share, rank_vars
+from levers9.distributed.root_failure import raise_root, rank_failure
 from levers9.distributed.self_timer import SelfTimer
 from levers9.distributed.stalls import flight_recorder
 from levers9.distributed.store_server import hosted_store
 from levers9.errors import (
     ConfigError,
     NotShippableError,
-    RankCrashed,
     RankFailed,
-    RankFailure,
     RunTimeout,
     StallError,
-    signal_name,
 )
-from levers9.procs import echo, oom, start
-from levers9.procs.failure import raise_rank_exception, ship, unpicklable_part, unship_value
-from levers9.procs.outcome import Outcome, StopReason, kind_of, root_cause
-from levers9.procs.supervise import DRAIN_S, Supervisor
-from levers9.procs.watch import Child, Watcher, exit_on_terminate, output_excerpt
+from levers9.procs import start
+from levers9.procs.failure import ship, unpicklable_part, unship_value
+from levers9.procs.outcome import Outcome, StopReason, root_cause
+from levers9.procs.watch import exit_on_terminate
 from levers9.retries import RetryPolicy, restart_policy
 from levers9.seconds import is_seconds
 
@@ -151,11 +149,11 @@ class RunOptions:
         if not isinstance(self.init_group, bool):
             raise ConfigError(f"init_group={self.init_group!r}; expected True (levers9 joins the group before fn) or "
                               f"False (fn calls init_process_group itself).")  # fmt: skip
-        if self.init_group:
-            group.pg_timeout()  # a bad LEVERS9_PG_TIMEOUT is refused here, not in every rank
         from levers9.distributed.hardware import quirks  # imported on use: `import levers9` stays light
 
         quirks.check_quirk_ids(self.disable_quirks)
+        if self.init_group:
+            group.pg_timeout()  # a bad LEVERS9_PG_TIMEOUT is refused here, not in every rank
         return restart_policy(self.max_restarts, self.restart_on, self.restart_delay)
 
     def spawn_only(self) -> dict[str, Any]:
@@ -174,11 +172,11 @@ def run_with(fn: Callable[..., Any], cfg: Any, options: RunOptions) -> Any:
     if not callable(fn):
         raise ConfigError(f"distributed.run needs a function to call on every rank; got {type(fn).__name__} {fn!r}.")
     policy = options.check()
+    slurm_env.check_started_by_srun(os.environ)  # a job script's own process, where srun was meant
     call = fn if cfg is None and _takes_no_arguments(fn) else functools.partial(fn, cfg)
     info = world.launch_info()
     if info.launcher != "single" or world.live_group() is not None:
         return _run_under_launcher(call, info, options)
-    slurm_env.check_started_by_srun(os.environ)  # a job script's own process, where srun was meant
     layout = plan_layout(options.nprocs, options.backend)
     job = current_job()
     if options.max_restarts is None and job is not None:
@@ -314,47 +312,6 @@ def _refuse_spawn_only(where: str, **given: Any) -> None:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """How many ranks to start, and on which backend (gloo ranks compute on the CPU)."""
-
-    nprocs: int
-    backend: str
-
-
-def visible_card_count() -> int:
-    """How many cards this process may use, without initialising CUDA (NVML-based count)."""
-    import torch
-
-    return int(torch.cuda.device_count())  # 0 at once on a CPU build
-
-
-def plan_layout(nprocs: int | None, backend: str | None) -> Layout:
-    """Ranks and backend for a run started here; a clear error for impossible combinations."""
-    if nprocs is not None and (isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1):
-        raise ConfigError(f"nprocs={nprocs!r}; expected a whole number >= 1, or None for one rank per visible card.")
-    if backend is not None and backend not in ("nccl", "gloo"):
-        raise ConfigError(f"backend={backend!r}; expected 'nccl', 'gloo' or None (nccl on cards, gloo on the CPU).")
-    job = current_job()
-    if job is not None and job.simulated:  # a job on simulated cards: one CPU rank per card
-        return Layout(nprocs or job.gpu_count, "gloo")
-    cards = visible_card_count()
-    if backend == "gloo" or (cards == 0 and backend is None):
-        return Layout(nprocs or 1, "gloo")
-    if cards == 0:
-        raise ConfigError(
-            "backend='nccl' but this process sees no CUDA card. Expected at least one card; "
-            "pass backend='gloo' (or leave backend unset) to run on the CPU."
-        )
-    if nprocs is not None and nprocs > cards:
-        raise ConfigError(
-            f"nprocs={nprocs} but only {cards} card(s) are visible{group.visible_devices_note()}: ranks {cards}..{nprocs - 1} would "
-            f"have no card. Expected one card per rank; pass nprocs<={cards}, or backend='gloo' to run "
-            f"{nprocs} ranks on the CPU."
-        )
-    return Layout(nprocs or cards, "nccl")
-
-
 def _takes_no_arguments(fn: Callable[..., Any]) -> bool:
     try:
         params = inspect.signature(fn).parameters.values()
@@ -454,20 +411,10 @@ class _Spawn:
     def __init__(self, ranks: SpawnedRanks, attempt_env: dict[str, str]) -> None:
         self.ranks = ranks
         self.attempt_env = attempt_env  # TORCHELASTIC_RESTART_COUNT / _MAX_RESTARTS of this attempt
-        self.terminal = start.Stdio.like_caller(stdin=False)  # ranks see a terminal where the caller has one
-        on_terminal = self.terminal != start.Stdio()
         # pieces of long lines, never one held whole; on a terminal, what each read brings, and the bytes as written
-        self.watcher = Watcher(on_text=self._forward, immediate=on_terminal, exact=True)
-        self._mid_line: dict[str, tuple[int, str]] = {}  # caller's stream -> (pid, stream) whose last piece ended mid-line
-        self._redrawn: set[tuple[int, str]] = set()  # (pid, stream) whose last piece ended in a "\r"
-        self.children: list[Child] = []
+        self.rank_set = RankSet(RankOutput(ranks.prefix_output), terminal=True)
+        self.children = self.rank_set.children
         self.where = ""  # where each rank was, asked just before a timeout or stall stopped them
-
-    def _stop_and_drain(self, grace: float) -> None:
-        """Stop what still runs (an interrupt or an error left it), then hand on what the ranks wrote before they
-        ended: a line still in a pipe when Ctrl-C came is shown, not lost."""
-        self.watcher.stop(grace)
-        self.watcher.drain(DRAIN_S)
 
     def run(self) -> Any:
         ranks, nprocs = self.ranks, self.ranks.layout.nprocs
@@ -475,49 +422,27 @@ class _Spawn:
             folder = stalls.BoardFolder(nprocs) if ranks.diagnostics else None
             if folder is not None:
                 cleanup.callback(folder.remove)
-            cleanup.callback(self.watcher.close)
+            cleanup.callback(self.rank_set.close)
             port = cleanup.enter_context(hosted_store()) if ranks.torchrun_env else None
-            cleanup.callback(self._stop_and_drain, ranks.stop_grace)
-            for rank in range(nprocs):
-                spec = RankSpec(rank, nprocs, ranks.layout.backend, None if folder is None else str(folder.path),
-                                current_job(), make_group=ranks.make_group, pass_rank=ranks.pass_rank)  # fmt: skip
-                target = RankTarget(spec, ranks.call if ranks.shipped is None else ranks.shipped)
-                env = {**ranks.env, **({} if port is None else {**rank_env(rank, nprocs, port), **self.attempt_env})}
-                stdio = dataclasses.replace(self.terminal, stdin=rank == 0 and ranks.torchrun_env)  # rank 0 reads the caller's stdin
-                child = start.start(target, method=ranks.method, shipped=None if ranks.shipped is None else ship(target),
-                                    env=env, name=f"rank {rank}", stdio=stdio)  # fmt: skip
-                self.children.append(self.watcher.add(child))
+            cleanup.callback(self.rank_set.stop, ranks.stop_grace)
+
+            def env_of(rank: int) -> dict[str, str]:
+                return {**ranks.env, **({} if port is None else {**rank_vars(rank, nprocs, port), **self.attempt_env})}
+
+            self.rank_set.start(Share(0, nprocs, nprocs, ranks.layout.backend, ranks.call if ranks.shipped is None
+                                      else ranks.shipped, ranks.method, env_of, None if folder is None else str(folder.path),
+                                      current_job(), make_group=ranks.make_group, pass_rank=ranks.pass_rank,
+                                      stdin_rank0=ranks.torchrun_env))  # fmt: skip
             if folder is not None:
                 folder.write_pids(os.getpid(), [p.pid for p in self.children])
-            supervisor = Supervisor(
-                self.watcher, self.children, timeout=ranks.timeout, grace=ranks.stop_grace, stop_on_failure=True,
+            supervisor = self.rank_set.supervisor(
+                timeout=ranks.timeout, grace=ranks.stop_grace,
                 stalled=None if ranks.stall_timeout is None or folder is None
                 else functools.partial(stalls.stalled_now, folder, ranks.stall_timeout),
                 before_stop=functools.partial(self._ask_where, folder),
             )  # fmt: skip
             outcomes = supervisor.run()
             return self._result(supervisor.stopped_for, outcomes)
-
-    def _forward(self, child: Child, stream: str, text: str) -> None:
-        """A line with its newline, or a piece of one without, to the caller's stream, "[rank N] " at the start of
-        each line (and after each "\\r" that redraws one). A line another rank left unfinished on that stream is
-        ended first, so no rank's text is written into another's line."""
-        key = (child.pid, stream)
-        prefix = "" if not self.ranks.prefix_output or child is self.children[0] else f"[{child.name}] "
-        mid_line = self._mid_line.get(stream)
-        head = "\n" if mid_line is not None and mid_line != key else ""
-        if mid_line != key or (key in self._redrawn and not text.startswith("\n")):
-            head += prefix  # a new line, or the redraw its last piece's "\r" began
-        self._redrawn.discard(key)
-        if prefix and "\r" in text:
-            text = _redraws_prefixed(text, prefix)
-            if text.endswith("\r"):
-                self._redrawn.add(key)
-        if text.endswith("\n"):
-            self._mid_line.pop(stream, None)
-        else:
-            self._mid_line[stream] = key
-        echo.write(stream, head + text)
 
     def _ask_where(self, folder: stalls.BoardFolder | None, reason: StopReason) -> None:
         """Before a timeout or stall stops the ranks: where each live one is (stacks, collectives)."""
@@ -533,49 +458,20 @@ class _Spawn:
             self._raise_stopped(StallError, stalls.stall_text(self.ranks.stall_timeout))
         if any(not o.succeeded for o in outcomes):
             self._raise_root_failure(outcomes)
-        return unship_value(outcomes[0].value, "distributed.run: rank 0's return value")
-
-    def _rank_failure(self, index: int, outcome: Outcome) -> RankFailure:
-        """What is known of rank `index`'s failure, from how it ended and what it reported."""
-        report = outcome.failure
-        return RankFailure(
-            rank=index,
-            pid=outcome.pid,
-            exitcode=outcome.exitcode if report is None else report.exitcode,
-            signal=outcome.signal if report is None else None,
-            exc_type=None if report is None or report.is_exit else report.exc_type,
-            message="" if report is None else report.message,
-            traceback="" if report is None else report.traceback,
-            output_tail=output_excerpt(list(self.children[index].tail)),
-            oom_killed=outcome.oom_killed,
-            kind=kind_of(outcome),
-        )
+        value = outcomes[0].value
+        return unship_value(value, "distributed.run: rank 0's return value")
 
     def _raise_root_failure(self, outcomes: list[Outcome]) -> NoReturn:
         """Raise the root cause (rank, how it ended, its traceback), naming every other rank that failed by
         itself, with its own report below, and the ranks that were stopped, as torchrun's summary does."""
         root = root_cause(outcomes)
         index = outcomes.index(root)
-        failure, report = self._rank_failure(index, root), root.failure
         also = [i for i, o in enumerate(outcomes) if i != index and not o.succeeded and o.stopped_for is None]
         stopped = [str(i) for i, o in enumerate(outcomes) if o.stopped_for is not None]
         others = "".join(f"; rank {i} also failed (below)" for i in also)
         others += f"; rank(s) {', '.join(stopped)} were stopped" if stopped else ""
-        full = failure.describe() + "".join(
-            f"\n\nAlso failed, after the root cause:\n{self._rank_failure(i, outcomes[i]).describe()}" for i in also
-        )
-        if report is not None and report.is_exit:
-            headline = f"rank {failure.rank} (pid {root.pid}) called sys.exit({report.message or report.exitcode}){others}."
-            raise RankCrashed(f"distributed.run: {headline}\n\n{full}", failure)
-        if report is None:
-            hint = ""
-            if root.signal is not None:  # more than the signal only on evidence: the cgroup's OOM-kill count rose
-                how = oom.killed_by(root.signal, *root.oom_counts)
-                hint = "" if how == f"killed by {signal_name(root.signal)}" else f"\nrank {failure.rank} was {how}."
-            raise RankCrashed(f"distributed.run: {full.splitlines()[0]}{others}.{hint}\n\n{full}", failure)
-        raise_rank_exception(f"distributed.run: {full.splitlines()[0]}{others}.\n\n{full}", failure, report,
-                             f"levers9: raised on rank {failure.rank} (pid {root.pid}) of {len(outcomes)}{others}. "
-                             f"Its traceback:\n{report.traceback.rstrip()}")  # fmt: skip
+        raise_root(rank_failure(index, root, self.children[index].tail), root, world=len(outcomes), others=others,
+                   also=[rank_failure(i, outcomes[i], self.children[i].tail) for i in also])  # fmt: skip
 
     def _raise_stopped(self, error: type[RankFailed], headline: str) -> NoReturn:
         """Raise `error` with the report of where every rank was and their last output."""
@@ -595,33 +491,3 @@ class _Spawn:
             f"had not finished and every rank was stopped.{waiting} Expected the run to finish within the timeout; "
             f"pass a larger timeout=, or None for no limit. Where each rank was:"
         )
-
-
-def _redraws_prefixed(text: str, prefix: str) -> str:
-    """`text` with `prefix` after every "\\r" that starts a redrawn line (not one that ends a line, "\\r\\n")."""
-    parts = text.split("\r")
-    return parts[0] + "".join("\r" + ("" if part.startswith("\n") or not part else prefix) + part for part in parts[1:])
-
-
-# The start of the keys of every group levers9 makes on a store this process hosts (group.STORE_SECRET_VAR):
-# known only to this user's processes, as their environment is.
-_STORE_SECRET = secrets.token_hex(16)
-
-
-def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    """The variables a rank of a one-node run gets: those torchrun's agent gives a worker, plus levers9's own.
-
-    MASTER_ADDR/MASTER_PORT name the store the parent hosts, and TORCHELASTIC_USE_AGENT_STORE=True
-    makes torch's env:// rendezvous join it as a client on every rank (rank 0 included), as under
-    torchrun; TORCHELASTIC_RUN_ID makes torch.distributed.is_torchelastic_launched() answer True.
-    """
-    r, w = str(rank), str(world)
-    return {
-        "RANK": r, "LOCAL_RANK": r, "ROLE_RANK": r, "WORLD_SIZE": w, "LOCAL_WORLD_SIZE": w, "ROLE_WORLD_SIZE": w,
-        "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "NODE_RANK": "0", "ROLE_NAME": "default",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-        "TORCHELASTIC_RUN_ID": f"{detect.LEVERS9_RUN_ID_PREFIX}{os.getpid()}-{port}",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        "LEVERS9_LAUNCHER": "levers9", group.STORE_PORT_VAR: str(port), group.STORE_SECRET_VAR: _STORE_SECRET,
-    }  # fmt: skip

@@ -73,7 +73,7 @@ class Events(Protocol):
     def started(self, cell: Cell, cards: str, attempt: int) -> None: ...
     def retrying(self, cell: Cell, attempt: int, reason: str) -> None: ...
     def finished(self, cell: Cell, ok: bool, error: BaseException | None = None) -> None: ...
-    def output(self, cell: Cell, stream: str, line: str) -> None: ...
+    def output(self, cell: Cell, stream: str, text: str) -> None: ...  # a line with its "\n", or a piece of a long one
 
 
 class NoEvents:
@@ -91,7 +91,7 @@ class NoEvents:
     def finished(self, cell: Cell, ok: bool, error: BaseException | None = None) -> None:
         pass
 
-    def output(self, cell: Cell, stream: str, line: str) -> None:
+    def output(self, cell: Cell, stream: str, text: str) -> None:
         pass
 
 
@@ -117,9 +117,9 @@ class TeeEvents:
         for target in self.targets:
             target.finished(cell, ok, error)
 
-    def output(self, cell: Cell, stream: str, line: str) -> None:
+    def output(self, cell: Cell, stream: str, text: str) -> None:
         for target in self.targets:
-            target.output(cell, stream, line)
+            target.output(cell, stream, text)
 
 
 @dataclasses.dataclass

@@ -168,7 +168,7 @@ class _LocalCell:
             def on_line(child: Child, stream: str, line: str) -> None:
                 logs[stream].write(line.encode() + b"\n")  # a full disk drops the line, never the cell
                 tail.add(line)
-                self.batch.events.output(cell, stream, line)
+                self.batch.events.output(cell, stream, line + "\n")
 
             watcher = Watcher(on_line)
             try:

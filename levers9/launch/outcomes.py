@@ -28,7 +28,7 @@ from levers9.launch.spec import JobSpec
 from levers9.procs import oom
 from levers9.procs.failure import rebuild, unship_value
 from levers9.procs.outcome import Outcome, StopReason, kind_of
-from levers9.procs.watch import cut_line
+from levers9.procs.watch import TAIL_LINE_CHARS, cut_line
 from levers9.retries import run_with_retries, word_for
 
 TAIL_LINES = 40  # lines of a job's output kept for the message when it crashes
@@ -104,10 +104,16 @@ class OutputTail:
 
     def __init__(self) -> None:
         self._lines: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._open = False  # the last line kept is a long one's first pieces
 
-    def add(self, line: str) -> None:
-        """Keep `line`, cut as failure reports keep lines (a 100 MB line is never held here)."""
-        self._lines.append(cut_line(line.removesuffix("\n")) + "\n")
+    def add(self, text: str, *, piece: bool = False) -> None:
+        """Keep a line (its "\\n" optional), or a `piece` of a long one (the line goes on in the next), cut as
+        failure reports keep lines (a 100 MB line is never held here)."""
+        body = text.removesuffix("\n")
+        if self._open and self._lines:
+            body = self._lines.pop().removesuffix("\n") + body[:TAIL_LINE_CHARS]
+        self._lines.append(cut_line(body) + "\n")
+        self._open = piece
 
     @property
     def text(self) -> str:

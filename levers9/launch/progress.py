@@ -30,6 +30,8 @@ from levers9.errors import first_line
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.procs import echo
+from levers9.procs.labelled import LabelledOutput
+from levers9.procs.watch import cut_line
 
 log = logging.getLogger("levers9.launch")
 
@@ -74,6 +76,7 @@ class Reporter:
         self.reused = 0
         self.start = time.monotonic()
         self._lock = threading.RLock()
+        self._out = LabelledOutput(redraws=False)
         self._live: Live | None = None
         if mode == "table":
             console = Console(file=sys.stderr)
@@ -144,13 +147,14 @@ class Reporter:
             summary = f"[{self.done - self.failed}/{self.total} done, {self.failed} failed]"
         self._change(cell, f"{what}  {summary}")
 
-    def output(self, cell: Cell, stream: str, line: str) -> None:
+    def output(self, cell: Cell, stream: str, text: str) -> None:
+        """A line of a cell's output with its "\\n", or a piece of a long one: "[cell] " before each line."""
         with self._lock:
             view = self._cells.get(cell.index)
-            if view is not None and line.strip():
-                view.last = line.strip()
+            if view is not None and text.strip():
+                view.last = cut_line(text.strip())
         if self.stream_output:
-            echo.write(stream, f"[{self._name(cell)}] {line}\n")
+            self._out(cell.index, f"[{self._name(cell)}] ", stream, text)
 
     def close(self) -> None:
         """Draw the final state and stop redrawing (idempotent)."""

@@ -25,16 +25,13 @@ callers sharing a cluster are ordered by Ray.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import logging
 import os
-import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, NoReturn
@@ -42,7 +39,6 @@ from typing import Any, NoReturn
 import ray
 
 from levers9 import state_files
-from levers9.context import JobContext, describe_split
 from levers9.errors import (
     FailureKind,
     InfeasibleJobError,
@@ -59,19 +55,16 @@ from levers9.launch.lanes import dispatch
 from levers9.launch.local import LocalBackend
 from levers9.launch.outcomes import Cancelled, OutputTail
 from levers9.launch.pool import holds_cards
+from levers9.launch.ray_admission import Admission, Entry
 from levers9.launch.ray_cli import RESOURCE_PREFIX, node_resources, resource_name
-from levers9.launch.ray_task import GangSlot, TaskPayload, scratch_dir
+from levers9.launch.ray_node_task import TaskEnded, TaskOutput, TaskStarted, node_task
+from levers9.launch.ray_task import GangSlot, TaskPayload
 from levers9.launch.spec import JobSpec
-from levers9.procs import start
-from levers9.procs.failure import ship, unship
-from levers9.procs.outcome import Outcome
-from levers9.procs.supervise import Supervisor
-from levers9.procs.watch import Watcher
+from levers9.procs.failure import ship
 from levers9.state_files import AppendLog
 
 log = logging.getLogger("levers9.launch.ray")
 
-OUTPUT_EVERY = 0.1  # seconds between batches of output lines sent back from a task
 CANCEL_EVERY = 0.5  # seconds between repeats of ray.cancel until a cancelled task is over
 _connect_lock = threading.Lock()
 
@@ -80,7 +73,7 @@ class RayBackend:
     """Runs batches as Ray tasks on the cluster at RAY_ADDRESS, or on a local Ray started on demand."""
 
     def __init__(self) -> None:
-        self.admission = _Admission()
+        self.admission = Admission()
 
     def submit(self, batch: Batch) -> list[Future[Any]]:
         """Connect, check that some alive node could hold the job, then run the cells on lanes (lanes.py):
@@ -285,77 +278,6 @@ def _mem(memory: int | None) -> str:
     return f" and {memory / 2**30:.1f} GiB of memory" if memory is not None else ""
 
 
-@dataclasses.dataclass(eq=False)
-class _Entry:
-    shape: tuple[Any, ...]
-    submitted: bool = False  # its task was handed to Ray
-
-
-class _Admission:
-    """First come, first served across shapes: a task is submitted only when every earlier task that
-    has not started yet has the same shape and was submitted already (Ray keeps one shape's queue in the
-    order tasks were submitted, so tasks are handed to Ray in the order cells entered here)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._queue: list[_Entry] = []
-
-    def enter(self, shape: tuple[Any, ...]) -> _Entry:
-        with self._cond:
-            entry = _Entry(shape)
-            self._queue.append(entry)
-            return entry
-
-    def wait_turn(self, entry: _Entry, stop: Callable[[], bool], deadline: float | None) -> bool:
-        """True when `entry` may be submitted; False if `stop()` or the deadline came first."""
-        with self._cond:
-            while True:
-                ahead = self._queue[: self._queue.index(entry)]
-                if all(e.shape == entry.shape and e.submitted for e in ahead):
-                    return True
-                if stop() or (deadline is not None and time.monotonic() >= deadline):
-                    return False
-                self._cond.wait(0.1)
-
-    def submitted(self, entry: _Entry) -> None:
-        """`entry`'s task was handed to Ray: the entries behind it may be submitted now."""
-        with self._cond:
-            entry.submitted = True
-            self._cond.notify_all()
-
-    def leave(self, entry: _Entry) -> None:
-        with self._cond:
-            if entry in self._queue:
-                self._queue.remove(entry)
-                self._cond.notify_all()
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskStarted:
-    """A Ray task's first item: the job process is running."""
-
-    pid: int
-    cards: str  # CUDA_VISIBLE_DEVICES of the job ('' across nodes)
-    node: str  # the node's address, or the split across nodes
-    node_id: str
-    time: float
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskOutput:
-    """A batch of the job's output lines, each (stream, line with its newline)."""
-
-    lines: list[tuple[str, str]]
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskEnded:
-    """A Ray task's last item: how the job process ended (its OOM-kill counts are the node's cgroup's)."""
-
-    outcome: Outcome
-    time: float
-
-
 class _RayTask:
     """One submitted Ray task and why this process killed it, if it did."""
 
@@ -390,7 +312,7 @@ class _RayCell:
     ) -> None:  # fmt: skip
         self.backend, self.batch, self.cell, self.plan = backend, batch, cell, plan
         self.payload, self.run_dir = payload, run_dir
-        self.entry = _Entry(plan.shape)  # in the admission queue only from when a lane takes this cell
+        self.entry = Entry(plan.shape)  # in the admission queue only from when a lane takes this cell
         self.label = batch.cell_label(cell)
         self.future: Future[Any] = Future()
         self.current: _RayTask | None = None
@@ -435,7 +357,7 @@ class _RayCell:
             gang = GangSlot(pg, self.plan.gang.share, self.plan.gang.nodes, self.plan.gang.gpu_type)
             payload = dataclasses.replace(payload, gang=gang)
         try:
-            gen = _node_task.options(**options).remote(payload)
+            gen = node_task.options(**options).remote(payload)
         except BaseException:
             if pg is not None:
                 ray_gang.release(pg)
@@ -493,10 +415,10 @@ class _RayCell:
                         where = f"{item.cards or 'no card'} on {item.node}" if self.plan.gang is None else item.node
                         self.batch.events.started(cell, where, attempt)
                     elif isinstance(item, TaskOutput):
-                        for stream, line in item.lines:
-                            (out_log if stream == "stdout" else err_log).write(line.encode())  # never raises
-                            tail.add(line)
-                            self.batch.events.output(cell, stream, line.rstrip("\n"))
+                        for stream, text in item.lines:
+                            (out_log if stream == "stdout" else err_log).write(text.encode())  # never raises
+                            tail.add(text, piece=not text.endswith("\n"))
+                            self.batch.events.output(cell, stream, text)
                     elif isinstance(item, TaskEnded):
                         end = item
         except ray.exceptions.RayError as exc:
@@ -541,77 +463,3 @@ def _free_gpus() -> str:
         return f"{ray.available_resources().get('GPU', 0):g}"
     except Exception:
         return "an unknown number of"
-
-
-# ---- inside the Ray task, on the node -------------------------------------------------------------
-
-
-def _run_on_node(payload: TaskPayload) -> Iterator[TaskStarted | TaskOutput | TaskEnded]:
-    """Start the cell as a job process with exactly this task's cards, supervise it, and report on it: one
-    TaskStarted, TaskOutput items with batches of lines, one TaskEnded with the job's Outcome."""
-    payload.use_sys_path()
-    func = unship(payload.func)
-    args, kwargs = unship(payload.arguments)
-    spec = payload.spec
-    index, attempt = payload.index, payload.attempt
-    ids = [str(i) for i in ray.get_gpu_ids()] if spec.gpu_count else []
-    simulated, gpu_type = job_process.cards_of_task(ids, payload.gpu_type)
-    job_dir = scratch_dir(index, attempt)
-    lines: collections.deque[tuple[str, str]] = collections.deque()
-    watcher = Watcher(lambda child, stream, line: lines.append((stream, line + "\n")))
-    node = ray.util.get_node_ip_address()
-    hosting = contextlib.ExitStack()  # a job across nodes: its control store and agents (ray_gang.host)
-    try:
-        gang_host = hosting.enter_context(ray_gang.host(payload, node, spec.stop_grace)) if payload.gang else None
-        gang = None if gang_host is None else gang_host.context
-        env = job_process.job_env(spec, [])
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)  # Ray's ids for this task; "" for a CPU job
-        context = JobContext(
-            run_id=payload.run_id,
-            cell_index=index,
-            attempt=attempt,
-            job_dir=str(job_dir),
-            gpu_count=len(ids),
-            gpu_type=gpu_type,
-            simulated=simulated,
-            stall_timeout=spec.stall_timeout,
-            max_restarts=spec.max_restarts,
-            gang=gang,
-        )
-        target = job_process.JobTarget(func, args, kwargs, context)
-        method = start.choose()
-        shipped = None if method.forks else job_process.ship_target(target)
-        child = watcher.add(start.start(target, method=method, shipped=shipped, env=env, name=f"cell {index}"))
-        yield TaskStarted(
-            pid=child.pid,
-            cards=env["CUDA_VISIBLE_DEVICES"] if gang is None else "",
-            node=node if gang is None else describe_split(gang.world_size, gang.shares, gang.addresses, gpu_type or "GPU"),
-            node_id=ray.get_runtime_context().get_node_id(),
-            time=time.time(),
-        )
-        supervisor = Supervisor(watcher, [child], timeout=spec.timeout, grace=spec.stop_grace)
-        while not supervisor.step(OUTPUT_EVERY):
-            if gang_host is not None:
-                gang_host.poll()  # a lost node's agent replaced, when the job process asks
-            if lines:
-                yield TaskOutput(_drain(lines))
-        if lines:
-            yield TaskOutput(_drain(lines))
-        yield TaskEnded(supervisor.outcomes()[0], time.time())
-    finally:
-        watcher.stop(spec.stop_grace)
-        watcher.close()
-        hosting.close()
-        shutil.rmtree(job_dir, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            job_dir.parent.rmdir()  # only if no other job uses it
-
-
-_node_task = ray.remote(_run_on_node)
-
-
-def _drain(lines: collections.deque[tuple[str, str]]) -> list[tuple[str, str]]:
-    out = []
-    while lines:
-        out.append(lines.popleft())
-    return out

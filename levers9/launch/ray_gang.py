@@ -7,7 +7,7 @@ before. An uneven or impossible split is refused before anything starts, with a 
 node has. The cards are gang-allocated with one STRICT_SPREAD placement group (`reserve`), waited
 for at most queue_timeout. The job's own Ray task runs in bundle 0 and hosts the job's control store
 (`host`); it starts one agent task in every other bundle (`_agent`), which runs
-levers9.distributed.nodes.serve. `distributed.run` inside the job does the rest (see nodes.py). When a node
+levers9.distributed.node_agent.serve. `distributed.run` inside the job does the rest (see nodes.py). When a node
 is lost and the run restarts, a new agent is started in that node's bundle, which Ray places on another
 node once it knows the first is dead, within the job's queue_timeout (`GangHost`).
 """
@@ -295,10 +295,10 @@ def _declared_lost(store: ControlStore, node: int) -> bool:
 
 
 def _agent(payload: AgentPayload) -> None:
-    """Node i's agent: this bundle's cards, a scratch folder, then nodes.serve until the job ends."""
+    """Node i's agent: this bundle's cards, a scratch folder, then node_agent.serve until the job ends."""
     import ray
 
-    from levers9.distributed import nodes
+    from levers9.distributed import node_agent
     from levers9.launch import job_process
 
     task, gang = payload.task, payload.gang
@@ -314,7 +314,7 @@ def _agent(payload: AgentPayload) -> None:
         context = JobContext(run_id=task.run_id, cell_index=index, attempt=attempt, job_dir=str(job_dir),
                              gpu_count=len(ids), gpu_type=gpu_type, simulated=simulated, stall_timeout=spec.stall_timeout,
                              max_restarts=spec.max_restarts, gang=gang)  # fmt: skip
-        nodes.serve(gang, ray.util.get_node_ip_address(), context, env, generation=payload.generation,
+        node_agent.serve(gang, ray.util.get_node_ip_address(), context, env, generation=payload.generation,
                     first_attempt=payload.first_attempt)  # fmt: skip
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)

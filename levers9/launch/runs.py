@@ -300,7 +300,7 @@ class RunRecord:
         extra = {} if ok or error is None else {"error": describe_error(error)}
         self._event(cell, "done" if ok else "failed", **extra)
 
-    def output(self, cell: Cell, stream: str, line: str) -> None:
+    def output(self, cell: Cell, stream: str, text: str) -> None:
         pass
 
     def store(self, cell: Cell, future: Future[Any]) -> None:

@@ -33,7 +33,28 @@ TAIL_LINE_CHARS = 4000  # of each of them; a longer line is kept cut, saying so
 STUCK_S = 1.0  # once children were stopped early, output the caller's stream has not taken for this long is dropped
 
 
-class Child:
+class Ended:
+    """How something watched ended, once it has: `status` (exit code, signal), the failure it reported."""
+
+    status: tuple[int | None, int | None] | None = None  # (exit code, signal) once it ended
+    failure: Failure | None = None
+    lost = False  # nothing is known of how it ended (never, for a child of this process: its end is always seen)
+
+    @property
+    def failed(self) -> bool:
+        """It reported a failure, or ended with anything but exit code 0."""
+        return self.failure is not None or (self.status is not None and self.status != (0, None))
+
+    @property
+    def exitcode(self) -> int | None:
+        return None if self.status is None else self.status[0]
+
+    @property
+    def signal(self) -> int | None:
+        return None if self.status is None else self.status[1]
+
+
+class Child(Ended):
     """A started child: its pid, pipes, the last lines it printed, what it sent back and how it ended."""
 
     def __init__(
@@ -94,19 +115,6 @@ class Child:
             self.popen.returncode = code  # reaped here: the Popen must not wait for it again
         self.status = (code, None) if code >= 0 else (None, -code)
         return True
-
-    @property
-    def failed(self) -> bool:
-        """It reported a failure, or ended with anything but exit code 0."""
-        return self.failure is not None or (self.status is not None and self.status != (0, None))
-
-    @property
-    def exitcode(self) -> int | None:
-        return None if self.status is None else self.status[0]
-
-    @property
-    def signal(self) -> int | None:
-        return None if self.status is None else self.status[1]
 
     def signal_tree(self, signum: int) -> None:
         """Send `signum` to the child's process group (everything it started), or to the child alone

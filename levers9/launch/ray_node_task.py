@@ -1,0 +1,130 @@
+"""Inside a Ray task, on its node: the job process started with the task's cards, supervised, reported back.
+
+The Ray backend (ray_backend.py) submits `node_task`; its items are one TaskStarted, TaskOutput items with the
+job's output (a long line in pieces, at most ITEM_CHARS in one item, so the caller never holds it whole) and
+one TaskEnded with the job's Outcome. A job across nodes also hosts its control store and agents here
+(ray_gang.host).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import shutil
+import time
+from collections.abc import Iterator
+
+import ray
+
+from levers9.context import JobContext, describe_split
+from levers9.launch import job_process, ray_gang
+from levers9.launch.ray_task import TaskPayload, scratch_dir
+from levers9.procs import start
+from levers9.procs.failure import unship
+from levers9.procs.outcome import Outcome
+from levers9.procs.supervise import Supervisor
+from levers9.procs.watch import Watcher
+
+OUTPUT_EVERY = 0.1  # seconds between batches of output lines sent back from a task
+ITEM_CHARS = 4 << 20  # of output in one item a task sends back (a long line comes in pieces of about 1 MB)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskStarted:
+    """A Ray task's first item: the job process is running."""
+
+    pid: int
+    cards: str  # CUDA_VISIBLE_DEVICES of the job ('' across nodes)
+    node: str  # the node's address, or the split across nodes
+    node_id: str
+    time: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskOutput:
+    """A batch of the job's output, each (stream, a line with its newline or a piece of a long one without)."""
+
+    lines: list[tuple[str, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskEnded:
+    """A Ray task's last item: how the job process ended (its OOM-kill counts are the node's cgroup's)."""
+
+    outcome: Outcome
+    time: float
+
+
+
+def run_on_node(payload: TaskPayload) -> Iterator[TaskStarted | TaskOutput | TaskEnded]:
+    """Start the cell as a job process with exactly this task's cards, supervise it, and report on it: one
+    TaskStarted, TaskOutput items with batches of lines, one TaskEnded with the job's Outcome."""
+    payload.use_sys_path()
+    func = unship(payload.func)
+    args, kwargs = unship(payload.arguments)
+    spec = payload.spec
+    index, attempt = payload.index, payload.attempt
+    ids = [str(i) for i in ray.get_gpu_ids()] if spec.gpu_count else []
+    simulated, gpu_type = job_process.cards_of_task(ids, payload.gpu_type)
+    job_dir = scratch_dir(index, attempt)
+    lines: collections.deque[tuple[str, str]] = collections.deque()
+    watcher = Watcher(on_text=lambda child, stream, text: lines.append((stream, text)))  # long lines in pieces
+    node = ray.util.get_node_ip_address()
+    hosting = contextlib.ExitStack()  # a job across nodes: its control store and agents (ray_gang.host)
+    try:
+        gang_host = hosting.enter_context(ray_gang.host(payload, node, spec.stop_grace)) if payload.gang else None
+        gang = None if gang_host is None else gang_host.context
+        env = job_process.job_env(spec, [])
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)  # Ray's ids for this task; "" for a CPU job
+        context = JobContext(
+            run_id=payload.run_id,
+            cell_index=index,
+            attempt=attempt,
+            job_dir=str(job_dir),
+            gpu_count=len(ids),
+            gpu_type=gpu_type,
+            simulated=simulated,
+            stall_timeout=spec.stall_timeout,
+            max_restarts=spec.max_restarts,
+            gang=gang,
+        )
+        target = job_process.JobTarget(func, args, kwargs, context)
+        method = start.choose()
+        shipped = None if method.forks else job_process.ship_target(target)
+        child = watcher.add(start.start(target, method=method, shipped=shipped, env=env, name=f"cell {index}"))
+        yield TaskStarted(
+            pid=child.pid,
+            cards=env["CUDA_VISIBLE_DEVICES"] if gang is None else "",
+            node=node if gang is None else describe_split(gang.world_size, gang.shares, gang.addresses, gpu_type or "GPU"),
+            node_id=ray.get_runtime_context().get_node_id(),
+            time=time.time(),
+        )
+        supervisor = Supervisor(watcher, [child], timeout=spec.timeout, grace=spec.stop_grace)
+        while not supervisor.step(OUTPUT_EVERY):
+            if gang_host is not None:
+                gang_host.poll()  # a lost node's agent replaced, when the job process asks
+            while lines:
+                yield TaskOutput(_drain(lines))
+        while lines:
+            yield TaskOutput(_drain(lines))
+        yield TaskEnded(supervisor.outcomes()[0], time.time())
+    finally:
+        watcher.stop(spec.stop_grace)
+        watcher.close()
+        hosting.close()
+        shutil.rmtree(job_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            job_dir.parent.rmdir()  # only if no other job uses it
+
+
+node_task = ray.remote(run_on_node)
+
+
+def _drain(lines: collections.deque[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The oldest output waiting, at most about ITEM_CHARS of it: the caller holds one item at a time."""
+    out, size = [], 0
+    while lines and size < ITEM_CHARS:
+        out.append(lines.popleft())
+        size += len(out[-1][1])
+    return out
