@@ -46,6 +46,16 @@ def report_once_started(folder: str, tag: Any, seconds: float) -> dict[str, Any]
     return report(tag, seconds)
 
 
+def hold_cards_until_released(folder: str, tag: Any) -> dict[str, Any]:
+    """`report`, after writing folder/started-<tag>, once folder/release exists (at most 120 s): the job holds
+    its cards for as long as the test needs, whatever the machine's speed."""
+    write_atomically(Path(folder, f"started-{tag}"), "")
+    deadline = time.monotonic() + 120
+    while not Path(folder, "release").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return report(tag, 0)
+
+
 def report_once_four_run(folder: str, tag: Any, seconds: float) -> dict[str, Any]:
     """`report`, once four cells have written folder/started-<tag> (four cards in use at one time);
     a cell that waits 120 s for them raises, so a backend that runs fewer at once fails, never hangs."""

@@ -122,14 +122,17 @@ def _wait_for_files(folder: Path, pattern: str, count: int) -> None:
 
 
 def test_queue_timeout_says_how_many_cards_are_free(tmp_path: Path) -> None:
-    hog = job(gpu="RTXPro6000", gpu_count=1)(jobfns.report_once_started)
-    held = [hog.spawn(str(tmp_path), i, 1.0) for i in range(4)]
-    _wait_for_files(tmp_path, "started-*", 4)  # every card is held
+    hog = job(gpu="RTXPro6000", gpu_count=1)(jobfns.hold_cards_until_released)
+    held = [hog.spawn(str(tmp_path), i) for i in range(4)]
+    _wait_for_files(tmp_path, "started-*", 4)  # every card is held, until the release file below
     waiter = job(gpu="RTXPro6000", queue_timeout=0.3)(jobfns.report)
-    with pytest.raises(
-        JobTimeout, match=r"waited 0.3 s \(queue_timeout\) for 1 RTXPro6000 card at once; 0 of"
-    ):
-        waiter.remote("late", 0)
+    try:
+        with pytest.raises(
+            JobTimeout, match=r"waited 0.3 s \(queue_timeout\) for 1 RTXPro6000 card at once; 0 of"
+        ):
+            waiter.remote("late", 0)
+    finally:
+        (tmp_path / "release").touch()
     assert all(f.result(timeout=30)["cards"] for f in held)
 
 
