@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from levers9.cli import main as cli_main
 from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, WorkspacePolicyError
 from levers9.launch import job
 from levers9.launch.settings import update_settings
@@ -283,3 +284,15 @@ def test_a_pending_cell_says_what_it_waits_for(on_slurm: None, capfd: pytest.Cap
     assert list(cells.map([(4.0,), (4.0,), (4.0,)])) == ["slept", "slept", "slept"]
     err = capfd.readouterr().err
     assert "waiting for 2 free cards on one node: " in err, err[-3000:]
+
+
+def test_levers9_runs_lists_a_slurm_run_with_its_job_ids(on_slurm: None, capsys: pytest.CaptureFixture[str]) -> None:
+    results = job(slurmfns.square, backend="slurm").map([2, 3], progress=False)
+    assert list(results) == [4, 9]
+    capsys.readouterr()
+    assert cli_main(["runs"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows[str(results.run_id)][2] == "slurm"
+    assert cli_main(["runs", "show", str(results.run_id)]) == 0
+    shown = capsys.readouterr().out
+    assert shown.count("(SLURM job ") == 2, shown

@@ -452,6 +452,7 @@ def test_runs_lists_shows_and_prints_logs_of_runs_made_here(
     rows = {line.split()[0]: line for line in out.splitlines()[1:]}
     assert results.run_id in rows and said.run_id in rows
     assert "2/1/3" in rows[results.run_id] and "ended" in rows[results.run_id]
+    assert rows[results.run_id].split()[2] == "local"
     status, out, _ = _cli(capsys, "show", str(results.run_id))
     assert status == 0
     cell_rows = {line.split()[0]: line for line in out.splitlines()[2:]}

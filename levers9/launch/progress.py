@@ -230,8 +230,8 @@ class Reporter:
 
 
 def _cards(cards: str) -> str:
-    if cards in ("", "no card"):
-        return "no card"
+    if cards in ("", "no card") or cards.startswith("no card "):
+        return cards or "no card"
     return f"card {cards}" if "," not in cards and " " not in cards else f"cards {cards}"
 
 

@@ -104,10 +104,10 @@ def _list(args: argparse.Namespace) -> int:
         end = run.ended if run.ended is not None else time.time() if run.alive else None
         wall = "" if end is None else _duration(end - run.started)
         rows.append(
-            [run.name_on_disk, str(run.meta.get("name", "?")), _when(run.started),
+            [run.name_on_disk, str(run.meta.get("name", "?")), str(run.meta.get("backend", "?")), _when(run.started),
              f"{done}/{failed}/{total}", wall, run.status]
         )  # fmt: skip
-    _table(["run", "name", "started", "done/failed/total", "wall", "status"], rows)
+    _table(["run", "name", "backend", "started", "done/failed/total", "wall", "status"], rows)
     return 0
 
 

@@ -75,9 +75,9 @@ class SlurmPlan:
     cards: int  # GPUs per node
 
     def where(self, node: str, job_id: str) -> str:
-        """What the status line says a running job holds: '2 on l9node1 (SLURM job 28)', 'no card'."""
+        """What the status line says a running job holds: '2 on l9node1 (SLURM job 28)', 'no card on l9node2 (SLURM job 29)'."""
         if not self.cards:
-            return "no card"
+            return f"no card on {node or '?'} (SLURM job {job_id})"
         split = f"{self.nodes * self.cards} as {self.nodes} nodes x {self.cards}" if self.nodes > 1 else str(self.cards)
         return f"{split} on {node or '?'} (SLURM job {job_id})"
 
