@@ -50,8 +50,10 @@ def write(name: str, text: str) -> None:
         if name not in _refused:
             _refused.add(name)
             with contextlib.suppress(Exception):
-                log.warning("levers9: sys.%s refused children's output (%s: %s); their output to it is dropped",
-                            name, type(exc).__name__, exc)  # fmt: skip
+                log.warning("levers9: sys.%s refused children's output (%s: %s); their output to it is dropped, "
+                            "their results are not. Expected a stream with write() (and flush()); to see the "
+                            "output, give sys.%s one (a job's output is also kept: `levers9 runs logs RUN CELL`).",
+                            name, type(exc).__name__, exc, name)  # fmt: skip
 
 
 def printable(text: str) -> str:
