@@ -9,8 +9,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 dist.init_process_group("gloo")
-# each run compiles afresh, as a new training run does (no inductor cache from the run before)
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))
+# each run compiles afresh, as a new training run does: bench_compile.py gives each run a cache folder of its
+# own; run by hand, the ranks share one for this run, in the temp folder torchrun gives them
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"inductor-{os.environ['TORCHELASTIC_RUN_ID']}")
 torch.manual_seed(0)
 model = torch.compile(DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -165,6 +165,7 @@ def on_a_terminal(argv: list[str], gate: Path, seconds: float = 120) -> tuple[by
     each progress redraw is let through only once it is on the screen, and the name is typed at its prompt."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env["TMPDIR"] = str(gate.parent)  # torchrun's agent leaves its torchelastic_* folder there
     pid, fd = pty.fork()
     if pid == 0:  # the child: exec at once
         os.execve(argv[0], argv, env)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import secrets
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -27,7 +26,8 @@ from levers9.distributed.control_store import ControlStore
 from levers9.distributed.store_server import serve_store
 from levers9.errors import InfeasibleJobError
 from levers9.launch.ray_cli import resource_name
-from levers9.launch.ray_task import AgentPayload, TaskPayload, scratch_dir
+from levers9.launch.ray_task import AgentPayload, TaskPayload
+from levers9.launch.scratch import remove_scratch_dir, scratch_dir
 from levers9.launch.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -307,7 +307,7 @@ def _agent(payload: AgentPayload) -> None:
     ids = [str(i) for i in ray.get_gpu_ids()]
     simulated, gpu_type = job_process.cards_of_task(ids, task.gpu_type)
     index, attempt = task.index, task.attempt
-    job_dir = scratch_dir(index, attempt)
+    job_dir = scratch_dir("ray", index, attempt)
     try:
         env = job_process.job_env(spec, [])
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
@@ -317,7 +317,7 @@ def _agent(payload: AgentPayload) -> None:
         node_agent.serve(gang, ray.util.get_node_ip_address(), context, env, generation=payload.generation,
                     first_attempt=payload.first_attempt)  # fmt: skip
     finally:
-        shutil.rmtree(job_dir, ignore_errors=True)
+        remove_scratch_dir(job_dir)
 
 
 def _make_agent_task() -> Any:

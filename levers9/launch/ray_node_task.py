@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import shutil
 import time
 from collections.abc import Iterator
 
@@ -19,7 +18,8 @@ import ray
 
 from levers9.context import JobContext, describe_split
 from levers9.launch import job_process, ray_gang
-from levers9.launch.ray_task import TaskPayload, scratch_dir
+from levers9.launch.ray_task import TaskPayload
+from levers9.launch.scratch import remove_scratch_dir, scratch_dir
 from levers9.procs import start
 from levers9.procs.failure import unship
 from levers9.procs.outcome import Outcome
@@ -67,7 +67,7 @@ def run_on_node(payload: TaskPayload) -> Iterator[TaskStarted | TaskOutput | Tas
     index, attempt = payload.index, payload.attempt
     ids = [str(i) for i in ray.get_gpu_ids()] if spec.gpu_count else []
     simulated, gpu_type = job_process.cards_of_task(ids, payload.gpu_type)
-    job_dir = scratch_dir(index, attempt)
+    job_dir = scratch_dir("ray", index, attempt)
     lines: collections.deque[tuple[str, str]] = collections.deque()
     watcher = Watcher(on_text=lambda child, stream, text: lines.append((stream, text)))  # long lines in pieces
     node = ray.util.get_node_ip_address()
@@ -113,9 +113,7 @@ def run_on_node(payload: TaskPayload) -> Iterator[TaskStarted | TaskOutput | Tas
         watcher.stop(spec.stop_grace)
         watcher.close()
         hosting.close()
-        shutil.rmtree(job_dir, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            job_dir.parent.rmdir()  # only if no other job uses it
+        remove_scratch_dir(job_dir)
 
 
 node_task = ray.remote(run_on_node)

@@ -1,22 +1,14 @@
 """What a Ray task of levers9 is given: the typed payload of a job's task (launch/ray_backend.py) and of an agent's
-task on another node of a job across nodes (launch/ray_gang.py), and what both tasks do first on their node (their
-cards, their scratch folder). No Ray import."""
+task on another node of a job across nodes (launch/ray_gang.py). No Ray import."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import shutil
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from levers9.context import GangContext
 from levers9.launch.spec import JobSpec
-from levers9.private_dir import private_dir
-from levers9.procs.watch import pid_alive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,21 +54,3 @@ class AgentPayload:
 
 
 # ---- inside a task, on its node
-
-
-def scratch_dir(index: int, attempt: int) -> Path:
-    """A folder for the job (its context's job_dir), removed when the task ends. Folders of
-    tasks whose worker was killed (cancel, lost caller) are removed by the next task on the node."""
-    root = Path(tempfile.gettempdir()) / f"levers9-ray-{os.getuid()}"
-    for _ in range(10):
-        try:  # the task that empties the root removes it: it can vanish at any step below
-            private_dir(root)
-            with contextlib.suppress(OSError):
-                for stale in root.iterdir():
-                    owner = stale.name.partition("-")[0]
-                    if owner.isdigit() and not pid_alive(int(owner)):
-                        shutil.rmtree(stale, ignore_errors=True)
-            return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-{index:04d}-{attempt}-", dir=root))
-        except FileNotFoundError:
-            continue
-    return Path(tempfile.mkdtemp(prefix=f"levers9-ray-{os.getpid()}-"))

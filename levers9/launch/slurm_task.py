@@ -13,15 +13,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import shutil
 import socket
 import sys
-import tempfile
+from pathlib import Path
 from typing import Any
 
 from levers9 import runtime
 from levers9.context import JobContext
 from levers9.launch import job_process
+from levers9.launch.scratch import remove_scratch_dir, scratch_dir
 from levers9.launch.spec import JobSpec
 from levers9.procs.failure import Failure, capture, exit_status, ship_value, unship
 from levers9.runtime import Runtime
@@ -42,7 +42,7 @@ def run_task(payload: dict[str, Any]) -> TaskReport:
     """Run this task's part of the cell in `payload` and report how it ended (never raises an Exception)."""
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    job_dir = tempfile.mkdtemp(prefix=f"levers9-slurm-{os.getpid()}-")
+    job_dir = scratch_dir("slurm", int(payload["index"]), int(payload["attempt"]))
     try:
         value = ship_value(_call(payload, job_dir), "the job's return value")
         return TaskReport(rank, node, os.getpid(), value=value)
@@ -51,10 +51,10 @@ def run_task(payload: dict[str, Any]) -> TaskReport:
     except Exception as exc:
         return TaskReport(rank, node, os.getpid(), failure=capture(exc))
     finally:
-        shutil.rmtree(job_dir, ignore_errors=True)
+        remove_scratch_dir(job_dir)
 
 
-def _call(payload: dict[str, Any], job_dir: str) -> Any:
+def _call(payload: dict[str, Any], job_dir: Path) -> Any:
     for entry in reversed(payload["sys_path"]):
         if entry not in sys.path:
             sys.path.insert(0, entry)
@@ -68,7 +68,7 @@ def _call(payload: dict[str, Any], job_dir: str) -> Any:
         run_id=payload["run_id"],
         cell_index=int(payload["index"]),
         attempt=int(payload["attempt"]) + int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-        job_dir=job_dir,
+        job_dir=str(job_dir),
         gpu_count=len(ids),
         gpu_type=gpu_type,
         simulated=simulated,
