@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from levers9 import runtime
-from levers9.context import JobContext
+from levers9.context import GangContext, JobContext
 from levers9.errors import NotShippableError
 from levers9.launch.spec import JobSpec
 from levers9.procs.failure import ship, ship_value
@@ -70,6 +70,16 @@ def ship_target(target: JobTarget) -> bytes:
     return ship_for(target, getattr(target.func, "__qualname__", repr(target.func)),
                     "a fresh interpreter, which is how jobs start when this process has already initialised CUDA",
                     "Define it at module level, or start the jobs before touching CUDA in this process.")  # fmt: skip
+
+
+def task_context(spec: JobSpec, run_id: str, index: int, attempt: int, job_dir: str, ids: list[str], gpu_type: str = "",
+                 gang: GangContext | None = None) -> JobContext:  # fmt: skip
+    """The JobContext of a job that a scheduler's task runs (a Ray task, a SLURM task) on the cards `ids` it was
+    given (simulated when NVML shows none of them; `gpu_type` read from them when not given)."""
+    simulated, gpu_type = cards_of_task(ids, gpu_type)
+    return JobContext(run_id=run_id, cell_index=index, attempt=attempt, job_dir=job_dir, gpu_count=len(ids),
+                      gpu_type=gpu_type, simulated=simulated, stall_timeout=spec.stall_timeout,
+                      max_restarts=spec.max_restarts, gang=gang)  # fmt: skip
 
 
 def cards_of_task(ids: list[str], gpu_type: str) -> tuple[bool, str]:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from levers9.context import GangContext, JobContext, describe_split
+from levers9.context import GangContext, describe_split
 from levers9.distributed.control_store import ControlStore
 from levers9.distributed.store_server import serve_store
 from levers9.errors import InfeasibleJobError
@@ -305,15 +305,12 @@ def _agent(payload: AgentPayload) -> None:
     task.use_sys_path()
     spec = task.spec
     ids = [str(i) for i in ray.get_gpu_ids()]
-    simulated, gpu_type = job_process.cards_of_task(ids, task.gpu_type)
     index, attempt = task.index, task.attempt
     job_dir = scratch_dir("ray", index, attempt)
     try:
         env = job_process.job_env(spec, [])
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
-        context = JobContext(run_id=task.run_id, cell_index=index, attempt=attempt, job_dir=str(job_dir),
-                             gpu_count=len(ids), gpu_type=gpu_type, simulated=simulated, stall_timeout=spec.stall_timeout,
-                             max_restarts=spec.max_restarts, gang=gang)  # fmt: skip
+        context = job_process.task_context(spec, task.run_id, index, attempt, str(job_dir), ids, task.gpu_type, gang)
         node_agent.serve(gang, ray.util.get_node_ip_address(), context, env, generation=payload.generation,
                     first_attempt=payload.first_attempt)  # fmt: skip
     finally:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import ray
 
-from levers9.context import JobContext, describe_split
+from levers9.context import describe_split
 from levers9.launch import job_process, ray_gang
 from levers9.launch.ray_task import TaskPayload
 from levers9.launch.scratch import remove_scratch_dir, scratch_dir
@@ -66,7 +66,6 @@ def run_on_node(payload: TaskPayload) -> Iterator[TaskStarted | TaskOutput | Tas
     spec = payload.spec
     index, attempt = payload.index, payload.attempt
     ids = [str(i) for i in ray.get_gpu_ids()] if spec.gpu_count else []
-    simulated, gpu_type = job_process.cards_of_task(ids, payload.gpu_type)
     job_dir = scratch_dir("ray", index, attempt)
     lines: collections.deque[tuple[str, str]] = collections.deque()
     watcher = Watcher(on_text=lambda child, stream, text: lines.append((stream, text)))  # long lines in pieces
@@ -77,18 +76,7 @@ def run_on_node(payload: TaskPayload) -> Iterator[TaskStarted | TaskOutput | Tas
         gang = None if gang_host is None else gang_host.context
         env = job_process.job_env(spec, [])
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)  # Ray's ids for this task; "" for a CPU job
-        context = JobContext(
-            run_id=payload.run_id,
-            cell_index=index,
-            attempt=attempt,
-            job_dir=str(job_dir),
-            gpu_count=len(ids),
-            gpu_type=gpu_type,
-            simulated=simulated,
-            stall_timeout=spec.stall_timeout,
-            max_restarts=spec.max_restarts,
-            gang=gang,
-        )
+        context = job_process.task_context(spec, payload.run_id, index, attempt, str(job_dir), ids, payload.gpu_type, gang)
         target = job_process.JobTarget(func, args, kwargs, context)
         method = start.choose()
         shipped = None if method.forks else job_process.ship_target(target)
@@ -96,7 +84,7 @@ def run_on_node(payload: TaskPayload) -> Iterator[TaskStarted | TaskOutput | Tas
         yield TaskStarted(
             pid=child.pid,
             cards=env["CUDA_VISIBLE_DEVICES"] if gang is None else "",
-            node=node if gang is None else describe_split(gang.world_size, gang.shares, gang.addresses, gpu_type or "GPU"),
+            node=node if gang is None else describe_split(gang.world_size, gang.shares, gang.addresses, context.gpu_type or "GPU"),
             node_id=ray.get_runtime_context().get_node_id(),
             time=time.time(),
         )

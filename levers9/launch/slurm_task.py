@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from levers9 import runtime
-from levers9.context import JobContext
 from levers9.launch import job_process
 from levers9.launch.scratch import remove_scratch_dir, scratch_dir
 from levers9.launch.spec import JobSpec
@@ -62,19 +61,9 @@ def _call(payload: dict[str, Any], job_dir: Path) -> Any:
     args, kwargs = unship(payload["arguments"])
     spec: JobSpec = payload["spec"]
     ids = [c for c in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if c.strip()] if spec.gpu_count else []
-    simulated, gpu_type = job_process.cards_of_task(ids, "")
     os.environ.update(spec.env)
-    context = JobContext(
-        run_id=payload["run_id"],
-        cell_index=int(payload["index"]),
-        attempt=int(payload["attempt"]) + int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-        job_dir=str(job_dir),
-        gpu_count=len(ids),
-        gpu_type=gpu_type,
-        simulated=simulated,
-        stall_timeout=spec.stall_timeout,
-        max_restarts=spec.max_restarts,
-    )
+    attempt = int(payload["attempt"]) + int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    context = job_process.task_context(spec, payload["run_id"], int(payload["index"]), attempt, str(job_dir), ids)
     if int(payload["tasks"]) == 1:
         return job_process.JobTarget(func, args, kwargs, context).call()
     from levers9 import distributed as dist
