@@ -118,14 +118,15 @@ def test_a_state_dir_inside_another_users_folder_is_refused(
     assert list(theirs.iterdir()) == []
 
 
-def test_ray_scratch_refuses_a_planted_symlink(shared_tmp: Path, tmp_path: Path) -> None:
-    from levers9.launch.ray_task import scratch_dir
+@pytest.mark.parametrize("kind", ["ray", "slurm"])
+def test_a_tasks_scratch_refuses_a_planted_symlink(shared_tmp: Path, tmp_path: Path, kind: str) -> None:
+    from levers9.launch.scratch import scratch_dir
 
     target = tmp_path / "theirs"
     target.mkdir()
-    (shared_tmp / f"levers9-ray-{os.getuid()}").symlink_to(target)
+    (shared_tmp / f"levers9-{kind}-{os.getuid()}").symlink_to(target)
     with pytest.raises(PrivateDirError, match="symlink"):
-        scratch_dir(0, 1)
+        scratch_dir(kind, 0, 1)
     assert list(target.iterdir()) == []
 
 
