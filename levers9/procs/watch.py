@@ -65,7 +65,7 @@ class Child(Ended):
         self.oom_before = oom_before  # the cgroup's OOM-kill count read just before the child started (None: unreadable)
         self.msg_fd, self.out_fd, self.err_fd = msg_fd, out_fd, err_fd
         self.reader = FrameReader()
-        self.cutters = {out_fd: lines.LineCutter(), err_fd: lines.LineCutter()}
+        self.cutters: dict[int, lines.LineCutter] = {}  # set by the Watcher it is added to, which decides how to cut
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._tail_open: dict[int, bool] = {}  # the tail's last line is an unfinished one from this pipe
         self.status: tuple[int | None, int | None] | None = None  # (exit code, signal) once reaped
