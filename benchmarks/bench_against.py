@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from precompiled import precompile
+
 HERE = Path(__file__).resolve().parent
 JOB = str(HERE / "launch_job.py")
 
@@ -48,6 +50,8 @@ def main() -> None:
         "levers9 run, before": (args.before, cli),
         "torchrun": (here, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", JOB, "plain"]),
     }
+    for tree in (HERE.parent, Path(args.before)):  # both as installed: bytecode compiled, as torch's is
+        precompile(tree)
     times: dict[str, list[float]] = {name: [] for name in cases}
     for round_number in range(args.repeats + 1):  # the first round warms the page cache, untimed
         for name, (tree, cmd) in cases.items():

@@ -542,11 +542,13 @@ def main() -> None:
         "--cap", type=float, default=90.0, help="seconds to wait for an error after the freeze"
     )
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="a comma-separated subset of " + ",".join(SCENARIOS))  # fmt: skip
+    parser.add_argument("--tools", default=",".join(TOOLS), help="a comma-separated subset of " + ",".join(TOOLS))
     parser.add_argument(
         "--show-errors", action="store_true", help="print each failure scenario's exception text"
     )
     args = parser.parse_args()
     scenarios = [s for s in SCENARIOS if s in args.scenarios.split(",")]
+    tools = [t for t in TOOLS if t in args.tools.split(",")]
     logging.getLogger("ray").setLevel(logging.WARNING)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # short: Ray's socket paths must fit 107 bytes
@@ -560,12 +562,12 @@ def main() -> None:
         from levers9.launch.settings import update_settings
 
         update_settings(multi_gpu=True)
-        for tool in TOOLS:  # warm the cluster's worker pool and the page cache once, untimed
+        for tool in tools:  # warm the cluster's worker pool and the page cache once, untimed
             run_once(tool, "start", root, -1, args.cap)
         results: dict[tuple[str, str], list[Run]] = {}
         for number in range(args.repeats):
             for scenario in scenarios:
-                for tool in TOOLS if number % 2 == 0 else TOOLS[::-1]:
+                for tool in tools if number % 2 == 0 else tools[::-1]:
                     runs = results.setdefault((tool, scenario), [])
                     if any("no answer within the cap" in n for r in runs for n in r.notes):
                         continue  # capped once: a second try costs the cap again and says the same

@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from precompiled import precompile
+
 HERE = Path(__file__).resolve().parent
 JOB = str(HERE / "restart_job.py")
 BIN = Path(sys.executable).parent
@@ -64,6 +66,8 @@ def main() -> None:
         cmd = launchers.pop("levers9 distributed.run")[0]
         launchers = {"distributed.run, this checkout": (cmd, {"PYTHONPATH": str(HERE.parent)}),
                      "distributed.run, before": (cmd, {"PYTHONPATH": args.before}), **launchers}  # fmt: skip
+    for tree in (HERE.parent, *([Path(args.before)] if args.before else [])):  # as installed: bytecode compiled
+        precompile(tree)
     times: dict[str, list[float]] = {name: [] for name in launchers}
     for cmd, extra_env in launchers.values():  # warm the page cache once, untimed
         restart_seconds(cmd, extra_env)
