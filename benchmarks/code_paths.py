@@ -5,7 +5,10 @@
 For each checkout (put first on PYTHONPATH; the probe runs in a folder of its own, so the current one never shadows it), runs both calls for real (2 gloo ranks; a 4-cell map on 4
 simulated cards) and counts the levers9 modules loaded in the caller and in the children: the files
 the data passes through. Prints files, lines (wc -l) and code lines (no blank, comment or docstring
-lines) for each, then the package's classes that share a name. Not a timing: a size, counted the same
+lines) for each; then, by package folder (a call's own layer: distributed and procs for `run`, launch
+for `.map`), the functions that ran in the caller and the processes it forked (a profile hook records
+every levers9 function called): what a reader opens to follow the call, counted the same way for every
+checkout; then the package's classes that share a name. Not a timing: a size, counted the same
 way for every checkout.
 """
 
@@ -22,12 +25,29 @@ import sys
 import tempfile
 import tokenize
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
+LAYERS = ("distributed", "procs", "launch", "top level")
 
 PROBE = r"""
-import json, os, sys
+import json, os, sys, threading
 sys.path.insert(0, os.environ["PROBE_DIR"])
+ran = set()  # (file, first line, last line) of every levers9 function called, in this process and its forks
+
+def note_call(frame, event, arg):
+    code = frame.f_code
+    if event == "call" and "/levers9/" in code.co_filename and code.co_name != "<module>":
+        ran.add((code.co_filename, code.co_firstlineno, max(line or 0 for _, _, line in code.co_lines())))
+
+def dump_and_exit(status, _exit=os._exit):  # a forked rank or job process leaves through os._exit
+    with open(os.path.join(os.environ["PROBE_DIR"], f"ran-{os.getpid()}.json"), "w") as out:
+        json.dump(sorted(ran), out)
+    _exit(status)
+
+os._exit = dump_and_exit
+sys.setprofile(note_call)
+threading.setprofile(note_call)
 import probe_fns
 from levers9 import distributed, job
 
@@ -41,7 +61,12 @@ if which == "run":
 else:
     cell = job(gpu="RTXPro6000", gpu_count=1, stream_output=False)(probe_fns.cell_modules)
     child = sorted({f for files in cell.map([(i,) for i in range(4)]) for f in files})
-print(json.dumps(sorted(set(loaded()) | set(child))))
+sys.setprofile(None)
+threading.setprofile(None)
+for name in os.listdir(os.environ["PROBE_DIR"]):
+    if name.startswith("ran-"):
+        ran.update(tuple(f) for f in json.load(open(os.path.join(os.environ["PROBE_DIR"], name))))
+print(json.dumps({"loaded": sorted(set(loaded()) | set(child)), "ran": sorted(ran)}))
 """
 
 FNS = r"""
@@ -75,7 +100,9 @@ def code_lines(text: str) -> int:
     return len(code - doc_lines)
 
 
-def path_of(tree: str, which: str) -> list[str]:
+def path_of(tree: str, which: str) -> dict[str, list[Any]]:
+    """{"loaded": levers9 files loaded in the caller and children, "ran": [file, first, last line] of every
+    levers9 function called in the caller and in the processes it forked}."""
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "probe_fns.py").write_text(FNS)
         env = {**os.environ, "PYTHONPATH": tree, "PROBE_DIR": tmp, "LEVERS9_SIMULATE_GPUS": "RTXPro6000:4",
@@ -84,6 +111,26 @@ def path_of(tree: str, which: str) -> list[str]:
     if done.returncode != 0:
         raise SystemExit(f"the {which} probe failed in {tree}:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def layer_of(tree: str, path: str) -> str:
+    """The package folder a file belongs to: distributed, procs, launch, or the package's top level."""
+    parts = Path(path).relative_to(Path(tree).resolve() / "levers9").parts
+    return parts[0] if len(parts) > 1 else "top level"
+
+
+def ran_by_layer(tree: str, ran: list[list[Any]]) -> dict[str, tuple[int, int]]:
+    """{layer: (files, lines)} of the functions that ran: the lines of each function that was called (from
+    its `def` to its last line, nested ones counted once), the files holding them."""
+    lines: dict[str, set[int]] = collections.defaultdict(set)
+    for path, first, last in ran:
+        lines[path].update(range(first, last + 1))
+    layers: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for path, numbers in lines.items():
+        layer = layers[layer_of(tree, path)]
+        layer[0] += 1
+        layer[1] += len(numbers)
+    return {name: (files, count) for name, (files, count) in sorted(layers.items())}
 
 
 def shared_class_names(tree: str) -> dict[str, list[str]]:
@@ -100,12 +147,19 @@ def main() -> None:
     parser.add_argument("trees", nargs="*", default=[str(HERE.parent)])
     args = parser.parse_args()
     print("| checkout | call | files | lines | code lines |\n| --- | --- | --- | --- | --- |")
+    ran: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}
     for tree in args.trees:
         for which in ("run", "map"):
-            files = path_of(tree, which)
-            texts = [Path(f).read_text() for f in files]
+            found = path_of(tree, which)
+            texts = [Path(f).read_text() for f in found["loaded"]]
             lines = sum(t.count("\n") for t in texts)
-            print(f"| {tree} | {which} | {len(files)} | {lines} | {sum(code_lines(t) for t in texts)} |")
+            print(f"| {tree} | {which} | {len(texts)} | {lines} | {sum(code_lines(t) for t in texts)} |")
+            ran[tree, which] = ran_by_layer(tree, found["ran"])
+    print("\nThe functions that ran (caller and forked children), by package folder: files, lines from def to end")
+    print("| checkout | call | " + " | ".join(LAYERS) + " |\n| --- | --- |" + " --- |" * len(LAYERS))
+    for (tree, which), layers in ran.items():
+        cells = (f"{layers[name][0]} files, {layers[name][1]} lines" if name in layers else "-" for name in LAYERS)
+        print(f"| {tree} | {which} | " + " | ".join(cells) + " |")
     for tree in args.trees:
         shared = shared_class_names(tree)
         print(f"\n{tree}: {len(shared)} class name(s) shared: " + "; ".join(f"{n} ({', '.join(p)})" for n, p in sorted(shared.items())))
