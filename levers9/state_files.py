@@ -3,7 +3,8 @@
 - `write_atomic` writes a whole file or none (0600, never through a symlink, no partial file left).
 - `AppendLog` appends a job's log; once a write fails it counts what it could not write and never raises.
 - `Losses` collects what one run folder could not keep (output, results, its record) and says so in
-  one warning: at once when the run could not be recorded at all, else when the run closes.
+  one warning: at once when the run could not be recorded at all, else when the run closes. Each run
+  folder holds its own (launch/run_folder.py's RunFolder), handed to whatever writes there.
 - `read_private` reads back a regular file of ours without following a symlink or blocking on a FIFO.
 
 A write that fails for lack of space (ENOSPC, EDQUOT) is reported as a full state folder; any other
@@ -17,7 +18,6 @@ import logging
 import os
 import stat
 import threading
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -183,39 +183,10 @@ class Losses:
         log.warning("the run folder %s %s; lost %s. %s.", self.folder, why(error), "; ".join(parts), MOVE_IT)
 
 
-# One Losses per open run: held by its RunRecord (and the log writers), gone with them.
-_registry: weakref.WeakValueDictionary[str, Losses] = weakref.WeakValueDictionary()
-_registry_lock = threading.Lock()
-
-
-def losses(folder: Path) -> Losses:
-    """The Losses of run folder `folder` (one per folder while its run is open)."""
-    with _registry_lock:
-        found = _registry.get(str(folder))
-        if found is None:
-            found = _registry[str(folder)] = Losses(folder)
-        return found
-
-
-def unrecorded(folder: Path) -> bool:
-    """True if the open run of `folder` could not be recorded at all (so nothing should be made there)."""
-    with _registry_lock:
-        found = _registry.get(str(folder))
-    return found is not None and found.unrecorded
-
-
-def report_losses(folder: Path) -> None:
-    """Say what `folder` lost (one warning) and forget it."""
-    with _registry_lock:
-        found = _registry.pop(str(folder), None)
-    if found is not None:
-        found.report()
-
-
 class AppendLog:
     """An append-only log file (0600, never through a symlink) that never raises: once a write fails,
-    what is written after is handed to `lost` (path, bytes, the error) instead: by default counted
-    as job output lost by `losses`."""
+    what is written after is handed to `lost` (path, bytes, the error) instead: given a Losses, counted
+    there as job output lost."""
 
     def __init__(self, path: Path, lost: Losses | Callable[[Path, int, OSError], None]) -> None:
         self.path = path

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from levers9.errors import JobConfigError
 from levers9.launch.cells import Cell
+from levers9.launch.run_folder import RunFolder
 from levers9.launch.spec import JobSpec
 
 
@@ -129,10 +130,14 @@ class Batch:
     spec: JobSpec
     func: Callable[..., Any]  # the plain function (never the JobFunction wrapper)
     cells: Sequence[Cell]
-    run_id: str
+    folder: RunFolder  # made once, by the batch's RunRecord: the backend writes each attempt's logs there
     cancel: CancelToken = dataclasses.field(default_factory=CancelToken)
     events: Events = dataclasses.field(default_factory=NoEvents)
     label: str = ""  # "train #3" is label + index; "" means the spec's name
+
+    @property
+    def run_id(self) -> str:
+        return self.folder.run_id
 
     def cell_label(self, cell: Cell) -> str:
         """How messages and output prefixes name a cell: 'train #3', or 'train' for a single call."""

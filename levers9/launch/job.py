@@ -42,7 +42,7 @@ from levers9.launch.backend import (
 from levers9.launch.cells import Cell, check_cell, make_cells
 from levers9.launch.policy import check_policy
 from levers9.launch.progress import Mode, Reporter, choose_mode
-from levers9.launch.runs import RunRecord
+from levers9.launch.run_folder import RunRecord
 from levers9.launch.settings import load_settings
 from levers9.launch.spec import JobSpec, build_spec
 from levers9.procs.waits import WAKE_S
@@ -198,7 +198,7 @@ class JobFunction(Generic[P, R]):
                 spec=self.spec,
                 func=self.func,
                 cells=todo,
-                run_id=run_id,
+                folder=record.folder,
                 events=TeeEvents(reporter, record),
                 label=label,
             )
