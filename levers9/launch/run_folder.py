@@ -229,6 +229,21 @@ class RunRecord:
             self._claim.release()
             self.closed.set()
 
+    def close_when_done(self, futures: Sequence[Future[Any]]) -> None:
+        """Close once every one of `futures` (the batch's) is resolved, whoever consumes them, or nobody."""
+        left = [len(futures)]
+        lock = threading.Lock()
+
+        def one_done(_future: Future[Any]) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self.close()
+
+        for future in futures:
+            future.add_done_callback(one_done)
+
     def discard(self) -> None:
         """Close and remove the run folder: the batch was refused before anything ran."""
         self.close()
