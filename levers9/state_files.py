@@ -6,6 +6,7 @@
   one warning: at once when the run could not be recorded at all, else when the run closes. Each run
   folder holds its own (launch/run_folder.py's RunFolder), handed to whatever writes there.
 - `read_private` reads back a regular file of ours without following a symlink or blocking on a FIFO.
+- `held` holds a lock file's exclusive flock while its body runs; `lock_now` takes one without waiting.
 
 A write that fails for lack of space (ENOSPC, EDQUOT) is reported as a full state folder; any other
 OSError by its own words. Neither ever fails a job: the state folder only records what jobs do.
@@ -13,13 +14,17 @@ OSError by its own words. Neither ever fails a job: the state folder only record
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import logging
 import os
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from levers9.procs import fds
 
 log = logging.getLogger("levers9.launch")
 
@@ -38,10 +43,11 @@ def why(exc: OSError) -> str:
     return f"is full ({text})" if exc.errno in FULL else f"cannot be written ({text})"
 
 
-def write_atomic(path: Path, blob: bytes, *, pad: int = 0) -> None:
+def write_atomic(path: Path, blob: bytes, *, pad: int = 0, durable: bool = False) -> None:
     """Write `blob` (then `pad` spaces and a newline, room a later in-place rewrite may grow into) to
-    `path` so that readers see the old file or the new one, whole; readable by this user only. On
-    OSError nothing new is left behind (the old file stays) and the error is raised."""
+    `path` so that readers see the old file or the new one, whole; readable by this user only. With
+    `durable`, the file and its folder are synced to disk before this returns. On OSError nothing new
+    is left behind (the old file stays) and the error is raised."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
     data = blob + (b" " * pad + b"\n" if pad else b"")
     try:
@@ -52,13 +58,20 @@ def write_atomic(path: Path, blob: bytes, *, pad: int = 0) -> None:
     try:
         with open(fd, "wb") as handle:
             handle.write(data)
+            if durable:
+                handle.flush()
+                os.fsync(fd)
         os.replace(partial, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(partial)
-        except OSError:
-            pass
         raise
+    if durable:
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
 
 
 def overwrite_in_place(path: Path, blob: bytes) -> bool:
@@ -107,6 +120,30 @@ def read_private(path: Path, limit: int = 64 << 20) -> bytes:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def held(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on the lock file `path` (made 0600 if missing) while the body runs; the
+    descriptor is one of levers9's tracked ones (procs/fds.py), so no forked child keeps the lock."""
+    fd = fds.open_fd(str(path), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fds.close(fd)
+
+
+def lock_now(fd: int, *, shared: bool = False) -> bool:
+    """Take an flock on `fd` (exclusive, or `shared`) without waiting: True if taken, False if another
+    process holds it; any other OSError is raised."""
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise
+        return False
+    return True
+
+
 class Losses:
     """What one run folder could not keep; `report()` says it in one warning (once)."""
 
@@ -121,37 +158,36 @@ class Losses:
         self.other: dict[str, int] = {}  # what else -> how many
         self.end_lost = False
 
-    def _first(self, exc: OSError) -> None:
-        if self.error is None:
-            self.error = exc
+    @contextlib.contextmanager
+    def _losing(self, exc: OSError) -> Iterator[None]:
+        """Count a loss under the lock (the body says what), keeping the first error for the warning."""
+        with self._lock:
+            if self.error is None:
+                self.error = exc
+            yield
 
     def lost_output(self, path: Path, nbytes: int, exc: OSError) -> None:
-        with self._lock:
-            self._first(exc)
+        with self._losing(exc):
             self.output_bytes += nbytes
             if path not in self.output_files:
                 self.output_files.append(path)
 
     def lost_result(self, index: int, exc: OSError) -> None:
-        with self._lock:
-            self._first(exc)
+        with self._losing(exc):
             self.results.append(index)
 
     def lost(self, what: str, exc: OSError) -> None:
         """Something else of the record, named by a noun that takes an 's' ('meta.json file')."""
-        with self._lock:
-            self._first(exc)
+        with self._losing(exc):
             self.other[what] = self.other.get(what, 0) + 1
 
     def lost_end(self, exc: OSError) -> None:
-        with self._lock:
-            self._first(exc)
+        with self._losing(exc):
             self.end_lost = True
 
     def unrecorded_run(self, root: Path, run_id: str, exc: OSError) -> None:
         """The run folder could not be made: say so now, in one line, and stay quiet after."""
-        with self._lock:
-            self._first(exc)
+        with self._losing(exc):
             self.unrecorded = True
         log.warning(
             "the state folder %s %s: run %s is not recorded (no logs, and resume will not find its "

@@ -137,7 +137,7 @@ class Batch:
 
     @property
     def run_id(self) -> str:
-        return self.folder.run_id
+        return self.folder.path.name
 
     def cell_label(self, cell: Cell) -> str:
         """How messages and output prefixes name a cell: 'train #3', or 'train' for a single call."""

@@ -62,10 +62,6 @@ class RunFolder:
     path: Path
     losses: Losses
 
-    @property
-    def run_id(self) -> str:
-        return self.path.name
-
     @classmethod
     def make(cls, run_id: str, record: dict[str, Any]) -> RunFolder:
         """runs_dir()/run_id holding `record` as its run.json (and an empty results/), retention applied

@@ -21,6 +21,7 @@ from typing import Any
 from levers9.errors import ConfigError, Levers9Error
 from levers9.launch import run_reader, run_retention
 from levers9.launch.settings import runs_dir
+from levers9.seconds import say_duration
 from levers9.state_files import read_private
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -102,7 +103,7 @@ def _list(args: argparse.Namespace) -> int:
             _say_skipped([exc])
             continue
         end = run.ended if run.ended is not None else time.time() if run.alive else None
-        wall = "" if end is None else _duration(end - run.started)
+        wall = "" if end is None else say_duration(end - run.started, tenths=True)
         rows.append(
             [run.name_on_disk, str(run.meta.get("name", "?")), str(run.meta.get("backend", "?")), _when(run.started),
              f"{done}/{failed}/{total}", wall, run.status]
@@ -119,7 +120,7 @@ def _show(args: argparse.Namespace) -> int:
           f"started {_when(run.started)}, {run.status}")  # fmt: skip
     rows = []
     for cell in cells:
-        took = "" if cell.started is None or cell.ended is None else _duration(cell.ended - cell.started)
+        took = "" if cell.started is None or cell.ended is None else say_duration(cell.ended - cell.started, tenths=True)
         state = "done (reused)" if cell.reused else cell.state
         if cell.attempt > 1:
             state += f" (attempt {cell.attempt})"
@@ -218,11 +219,3 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
 
 def _when(stamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp))
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    if seconds < 3600:
-        return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
-    return f"{int(seconds) // 3600}h{int(seconds) % 3600 // 60:02d}m"
