@@ -6,7 +6,8 @@
   one warning: at once when the run could not be recorded at all, else when the run closes. Each run
   folder holds its own (launch/run_folder.py's RunFolder), handed to whatever writes there.
 - `read_private` reads back a regular file of ours without following a symlink or blocking on a FIFO.
-- `held` holds a lock file's exclusive flock while its body runs; `lock_now` takes one without waiting.
+- `held` holds a lock file's exclusive flock while its body runs; `lock_now` takes one without waiting;
+  `hold_new` makes a lock file whose flock its caller keeps.
 
 A write that fails for lack of space (ENOSPC, EDQUOT) is reported as a full state folder; any other
 OSError by its own words. Neither ever fails a job: the state folder only records what jobs do.
@@ -142,6 +143,23 @@ def lock_now(fd: int, *, shared: bool = False) -> bool:
             raise
         return False
     return True
+
+
+def hold_new(path: Path, blob: bytes) -> int:
+    """Write `blob` to the lock file `path` (made 0600, emptied first, never through a symlink) and take
+    its exclusive flock without waiting; the descriptor that holds it is returned (tracked, as `held`'s).
+    On OSError (the lock is taken, the disk is full) the file is removed again and the error raised."""
+    fd = fds.open_fd(str(path), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.write(fd, blob) != len(blob):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        fds.close(fd)
+        raise
+    return fd
 
 
 class Losses:

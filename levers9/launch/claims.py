@@ -14,8 +14,6 @@ be made (full, read-only) claims nothing: resume could not find results there ei
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import logging
 import os
 import time
@@ -24,7 +22,7 @@ from pathlib import Path
 
 from levers9.private_dir import private_dir
 from levers9.procs import fds
-from levers9.state_files import held, lock_now, read_private
+from levers9.state_files import held, hold_new, lock_now, read_private
 
 log = logging.getLogger("levers9.launch")
 
@@ -103,15 +101,4 @@ def _live_claims(folder: Path, wanted: set[str], run_id: str) -> dict[str, tuple
 def _write(folder: Path, run_id: str, keys: Sequence[str]) -> Claim:
     """This run's claim file, written and locked (removed again if it cannot be written whole)."""
     path = folder / f"{run_id}{_SUFFIX}"
-    fd = fds.open_fd(str(path), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        data = "\n".join([f"{run_id} {os.getpid()}", *keys]).encode() + b"\n"
-        if os.write(fd, data) != len(data):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        fds.close(fd)
-        raise
-    return Claim(fd, path)
+    return Claim(hold_new(path, "\n".join([f"{run_id} {os.getpid()}", *keys]).encode() + b"\n"), path)

@@ -134,15 +134,7 @@ class LeaseDir:
                 number = 0
             state_files.write_atomic(counter, str(number + 1).encode())
             path = home / "queue" / f"{number:012d}.lock"
-            fd = fds.open_fd(str(path), os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                os.write(fd, ",".join(map(str, eligible)).encode())
-            except OSError:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-                fds.close(fd)
-                raise
+            fd = state_files.hold_new(path, ",".join(map(str, eligible)).encode())
             return Ticket(number, fd, path, frozenset(eligible))
 
     def drop_ticket(self, ticket: Ticket) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from levers9.errors import ConfigError, Levers9Error
 from levers9.launch import run_reader, run_retention
+from levers9.launch.cli_errors import said_as
 from levers9.launch.settings import runs_dir
 from levers9.seconds import say_duration
 from levers9.state_files import read_private
@@ -66,27 +67,13 @@ def _keep(text: str) -> int:
     return value
 
 
-def _guarded(handler: Any) -> Any:
-    """Print a levers9 error as one message and exit 2, instead of a traceback."""
-
-    def run(args: argparse.Namespace) -> int:
-        try:
-            status: int = handler(args)
-            return status
-        except Levers9Error as exc:
-            print(f"levers9 runs: error: {exc}", file=sys.stderr)
-            return 2
-
-    return run
-
-
 def _say_skipped(skipped: Sequence[Levers9Error]) -> None:
     """One line on stderr per run folder that could not be read (each names its folder and fix)."""
     for problem in skipped:
         print(f"levers9 runs: skipped: {problem}", file=sys.stderr)
 
 
-@_guarded
+@said_as("levers9 runs: error", 2)
 def _list(args: argparse.Namespace) -> int:
     found, skipped = run_reader.scan_runs()
     _say_skipped(skipped)
@@ -112,7 +99,7 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
-@_guarded
+@said_as("levers9 runs: error", 2)
 def _show(args: argparse.Namespace) -> int:
     run = run_reader.find_run(args.run)
     cells = run.cells()
@@ -133,7 +120,7 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
-@_guarded
+@said_as("levers9 runs: error", 2)
 def _logs(args: argparse.Namespace) -> int:
     run = run_reader.find_run(args.run)
     cells = run.cells()
@@ -197,7 +184,7 @@ def _follow(run: run_reader.Run, index: int) -> None:
         return
 
 
-@_guarded
+@said_as("levers9 runs: error", 2)
 def _clean(args: argparse.Namespace) -> int:
     keep = args.keep
     if keep is None and args.older_than is None:
