@@ -1,11 +1,13 @@
 """The seam between the job layer and whatever runs jobs: one method, `submit(batch) -> futures`.
 
 job.py does everything that is the same for every backend (argument checks, the workspace cap and
-switch, result ordering, cancellation when a map is left, progress). A backend receives a Batch of
-already-checked cells, checks that its machines could ever fit the job (InfeasibleJobError before
-starting anything), starts each cell when cards are free, and resolves one Future per cell with the
-result or the job's exception. It watches `batch.cancel` and stops queued and running cells when it
-is set. The job process itself runs a job_process.JobTarget, which is shared by every backend.
+switch, result ordering, cancellation when a map is left, progress, the run's record). A backend
+receives a Batch of already-checked cells with the run folder the record made (each attempt's logs
+and meta.json go there, what a full disk cost goes to its loss record), checks that its machines
+could ever fit the job (InfeasibleJobError before starting anything), starts each cell when cards
+are free, and resolves one Future per cell with the result or the job's exception. It watches
+`batch.cancel` and stops queued and running cells when it is set. The job process itself runs a
+job_process.JobTarget, which is shared by every backend.
 """
 
 from __future__ import annotations
