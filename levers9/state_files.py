@@ -3,8 +3,11 @@
 - `write_atomic` writes a whole file or none (0600, never through a symlink, no partial file left).
 - `AppendLog` appends a job's log; once a write fails it counts what it could not write and never raises.
 - `Losses` collects what one run folder could not keep (output, results, its record) and says so in
-  one warning: at once when the run could not be recorded at all, else when the run closes.
+  one warning: at once when the run could not be recorded at all, else when the run closes. Each run
+  folder holds its own (launch/run_folder.py's RunFolder), handed to whatever writes there.
 - `read_private` reads back a regular file of ours without following a symlink or blocking on a FIFO.
+- `held` holds a lock file's exclusive flock while its body runs; `lock_now` takes one without waiting;
+  `hold_new` makes a lock file whose flock its caller keeps.
 
 A write that fails for lack of space (ENOSPC, EDQUOT) is reported as a full state folder; any other
 OSError by its own words. Neither ever fails a job: the state folder only records what jobs do.
@@ -12,14 +15,17 @@ OSError by its own words. Neither ever fails a job: the state folder only record
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import logging
 import os
 import stat
 import threading
-import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from levers9.procs import fds
 
 log = logging.getLogger("levers9.launch")
 
@@ -38,10 +44,11 @@ def why(exc: OSError) -> str:
     return f"is full ({text})" if exc.errno in FULL else f"cannot be written ({text})"
 
 
-def write_atomic(path: Path, blob: bytes, *, pad: int = 0) -> None:
+def write_atomic(path: Path, blob: bytes, *, pad: int = 0, durable: bool = False) -> None:
     """Write `blob` (then `pad` spaces and a newline, room a later in-place rewrite may grow into) to
-    `path` so that readers see the old file or the new one, whole; readable by this user only. On
-    OSError nothing new is left behind (the old file stays) and the error is raised."""
+    `path` so that readers see the old file or the new one, whole; readable by this user only. With
+    `durable`, the file and its folder are synced to disk before this returns. On OSError nothing new
+    is left behind (the old file stays) and the error is raised."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
     data = blob + (b" " * pad + b"\n" if pad else b"")
     try:
@@ -52,13 +59,20 @@ def write_atomic(path: Path, blob: bytes, *, pad: int = 0) -> None:
     try:
         with open(fd, "wb") as handle:
             handle.write(data)
+            if durable:
+                handle.flush()
+                os.fsync(fd)
         os.replace(partial, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(partial)
-        except OSError:
-            pass
         raise
+    if durable:
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
 
 
 def overwrite_in_place(path: Path, blob: bytes) -> bool:
@@ -107,6 +121,47 @@ def read_private(path: Path, limit: int = 64 << 20) -> bytes:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def held(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on the lock file `path` (made 0600 if missing) while the body runs; the
+    descriptor is one of levers9's tracked ones (procs/fds.py), so no forked child keeps the lock."""
+    fd = fds.open_fd(str(path), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fds.close(fd)
+
+
+def lock_now(fd: int, *, shared: bool = False) -> bool:
+    """Take an flock on `fd` (exclusive, or `shared`) without waiting: True if taken, False if another
+    process holds it; any other OSError is raised."""
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise
+        return False
+    return True
+
+
+def hold_new(path: Path, blob: bytes) -> int:
+    """Write `blob` to the lock file `path` (made 0600, emptied first, never through a symlink) and take
+    its exclusive flock without waiting; the descriptor that holds it is returned (tracked, as `held`'s).
+    On OSError (the lock is taken, the disk is full) the file is removed again and the error raised."""
+    fd = fds.open_fd(str(path), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.write(fd, blob) != len(blob):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        fds.close(fd)
+        raise
+    return fd
+
+
 class Losses:
     """What one run folder could not keep; `report()` says it in one warning (once)."""
 
@@ -121,37 +176,36 @@ class Losses:
         self.other: dict[str, int] = {}  # what else -> how many
         self.end_lost = False
 
-    def _first(self, exc: OSError) -> None:
-        if self.error is None:
-            self.error = exc
+    @contextlib.contextmanager
+    def _losing(self, exc: OSError) -> Iterator[None]:
+        """Count a loss under the lock (the body says what), keeping the first error for the warning."""
+        with self._lock:
+            if self.error is None:
+                self.error = exc
+            yield
 
     def lost_output(self, path: Path, nbytes: int, exc: OSError) -> None:
-        with self._lock:
-            self._first(exc)
+        with self._losing(exc):
             self.output_bytes += nbytes
             if path not in self.output_files:
                 self.output_files.append(path)
 
     def lost_result(self, index: int, exc: OSError) -> None:
-        with self._lock:
-            self._first(exc)
+        with self._losing(exc):
             self.results.append(index)
 
     def lost(self, what: str, exc: OSError) -> None:
         """Something else of the record, named by a noun that takes an 's' ('meta.json file')."""
-        with self._lock:
-            self._first(exc)
+        with self._losing(exc):
             self.other[what] = self.other.get(what, 0) + 1
 
     def lost_end(self, exc: OSError) -> None:
-        with self._lock:
-            self._first(exc)
+        with self._losing(exc):
             self.end_lost = True
 
     def unrecorded_run(self, root: Path, run_id: str, exc: OSError) -> None:
         """The run folder could not be made: say so now, in one line, and stay quiet after."""
-        with self._lock:
-            self._first(exc)
+        with self._losing(exc):
             self.unrecorded = True
         log.warning(
             "the state folder %s %s: run %s is not recorded (no logs, and resume will not find its "
@@ -183,39 +237,10 @@ class Losses:
         log.warning("the run folder %s %s; lost %s. %s.", self.folder, why(error), "; ".join(parts), MOVE_IT)
 
 
-# One Losses per open run: held by its RunRecord (and the log writers), gone with them.
-_registry: weakref.WeakValueDictionary[str, Losses] = weakref.WeakValueDictionary()
-_registry_lock = threading.Lock()
-
-
-def losses(folder: Path) -> Losses:
-    """The Losses of run folder `folder` (one per folder while its run is open)."""
-    with _registry_lock:
-        found = _registry.get(str(folder))
-        if found is None:
-            found = _registry[str(folder)] = Losses(folder)
-        return found
-
-
-def unrecorded(folder: Path) -> bool:
-    """True if the open run of `folder` could not be recorded at all (so nothing should be made there)."""
-    with _registry_lock:
-        found = _registry.get(str(folder))
-    return found is not None and found.unrecorded
-
-
-def report_losses(folder: Path) -> None:
-    """Say what `folder` lost (one warning) and forget it."""
-    with _registry_lock:
-        found = _registry.pop(str(folder), None)
-    if found is not None:
-        found.report()
-
-
 class AppendLog:
     """An append-only log file (0600, never through a symlink) that never raises: once a write fails,
-    what is written after is handed to `lost` (path, bytes, the error) instead: by default counted
-    as job output lost by `losses`."""
+    what is written after is handed to `lost` (path, bytes, the error) instead: given a Losses, counted
+    there as job output lost."""
 
     def __init__(self, path: Path, lost: Losses | Callable[[Path, int, OSError], None]) -> None:
         self.path = path

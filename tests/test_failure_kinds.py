@@ -32,6 +32,7 @@ from levers9.launch.outcomes import failure_kind
 from levers9.procs.failure import Failure, capture, ship
 from levers9.procs.outcome import Outcome, StopReason, kind_of
 from levers9.retries import WORDS, Retries, restart_policy, word_for, words_adding
+from levers9.state_files import Losses
 
 pytestmark = pytest.mark.fast
 
@@ -84,7 +85,7 @@ def test_a_job_process_raises_an_error_of_the_kind_its_outcome_has(
 ) -> None:
     """The job layer's one builder (launch.outcomes.finish) ends each outcome of the table in an error of its
     kind, as the rank layer's failure records carry kind_of(outcome) (test_a_runs_errors_carry_their_kind)."""
-    run = outcomes.JobAttempt("cell #0", 0, 1, 1, tmp_path)
+    run = outcomes.JobAttempt("cell #0", 0, 1, 1, tmp_path, Losses(tmp_path))
     if kind is None:
         outcome = dataclasses.replace(outcome, value=ship("v"))
     try:

@@ -23,7 +23,7 @@ import pytest
 
 from levers9.cli import main as cli_main
 from levers9.errors import JobConfigError, PrivateDirError, SettingsError
-from levers9.launch import job, runs
+from levers9.launch import job, run_reader, run_retention
 from levers9.launch.settings import load_settings, runs_dir, settings_path
 from tests import ray_cluster
 
@@ -128,7 +128,7 @@ def test_job_logs_that_do_not_fit_are_dropped_with_one_warning_and_every_cell_su
     assert str(state / "runs") in said[0] and "is full" in said[0] and "MB of job output" in said[0]
     assert "LEVERS9_STATE_DIR" in said[0]
     assert _leftovers(state) == []
-    (run,) = runs.list_runs()
+    (run,) = run_reader.list_runs()
     assert run.status == "ended" and run.counts() == (8, 0, 8)
     # cells whose state changes did not fit are 'not recorded', never guessed 'cancelled'
     assert {c.state for c in run.cells()} <= {"done", "not recorded"}
@@ -148,7 +148,7 @@ def test_on_ray_too_job_logs_that_do_not_fit_are_dropped_with_one_warning(
     said = _warnings(caplog)
     assert len(said) == 1 and "B of job output" in said[0] and str(state / "runs") in said[0], said
     assert _leftovers(state) == []
-    (run,) = runs.list_runs()
+    (run,) = run_reader.list_runs()
     assert run.status == "ended" and run.counts() == (4, 0, 4)
 
 
@@ -163,9 +163,9 @@ def test_results_that_cannot_be_stored_return_anyway_and_the_warning_says_resume
     said = _warnings(caplog)
     assert len(said) == 1 and "resume will not find them" in said[0], said
     assert _leftovers(state) == []  # no .partial file of a result that did not fit
-    (run,) = runs.list_runs()
+    (run,) = run_reader.list_runs()
     assert run.status == "ended"  # not 'interrupted': its end was written in the room run.json keeps
-    kept = len(list((run.path / runs.RESULTS).iterdir()))
+    kept = len(list((run.path / run_reader.RESULTS).iterdir()))
     named = re.findall(r"#(\d+)", said[0])
     assert 0 < kept < 8 and kept + len(named) == 8  # the warning names exactly the cells not kept
     caplog.clear()
@@ -188,7 +188,7 @@ def test_remote_on_a_full_disk_says_what_was_lost_before_it_returns(
             if said:
                 break
     assert len(said) == 1 and "resume will not find them" in said[0], said
-    assert all(run.status == "ended" for run in runs.list_runs())  # each record was closed before return
+    assert all(run.status == "ended" for run in run_reader.list_runs())  # each record was closed before return
     assert _leftovers(state) == []
 
 
@@ -308,9 +308,9 @@ def test_cards_stay_exclusive_between_a_caller_whose_lease_folder_is_read_only_a
 
 
 def _break(folder: Path, **changes: object) -> None:
-    meta = json.loads((folder / runs.RUN_FILE).read_text())
+    meta = json.loads((folder / run_reader.RUN_FILE).read_text())
     meta.update(changes)
-    (folder / runs.RUN_FILE).write_text(json.dumps(meta))
+    (folder / run_reader.RUN_FILE).write_text(json.dumps(meta))
 
 
 @pytest.mark.timeout(180)
@@ -325,8 +325,8 @@ def test_malformed_run_folders_are_passed_over_by_name_and_never_stop_a_new_swee
         made.append(runs_dir() / str(results.run_id))
     _break(made[0], started="yesterday")
     _break(made[1], pid="x", cells=[1, 2])
-    (made[2] / runs.RUN_FILE).write_text('{"format": 1, "star')  # cut short
-    with open(made[3] / runs.EVENTS_FILE, "a") as events:
+    (made[2] / run_reader.RUN_FILE).write_text('{"format": 1, "star')  # cut short
+    with open(made[3] / run_reader.EVENTS_FILE, "a") as events:
         events.write('{"i": "zero", "state": "done", "t": 1}\n[1, 2]\n{"i": 0, "state": "sleeping", "t": 1}\n')
     bad = made[:3]
 
@@ -413,7 +413,7 @@ def test_a_retention_of_one_never_removes_another_callers_run(tmp_path: Path) ->
         assert caller.returncode == 0 and out.strip() == "0", err[-2000:]
     left = [p.name for p in runs_dir().iterdir()]
     assert left and not any(n.startswith(".") for n in left), left  # no half-made folder left behind
-    runs.clean(keep=1)
+    run_retention.clean(keep=1)
     assert len(list(runs_dir().iterdir())) == 1
 
 
@@ -515,14 +515,14 @@ def test_a_run_another_user_owns_is_neither_listed_nor_reused(
     results = fn.map([1], progress=False)
     assert list(results) == [2]
     folder = runs_dir() / str(results.run_id)
-    os.chown(folder / runs.RUN_FILE, OTHER_UID, OTHER_UID)
+    os.chown(folder / run_reader.RUN_FILE, OTHER_UID, OTHER_UID)
     status, out, err = _cli(capsys, "runs")
     assert status == 0 and folder.name not in out
     assert f"belongs to uid {OTHER_UID}" in err and f"rm -r {folder}" in err
     with caplog.at_level(logging.WARNING, logger="levers9"):
         again = fn.map([1], progress=False, resume=True)
         assert list(again) == [2]
-    assert (runs_dir() / str(again.run_id) / runs.EVENTS_FILE).read_text().count('"reused"') == 0
+    assert (runs_dir() / str(again.run_id) / run_reader.EVENTS_FILE).read_text().count('"reused"') == 0
 
 
 # ---- a HOME that is not writable -------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """A number of seconds means one thing wherever levers9 takes one: the one rule (levers9.seconds), and
-distributed.run, @job and restart_delay= refusing the same values with their own messages. No process is started."""
+distributed.run, @job and restart_delay= refusing the same values with their own messages; and one is said the
+same way in the sweep's status table and in `levers9 runs`. No process is started."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from levers9 import distributed as dist
 from levers9.errors import ConfigError, JobConfigError
 from levers9.launch import job
 from levers9.retries import restart_policy
-from levers9.seconds import is_seconds
+from levers9.seconds import is_seconds, say_duration
 from tests import rankfns
 
 pytestmark = pytest.mark.fast
@@ -46,3 +47,13 @@ def test_zero_is_a_grace_or_a_delay_but_never_a_limit() -> None:
         dist.run(rankfns.describe, None, nprocs=2, timeout=0)
     with pytest.raises(JobConfigError, match="got 0"):
         job(timeout=0)(rankfns.describe)
+
+
+@pytest.mark.parametrize(("seconds", "said", "said_in_tenths"), [
+    (0, "0s", "0.0s"), (4.25, "4s", "4.2s"), (59.7, "59s", "59.7s"), (60, "1m00s", "1m00s"),
+    (187.9, "3m07s", "3m07s"), (3599, "59m59s", "59m59s"), (7500, "2h05m", "2h05m"), (90061, "25h01m", "25h01m"),
+])  # fmt: skip
+def test_a_duration_is_said_in_whole_seconds_minutes_or_hours(seconds: float, said: str, said_in_tenths: str) -> None:
+    """The status table's summary says whole seconds; `levers9 runs` keeps tenths under a minute."""
+    assert say_duration(seconds) == said
+    assert say_duration(seconds, tenths=True) == said_in_tenths

@@ -19,7 +19,7 @@ import pytest
 
 from levers9.cli import main as cli_main
 from levers9.errors import InfeasibleJobError, JobConfigError
-from levers9.launch import job, runs
+from levers9.launch import job, run_folder, run_reader, run_retention
 from levers9.launch.cells import Cell
 from levers9.launch.settings import runs_dir, update_settings
 from tests import jobfns, ray_cluster
@@ -286,7 +286,7 @@ def test_resume_after_the_caller_was_killed_mid_sweep(tmp_path: Path) -> None:
     assert again.stdout.split() == [str(i * 10) for i in range(12)]
     assert "reused 4 of 12 cells" in again.stderr
     assert _runs_of(work) == {**{i: 1 for i in range(4)}, **{i: 2 for i in range(4, 8)}, **{i: 1 for i in range(8, 12)}}
-    killed = [r for r in runs.list_runs() if r.status == "interrupted"]
+    killed = [r for r in run_reader.list_runs() if r.status == "interrupted"]
     assert len(killed) == 1 and killed[0].counts() == (4, 0, 12)
 
 
@@ -332,7 +332,7 @@ def test_two_resumes_of_one_sweep_at_once_run_each_unfinished_cell_once(tmp_path
         reader = threading.Thread(target=lambda: said.extend(second.stderr or ()), daemon=True)
         reader.start()
         _wait_for(lambda: said, "the second resume to say that it waits")
-        (first_run,) = [r for r in runs.list_runs() if r.alive and r.meta["pid"] == first.pid]
+        (first_run,) = [r for r in run_reader.list_runs() if r.alive and r.meta["pid"] == first.pid]
         assert "is running some of these cells now; waiting for it to end" in said[0], said
         assert first_run.name_on_disk in said[0] and f"pid {first.pid}" in said[0]
         for i in (2, 3):
@@ -505,29 +505,29 @@ def test_runs_logs_follow_prints_until_the_cell_ends(tmp_path: Path) -> None:
 def test_retention_keeps_what_it_promises(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("LEVERS9_KEEP_RUNS", "5")
     cells = [Cell(0, (1,), {})]
-    live = runs.RunRecord("000-live", name="live", backend="local", func=jobfns.add, cells=cells)
+    live = run_folder.RunRecord("000-live", name="live", backend="local", func=jobfns.add, cells=cells)
     made = []
     for n in range(8):
-        record = runs.RunRecord(f"{n + 1:03d}-done", name="done", backend="local", func=jobfns.add, cells=cells)
+        record = run_folder.RunRecord(f"{n + 1:03d}-done", name="done", backend="local", func=jobfns.add, cells=cells)
         record.close()
         made.append(record.path.name)
     kept = sorted(p.name for p in runs_dir().iterdir())
     assert kept == ["000-live", *made[-5:]]  # the newest 5, and the run whose caller is alive
     status, out, _ = _cli(capsys, "clean", "--keep", "2")
     assert status == 0 and sorted(p.name for p in runs_dir().iterdir()) == ["000-live", *made[-2:]]
-    assert runs.clean(older_than=3600, now=time.time() + 7200) == [runs_dir() / n for n in made[-2:]]
+    assert run_retention.clean(older_than=3600, now=time.time() + 7200) == [runs_dir() / n for n in made[-2:]]
     live.close()
-    assert runs.clean(older_than=0, now=time.time() + 1) == [runs_dir() / "000-live"]
+    assert run_retention.clean(older_than=0, now=time.time() + 1) == [runs_dir() / "000-live"]
 
 
 @pytest.mark.timeout(30)
 def test_a_run_folder_from_a_newer_levers9_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     folder = runs_dir() / "29990101-000000-future-abcdef"
     folder.mkdir(parents=True)
-    (folder / "run.json").write_text(json.dumps({"format": runs.FORMAT + 1, "started": time.time(), "total": 3}))
+    (folder / "run.json").write_text(json.dumps({"format": run_reader.FORMAT + 1, "started": time.time(), "total": 3}))
     status, _, err = _cli(capsys, "show", folder.name)
     assert status == 2
-    assert f"run format {runs.FORMAT + 1}" in err and "pip install -U levers9" in err
+    assert f"run format {run_reader.FORMAT + 1}" in err and "pip install -U levers9" in err
     status, out, _ = _cli(capsys)
     assert status == 0 and "newer format" in out
     # a resumed sweep passes over it instead of failing

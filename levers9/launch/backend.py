@@ -1,11 +1,13 @@
 """The seam between the job layer and whatever runs jobs: one method, `submit(batch) -> futures`.
 
 job.py does everything that is the same for every backend (argument checks, the workspace cap and
-switch, result ordering, cancellation when a map is left, progress). A backend receives a Batch of
-already-checked cells, checks that its machines could ever fit the job (InfeasibleJobError before
-starting anything), starts each cell when cards are free, and resolves one Future per cell with the
-result or the job's exception. It watches `batch.cancel` and stops queued and running cells when it
-is set. The job process itself runs a job_process.JobTarget, which is shared by every backend.
+switch, result ordering, cancellation when a map is left, progress, the run's record). A backend
+receives a Batch of already-checked cells with the run folder the record made (each attempt's logs
+and meta.json go there, what a full disk cost goes to its loss record), checks that its machines
+could ever fit the job (InfeasibleJobError before starting anything), starts each cell when cards
+are free, and resolves one Future per cell with the result or the job's exception. It watches
+`batch.cancel` and stops queued and running cells when it is set. The job process itself runs a
+job_process.JobTarget, which is shared by every backend.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Protocol
 
 from levers9.errors import JobConfigError
 from levers9.launch.cells import Cell
+from levers9.launch.run_folder import RunFolder
 from levers9.launch.spec import JobSpec
 
 
@@ -129,10 +132,14 @@ class Batch:
     spec: JobSpec
     func: Callable[..., Any]  # the plain function (never the JobFunction wrapper)
     cells: Sequence[Cell]
-    run_id: str
+    folder: RunFolder  # made once, by the batch's RunRecord: the backend writes each attempt's logs there
     cancel: CancelToken = dataclasses.field(default_factory=CancelToken)
     events: Events = dataclasses.field(default_factory=NoEvents)
     label: str = ""  # "train #3" is label + index; "" means the spec's name
+
+    @property
+    def run_id(self) -> str:
+        return self.folder.path.name
 
     def cell_label(self, cell: Cell) -> str:
         """How messages and output prefixes name a cell: 'train #3', or 'train' for a single call."""

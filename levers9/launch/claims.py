@@ -14,18 +14,15 @@ be made (full, read-only) claims nothing: resume could not find results there ei
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 from levers9.private_dir import private_dir
 from levers9.procs import fds
-from levers9.state_files import read_private
+from levers9.state_files import held, hold_new, lock_now, read_private
 
 log = logging.getLogger("levers9.launch")
 
@@ -56,7 +53,7 @@ def claim(folder: Path, run_id: str, keys: Sequence[str], *, wait: bool, what: s
     said = False
     while True:
         try:
-            with _mutex(folder):
+            with held(private_dir(folder) / "mutex"):
                 busy = _live_claims(folder, wanted, run_id) if wait else {}
                 if not busy:
                     return _write(folder, run_id, keys)
@@ -74,16 +71,6 @@ def claim(folder: Path, run_id: str, keys: Sequence[str], *, wait: bool, what: s
         time.sleep(0.2)
 
 
-@contextmanager
-def _mutex(folder: Path) -> Iterator[None]:
-    fd = fds.open_fd(str(private_dir(folder) / "mutex"), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        fds.close(fd)
-
-
 def _live_claims(folder: Path, wanted: set[str], run_id: str) -> dict[str, tuple[str, int]]:
     """Runs other than `run_id` whose live claim holds any of `wanted`: run id -> (pid, how many);
     claims of callers that died are removed."""
@@ -96,19 +83,16 @@ def _live_claims(folder: Path, wanted: set[str], run_id: str) -> dict[str, tuple
         except OSError:
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise
+            if lock_now(fd, shared=True):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)  # its caller died holding it
+                continue
             with contextlib.suppress(OSError, UnicodeDecodeError):
                 head, *lines = read_private(Path(entry.path)).decode().splitlines()
                 other, _, pid = head.partition(" ")
                 overlap = len(wanted.intersection(lines))
                 if overlap:
                     busy[other] = (pid, overlap)
-        else:
-            with contextlib.suppress(OSError):
-                os.unlink(entry.path)  # its caller died holding it
         finally:
             fds.close(fd)
     return busy
@@ -117,15 +101,4 @@ def _live_claims(folder: Path, wanted: set[str], run_id: str) -> dict[str, tuple
 def _write(folder: Path, run_id: str, keys: Sequence[str]) -> Claim:
     """This run's claim file, written and locked (removed again if it cannot be written whole)."""
     path = folder / f"{run_id}{_SUFFIX}"
-    fd = fds.open_fd(str(path), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        data = "\n".join([f"{run_id} {os.getpid()}", *keys]).encode() + b"\n"
-        if os.write(fd, data) != len(data):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        fds.close(fd)
-        raise
-    return Claim(fd, path)
+    return Claim(hold_new(path, "\n".join([f"{run_id} {os.getpid()}", *keys]).encode() + b"\n"), path)

@@ -16,20 +16,15 @@ switch), then asks the backend whether the job could ever fit, all before anythi
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 import logging
-import queue
 import sys
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
-from types import TracebackType
 from typing import Any, Generic, Literal, ParamSpec, TypeVar, overload
 
-from levers9.errors import JobConfigError, add_note
+from levers9.errors import JobConfigError
 from levers9.launch.backend import (
     Backend,
     Batch,
@@ -40,12 +35,14 @@ from levers9.launch.backend import (
     new_run_id,
 )
 from levers9.launch.cells import Cell, check_cell, make_cells
+from levers9.launch.map_results import RECORD_WAIT, wait_done
+from levers9.launch.map_results import Completed as Completed  # re-exported: docs name it here
+from levers9.launch.map_results import MapResults as MapResults  # re-exported: it lived here
 from levers9.launch.policy import check_policy
 from levers9.launch.progress import Mode, Reporter, choose_mode
-from levers9.launch.runs import RunRecord
+from levers9.launch.run_folder import RunRecord
 from levers9.launch.settings import load_settings
 from levers9.launch.spec import JobSpec, build_spec
-from levers9.procs.waits import WAKE_S
 from levers9.procs.watch import exit_on_terminate
 from levers9.retries import RetryPolicy
 
@@ -83,11 +80,11 @@ class JobFunction(Generic[P, R]):
         with exit_on_terminate():  # from before the job starts: a SIGTERM once it runs always gives it its grace
             futures, cancel, _reporter, record = self._submit([cell], label="")
             try:
-                return _done(futures[0]).result()
+                return wait_done(futures[0]).result()
             finally:
                 cancel.cancel()
                 with contextlib.suppress(Exception):  # interrupted: the job is stopped (stop_grace) before this returns
-                    _done(futures[0]).exception()
+                    wait_done(futures[0]).exception()
                 # The future wakes this thread before its done-callback closes the run's record: wait for that,
                 # so the record is whole, and any warning about what a full disk lost is said, before we return.
                 record.closed.wait(RECORD_WAIT)
@@ -198,7 +195,7 @@ class JobFunction(Generic[P, R]):
                 spec=self.spec,
                 func=self.func,
                 cells=todo,
-                run_id=run_id,
+                folder=record.folder,
                 events=TeeEvents(reporter, record),
                 label=label,
             )
@@ -224,7 +221,7 @@ class JobFunction(Generic[P, R]):
                     future = next(submitted)
                     future.add_done_callback(functools.partial(record.store, cell))
                 futures.append(future)
-            _close_when_done(futures, record)
+            record.close_when_done(futures)
         except BaseException:  # a SIGTERM (SystemExit) or Ctrl-C here: no caller will cancel what started
             batch.cancel.cancel()
             raise
@@ -251,168 +248,6 @@ def _resolve_job(module: str, qualname: str) -> Any:
 
 
 ORDERS = ("input", "completed")
-RECORD_WAIT = 10.0  # seconds close() waits for the last results to be stored
-T = TypeVar("T")
-
-
-@dataclasses.dataclass(frozen=True)
-class Completed(Generic[R]):
-    """One result of map(order="completed"): which input it belongs to, and its value (or, with
-    return_exceptions=True, its exception). Unpacks as a pair: `for index, value in results`."""
-
-    index: int
-    value: R
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter((self.index, self.value))
-
-
-def _close_when_done(futures: list[Future[Any]], record: RunRecord) -> None:
-    """Close the run's record once every future is resolved (whoever consumes them, or nobody)."""
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_future: Future[Any]) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            record.close()
-
-    for future in futures:
-        future.add_done_callback(one_done)
-
-
-class MapResults(Generic[T]):
-    """The results of a map, in input order or as cells complete. Closing it (or dropping it) cancels
-    what has not finished."""
-
-    def __init__(
-        self,
-        cells: list[Cell],
-        futures: list[Future[Any]],
-        cancel: CancelToken,
-        return_exceptions: bool,
-        order: str,
-        reporter: Reporter | None,
-        record: RunRecord | None,
-    ) -> None:
-        self._cells = cells
-        self._futures = futures
-        self._cancel = cancel
-        self._return_exceptions = return_exceptions
-        self._reporter = reporter
-        self._record = record
-        self._next = 0
-        self._closed = False
-        self._finished: queue.SimpleQueue[int] | None = None
-        if order == "completed":
-            self._finished = queue.SimpleQueue()
-            for index, future in enumerate(futures):
-                future.add_done_callback(functools.partial(_put, self._finished, index))
-
-    @property
-    def run_id(self) -> str | None:
-        """The run's folder name (for `levers9 runs show RUN`), or None for an empty map."""
-        return None if self._record is None else self._record.path.name
-
-    def __iter__(self) -> Iterator[T]:
-        return self
-
-    def __next__(self) -> T:
-        if self._closed or self._next >= len(self._futures):
-            self.close()
-            raise StopIteration
-        self._next += 1
-        if self._finished is None:
-            position = self._next - 1
-            return self._value(position)
-        position = _next_finished(self._finished)
-        return Completed(position, self._value(position))  # type: ignore[return-value]
-
-    def _value(self, position: int) -> Any:
-        future = self._futures[position]
-        try:
-            return _done(future).result()
-        except BaseException as exc:
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)) or future.cancelled() or not future.done():
-                self.close()
-                raise
-            cell = self._cells[position]
-            if self._return_exceptions:
-                return exc
-            self.close()
-            add_note(
-                exc,
-                f"levers9: cell #{cell.index} {cell.describe()} failed; the cells not yet finished were cancelled",
-            )
-            raise
-
-    def close(self) -> None:
-        """Cancel every cell not yet finished, kill running jobs and wait until they have ended."""
-        if self._closed:
-            return
-        self._closed = True
-        self._cancel.cancel()
-        try:
-            # A second Ctrl-C while the jobs are being stopped is the caller's: it propagates (the
-            # jobs are already cancelled and die with their lifeline), only the waiting is cut short.
-            for future in self._futures:
-                with contextlib.suppress(Exception):  # its outcome is not ours to raise here
-                    _done(future).exception()  # a cancelled future that never ran counts as done at once
-            if self._record is not None:
-                # Futures wake their waiters before running done-callbacks: wait for the callback that
-                # closes the record (it runs after every result was stored), so a resume right after
-                # this sweep finds them all.
-                self._record.closed.wait(RECORD_WAIT)
-        finally:
-            if self._reporter is not None:
-                self._reporter.close()
-            if self._record is not None:
-                self._record.close()
-
-    def __enter__(self) -> MapResults[T]:
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            try:
-                self.close()
-            except Exception:
-                pass
-
-    def __len__(self) -> int:
-        return len(self._futures)
-
-
-def _put(target: queue.SimpleQueue[int], index: int, _future: Future[Any]) -> None:
-    target.put(index)
-
-
-def _done(future: Future[R]) -> Future[R]:
-    """`future`, once it is done (or cancelled), waited for in WAKE_S steps (levers9.procs.waits: a Ctrl-C
-    another thread got still ends the wait); SIGTERM or SIGHUP to this process meanwhile raises SystemExit,
-    which cancels the sweep as Ctrl-C does (see exit_on_terminate)."""
-    if not future.done():  # a finished cell's result costs no signal-handler changes
-        with exit_on_terminate():
-            while not future.done():
-                wait_futures([future], timeout=WAKE_S)
-    return future
-
-
-def _next_finished(finished: queue.SimpleQueue[int]) -> int:
-    """The next index a done-callback put in `finished`, waited for in WAKE_S steps (SIGTERM as in _done)."""
-    with exit_on_terminate():
-        while True:
-            try:
-                return finished.get(timeout=WAKE_S)
-            except queue.Empty:
-                continue
 
 
 @overload

@@ -32,8 +32,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -122,21 +121,12 @@ class LeaseDir:
         except PrivateDirError:
             return None  # no caller of ours keeps locks there: private_dir refuses it to them too
 
-    @contextmanager
-    def _mutex(self, home: Path) -> Iterator[None]:
-        fd = fds.open_fd(str(home / "alloc.mutex"), os.O_RDWR | os.O_CREAT)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            fds.close(fd)
-
     def take_ticket(self, eligible: list[int]) -> Ticket:
         """Join the queue now (tickets are served in the order they are taken) for cards among `eligible`."""
         return self._in_home(lambda home: self._take_ticket(home, eligible))
 
     def _take_ticket(self, home: Path, eligible: list[int]) -> Ticket:
-        with self._mutex(home):
+        with state_files.held(home / "alloc.mutex"):
             counter = home / "next_ticket"
             try:
                 number = int(counter.read_text() or "0")
@@ -144,22 +134,14 @@ class LeaseDir:
                 number = 0
             state_files.write_atomic(counter, str(number + 1).encode())
             path = home / "queue" / f"{number:012d}.lock"
-            fd = fds.open_fd(str(path), os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                os.write(fd, ",".join(map(str, eligible)).encode())
-            except OSError:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-                fds.close(fd)
-                raise
+            fd = state_files.hold_new(path, ",".join(map(str, eligible)).encode())
             return Ticket(number, fd, path, frozenset(eligible))
 
     def drop_ticket(self, ticket: Ticket) -> None:
         """Leave the queue (a no-op for a ticket already served or dropped)."""
         if ticket.fd < 0:
             return
-        with contextlib.suppress(OSError), self._mutex(ticket.path.parent.parent):
+        with contextlib.suppress(OSError), state_files.held(ticket.path.parent.parent / "alloc.mutex"):
             os.unlink(ticket.path)  # (in a folder that cannot be written, its closed lock marks it dead)
         fds.close(ticket.fd)
         ticket.fd = -1
@@ -202,7 +184,7 @@ class LeaseDir:
         """The cards, if `ticket` is first in line for them and they are free now (None after a move)."""
         home = ticket.path.parent.parent
         try:
-            with self._mutex(home):
+            with state_files.held(home / "alloc.mutex"):
                 if self._first_in_line(home, ticket.number, ticket.eligible):
                     return self._try_take(home, count, groups, excluded)
             return None
@@ -222,16 +204,12 @@ class LeaseDir:
             except FileNotFoundError:
                 continue
             try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError as exc:
-                    if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                        raise
-                    wanted = os.pread(fd, 4096, 0).decode()
-                    if eligible & {int(s) for s in wanted.split(",") if s}:
-                        return False
-                else:
+                if state_files.lock_now(fd):
                     os.unlink(path)  # its waiter died without cleaning up
+                    continue
+                wanted = os.pread(fd, 4096, 0).decode()
+                if eligible & {int(s) for s in wanted.split(",") if s}:
+                    return False
             finally:
                 fds.close(fd)
         return True

@@ -9,7 +9,7 @@ the cell's Future. The job process holds its card locks itself, so its cards com
 whoever kills it. It leaves with the caller: a watchdog in its process group reads a lifeline pipe
 whose end of file means the caller died, and PR_SET_PDEATHSIG backs it up. How job processes are
 started and stopped is in levers9.procs; the retry loop and what a finished attempt becomes are in
-outcomes.py, the run folders in runs.py, all shared with Ray.
+outcomes.py, the run folder (run_folder.py) comes with the batch, all shared with Ray.
 """
 
 from __future__ import annotations
@@ -18,13 +18,11 @@ import logging
 import os
 import time
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
-from levers9 import state_files
 from levers9.context import JobContext
 from levers9.errors import JobTimeout
-from levers9.launch import job_process, outcomes, runs
+from levers9.launch import job_process, outcomes
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.lanes import dispatch
@@ -62,11 +60,7 @@ class LocalBackend:
         method = start.choose()
         if not method.forks:
             log.debug("starting jobs as fresh interpreters: %s", method.reason)
-        run_dir = runs.run_folder(batch.run_id)
-        cells = [
-            _LocalCell(batch, cell, Future(), pool, leases, groups, method, run_dir)
-            for cell in batch.cells
-        ]
+        cells = [_LocalCell(batch, cell, Future(), pool, leases, groups, method) for cell in batch.cells]
         dispatch(batch, cells, lanes)
         return [c.future for c in cells]
 
@@ -87,11 +81,10 @@ class _LocalCell:
         leases: LeaseDir | None,
         groups: list[list[int]],
         method: start.StartMethod,
-        run_dir: Path,
     ) -> None:
         self.batch, self.cell, self.future = batch, cell, future
         self.pool, self.leases, self.groups = pool, leases, groups
-        self.method, self.run_dir = method, run_dir
+        self.method = method
         self.label = batch.cell_label(cell)
 
     def stopped(self) -> bool:
@@ -142,7 +135,7 @@ class _LocalCell:
 
     def _run_process(self, attempt: int, lease: Lease | None) -> Any:
         spec, cell = self.batch.spec, self.cell
-        run = outcomes.JobAttempt.begin(self.run_dir, self.label, cell.index, attempt, spec)
+        run = outcomes.JobAttempt.begin(self.batch.folder, self.label, cell.index, attempt, spec)
         cards = (
             [self.pool.cards[s] for s in lease.slots] if lease is not None and self.pool is not None else []
         )
@@ -161,7 +154,7 @@ class _LocalCell:
         target = job_process.JobTarget(self.batch.func, cell.args, cell.kwargs, context)
         shipped = None if self.method.forks else job_process.ship_target(target)
         tail = OutputTail()
-        losses = state_files.losses(self.run_dir)
+        losses = run.losses
         with AppendLog(run.job_dir / "stdout.log", losses) as out_log, AppendLog(run.job_dir / "stderr.log", losses) as err_log:
             logs = {"stdout": out_log, "stderr": err_log}
 

@@ -1,6 +1,6 @@
 """A cell's attempts as the caller sees them; the same for every backend.
 
-`JobAttempt.begin` makes one folder per attempt in the run's folder (runs.py makes that).
+`JobAttempt.begin` makes one folder per attempt in the batch's run folder (run_folder.py makes that).
 `attempt_cell` resolves a cell's Future through the one retry loop (levers9.retries), retrying the
 kinds of failure retries= names. A backend supervises the job process (levers9.procs.supervise),
 locally or inside a Ray task, and hands its Outcome to `finish`, which records the attempt's
@@ -20,16 +20,17 @@ from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import Any
 
-from levers9 import state_files
 from levers9.errors import FailureKind, JobCrashed, JobFailure, JobTimeout, RemoteError, add_note
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
+from levers9.launch.run_folder import RunFolder
 from levers9.launch.spec import JobSpec
 from levers9.procs import oom
 from levers9.procs.failure import rebuild, unship_value
 from levers9.procs.outcome import Outcome, StopReason, kind_of
 from levers9.procs.watch import TAIL_LINE_CHARS, cut_line
 from levers9.retries import run_with_retries, word_for
+from levers9.state_files import Losses, write_atomic
 
 TAIL_LINES = 40  # lines of a job's output kept for the message when it crashes
 
@@ -134,17 +135,18 @@ class JobAttempt:
     attempt: int
     allowed: int  # attempts in all: retries + 1
     job_dir: Path
+    losses: Losses  # the run folder's: what could not be written there
 
     @classmethod
-    def begin(cls, run_dir: Path, label: str, index: int, attempt: int, spec: JobSpec) -> JobAttempt:
-        """The attempt, with its log folder run_dir/<index>-<attempt> created (0700) if the run folder
+    def begin(cls, folder: RunFolder, label: str, index: int, attempt: int, spec: JobSpec) -> JobAttempt:
+        """The attempt, with its log folder <run folder>/<index>-<attempt> created (0700) if the run folder
         exists and the disk has room; what cannot be written there is counted as lost, never raised."""
-        job_dir = run_dir / f"{index:04d}-{attempt}"
+        job_dir = folder.path / f"{index:04d}-{attempt}"
         try:
             job_dir.mkdir(mode=0o700, exist_ok=True)
         except OSError as exc:
-            state_files.losses(run_dir).lost("attempt log folder", exc)
-        return cls(label, index, attempt, spec.retries.max_retries + 1, job_dir)
+            folder.losses.lost("attempt log folder", exc)
+        return cls(label, index, attempt, spec.retries.max_retries + 1, job_dir, folder.losses)
 
     @property
     def attempts(self) -> str:
@@ -157,11 +159,11 @@ class JobAttempt:
     def write_meta(self, meta: dict[str, Any]) -> None:
         """meta.json in the attempt's folder: how it ran and ended (whole or not at all; never raises)."""
         try:
-            state_files.write_atomic(self.job_dir / "meta.json", json.dumps(meta, indent=1).encode())
+            write_atomic(self.job_dir / "meta.json", json.dumps(meta, indent=1).encode())
         except FileNotFoundError:
             pass  # no folder: the run is unrecorded, or was cleaned while it ran
         except OSError as exc:
-            state_files.losses(self.job_dir.parent).lost("meta.json file", exc)
+            self.losses.lost("meta.json file", exc)
 
 
 def _on(node: str | None) -> str:

@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Mapping
 
 from levers9.context import current_job
+from levers9.distributed.hardware.cards import visible_cards
 from levers9.distributed.hardware.gpu_types import parse_gpu_type
 from levers9.errors import JobConfigError
 
@@ -133,10 +134,6 @@ def simulated_pool(spec: str, source: str = f"simulated, {SIMULATE_VAR}") -> Poo
 
 
 def _real_pool(env: Mapping[str, str]) -> Pool:
-    try:
-        from levers9.distributed.hardware.cards import visible_cards
-    except ImportError:  # pragma: no cover - the inventory module ships with levers9
-        return Pool("nvml", (), False, "NVML")
     found = visible_cards(env)
     cards = tuple(
         PoolCard(slot, c.nvml_index, c.type_name, "card-" + c.uuid.replace("/", "_"))
@@ -146,10 +143,6 @@ def _real_pool(env: Mapping[str, str]) -> Pool:
 
 
 def _read_busy(cards: tuple[PoolCard, ...]) -> frozenset[int]:
-    try:
-        from levers9.distributed.hardware.cards import visible_cards
-    except ImportError:  # pragma: no cover
-        return frozenset()
     me = os.getpid()
     by_nvml = {c.nvml_index: c.slot for c in cards}
     busy = set()

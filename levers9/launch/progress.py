@@ -32,6 +32,7 @@ from levers9.launch.cells import Cell
 from levers9.procs import echo
 from levers9.procs.labelled import LabelledOutput
 from levers9.procs.watch import cut_line
+from levers9.seconds import say_duration
 
 log = logging.getLogger("levers9.launch")
 
@@ -117,25 +118,19 @@ class Reporter:
 
     def started(self, cell: Cell, cards: str, attempt: int) -> None:
         with self._lock:
-            view = self._cells.get(cell.index)
-            if view is None:
-                return
+            view = self._cells[cell.index]  # every cell of the batch has its row
             view.state, view.card, view.attempt, view.since = "running", cards, attempt, time.monotonic()
         self._change(cell, f"running on {_cards(cards)}" + (f" (attempt {attempt})" if attempt > 1 else ""))
 
     def retrying(self, cell: Cell, attempt: int, reason: str) -> None:
         with self._lock:
-            view = self._cells.get(cell.index)
-            if view is None:
-                return
+            view = self._cells[cell.index]
             view.state, view.attempt = "retrying", attempt
         self._change(cell, f"retrying after a {reason} (attempt {attempt} next)")
 
     def finished(self, cell: Cell, ok: bool, error: BaseException | None = None) -> None:
         with self._lock:
-            view = self._cells.get(cell.index)
-            if view is None:
-                return
+            view = self._cells[cell.index]
             view.state = "done" if ok else "failed"
             view.took = None if view.since is None else time.monotonic() - view.since
             self.done += 1
@@ -222,10 +217,10 @@ class Reporter:
         waiting = self.total - self.done - self.running
         left = ""
         if 0 < ran and self.done < self.total:
-            left = f", about {_duration(elapsed / ran * (self.total - self.done))} left"
+            left = f", about {say_duration(elapsed / ran * (self.total - self.done))} left"
         return (
             f"{self.label}: {self.done - self.failed} done, {self.failed} failed, {self.running} running, "
-            f"{waiting} waiting of {self.total}  [{_duration(elapsed)}{left}]"
+            f"{waiting} waiting of {self.total}  [{say_duration(elapsed)}{left}]"
         )
 
 
@@ -241,12 +236,3 @@ def _span(indices: list[int]) -> str:
 
 def _short(text: str, width: int = 40) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

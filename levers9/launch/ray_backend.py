@@ -33,12 +33,10 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any, NoReturn
 
 import ray
 
-from levers9 import state_files
 from levers9.errors import (
     FailureKind,
     InfeasibleJobError,
@@ -48,7 +46,7 @@ from levers9.errors import (
     NotShippableError,
     first_line,
 )
-from levers9.launch import job_process, outcomes, ray_gang, runs
+from levers9.launch import job_process, outcomes, ray_gang
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.lanes import dispatch
@@ -93,7 +91,6 @@ class RayBackend:
             plan = _gang_plan(batch.spec, nodes, single)
         func_blob = job_process.ship_for(batch.func, batch.spec.name, "a Ray task",
                                          "Define it at module level, with arguments and globals that can be pickled.")  # fmt: skip
-        run_dir = runs.run_folder(batch.run_id)
         sys_path = tuple(p for p in sys.path if p)
         cells: list[_RayCell] = []
         for cell in batch.cells:
@@ -105,7 +102,7 @@ class RayBackend:
                     f"({type(exc).__name__}: {exc}); pass plain data, or a path to a file."
                 ) from exc
             payload = TaskPayload(sys_path, func_blob, arguments, batch.spec, batch.run_id, cell.index, plan.gpu_type)
-            cells.append(_RayCell(self, batch, cell, plan, payload, run_dir))
+            cells.append(_RayCell(self, batch, cell, plan, payload))
         dispatch(batch, cells, 2 * plan.capacity(nodes))
         return [c.future for c in cells]
 
@@ -308,10 +305,10 @@ class _RayCell:
     """Runs one cell to completion on Ray: wait its turn, submit, follow, retry, resolve the Future."""
 
     def __init__(
-        self, backend: RayBackend, batch: Batch, cell: Cell, plan: TaskRequest, payload: TaskPayload, run_dir: Path,
+        self, backend: RayBackend, batch: Batch, cell: Cell, plan: TaskRequest, payload: TaskPayload,
     ) -> None:  # fmt: skip
         self.backend, self.batch, self.cell, self.plan = backend, batch, cell, plan
-        self.payload, self.run_dir = payload, run_dir
+        self.payload = payload
         self.entry = Entry(plan.shape)  # in the admission queue only from when a lane takes this cell
         self.label = batch.cell_label(cell)
         self.future: Future[Any] = Future()
@@ -395,13 +392,13 @@ class _RayCell:
     def _follow(self, current: _RayTask, attempt: int) -> Any:
         """Read the task's items (started, output, end) into events, logs and the outcome."""
         spec, cell = self.batch.spec, self.cell
-        run = outcomes.JobAttempt.begin(self.run_dir, self.label, cell.index, attempt, spec)
+        run = outcomes.JobAttempt.begin(self.batch.folder, self.label, cell.index, attempt, spec)
         job_dir = run.job_dir
         tail = OutputTail()
         info: TaskStarted | None = None
         end: TaskEnded | None = None
         try:
-            losses = state_files.losses(self.run_dir)
+            losses = run.losses
             with AppendLog(job_dir / "stdout.log", losses) as out_log, AppendLog(job_dir / "stderr.log", losses) as err_log:
                 for ref in current.gen:
                     item = ray.get(ref)

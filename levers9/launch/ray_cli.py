@@ -20,7 +20,8 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from levers9.errors import Levers9Error
+from levers9.launch.cli_errors import said_as
+from levers9.launch.pool import local_pool
 
 RESOURCE_PREFIX = "levers9_"
 
@@ -33,8 +34,6 @@ def resource_name(gpu_type: str) -> str:
 def node_resources(env: Mapping[str, str] | None = None) -> tuple[int, dict[str, float]]:
     """(number of GPUs, custom resources) of this machine: simulated cards when LEVERS9_SIMULATE_GPUS
     is set, else the NVIDIA cards NVML shows this process (honouring CUDA_VISIBLE_DEVICES)."""
-    from levers9.launch.pool import local_pool
-
     pool = local_pool(env)
     counts = Counter(card.type_name for card in pool.cards)
     return len(pool.cards), {resource_name(t): float(n) for t, n in sorted(counts.items())}
@@ -79,16 +78,13 @@ def _usage(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
+@said_as("levers9 ray node-args", 1)
 def _node_args(args: argparse.Namespace) -> int:
-    try:
-        gpus, resources = node_resources(os.environ)
-        if args.json:
-            print(json.dumps({"num_gpus": gpus, "resources": {k: int(v) for k, v in resources.items()}}))
-        else:
-            print(" ".join(node_args(os.environ, quoted=not args.unquoted)))
-    except Levers9Error as exc:
-        print(f"levers9 ray node-args: {exc}", file=sys.stderr)
-        return 1
+    gpus, resources = node_resources(os.environ)
+    if args.json:
+        print(json.dumps({"num_gpus": gpus, "resources": {k: int(v) for k, v in resources.items()}}))
+    else:
+        print(" ".join(node_args(os.environ, quoted=not args.unquoted)))
     if gpus == 0:
         print(
             "levers9 ray node-args: this machine has no NVIDIA card levers9 can see (see `levers9 doctor`); "

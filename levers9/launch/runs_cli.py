@@ -19,8 +19,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from levers9.errors import ConfigError, Levers9Error
-from levers9.launch import runs
+from levers9.launch import run_reader, run_retention
+from levers9.launch.cli_errors import said_as
 from levers9.launch.settings import runs_dir
+from levers9.seconds import say_duration
 from levers9.state_files import read_private
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -65,29 +67,15 @@ def _keep(text: str) -> int:
     return value
 
 
-def _guarded(handler: Any) -> Any:
-    """Print a levers9 error as one message and exit 2, instead of a traceback."""
-
-    def run(args: argparse.Namespace) -> int:
-        try:
-            status: int = handler(args)
-            return status
-        except Levers9Error as exc:
-            print(f"levers9 runs: error: {exc}", file=sys.stderr)
-            return 2
-
-    return run
-
-
 def _say_skipped(skipped: Sequence[Levers9Error]) -> None:
     """One line on stderr per run folder that could not be read (each names its folder and fix)."""
     for problem in skipped:
         print(f"levers9 runs: skipped: {problem}", file=sys.stderr)
 
 
-@_guarded
+@said_as("levers9 runs: error", 2)
 def _list(args: argparse.Namespace) -> int:
-    found, skipped = runs.scan_runs()
+    found, skipped = run_reader.scan_runs()
     _say_skipped(skipped)
     if args.limit:
         found = found[-args.limit :]
@@ -102,7 +90,7 @@ def _list(args: argparse.Namespace) -> int:
             _say_skipped([exc])
             continue
         end = run.ended if run.ended is not None else time.time() if run.alive else None
-        wall = "" if end is None else _duration(end - run.started)
+        wall = "" if end is None else say_duration(end - run.started, tenths=True)
         rows.append(
             [run.name_on_disk, str(run.meta.get("name", "?")), str(run.meta.get("backend", "?")), _when(run.started),
              f"{done}/{failed}/{total}", wall, run.status]
@@ -111,37 +99,37 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
-@_guarded
+@said_as("levers9 runs: error", 2)
 def _show(args: argparse.Namespace) -> int:
-    run = runs.find_run(args.run)
+    run = run_reader.find_run(args.run)
     cells = run.cells()
     print(f"{run.name_on_disk}: {run.meta.get('function', '?')} on {run.meta.get('backend', '?')}, "
           f"started {_when(run.started)}, {run.status}")  # fmt: skip
     rows = []
     for cell in cells:
-        took = "" if cell.started is None or cell.ended is None else _duration(cell.ended - cell.started)
+        took = "" if cell.started is None or cell.ended is None else say_duration(cell.ended - cell.started, tenths=True)
         state = "done (reused)" if cell.reused else cell.state
         if cell.attempt > 1:
             state += f" (attempt {cell.attempt})"
         rows.append([f"#{cell.index}", cell.args, state, cell.card, took, cell.error])
     _table(["cell", "arguments", "state", "card", "duration", "error"], rows)
     if run.skipped_events:
-        print(f"levers9 runs: skipped {run.skipped_events} line(s) of {run.path / runs.EVENTS_FILE} that are not "
+        print(f"levers9 runs: skipped {run.skipped_events} line(s) of {run.path / run_reader.EVENTS_FILE} that are not "
               f"as levers9 writes them (cut short by a crash, or edited); the states above leave them out",
               file=sys.stderr)  # fmt: skip
     return 0
 
 
-@_guarded
+@said_as("levers9 runs: error", 2)
 def _logs(args: argparse.Namespace) -> int:
-    run = runs.find_run(args.run)
+    run = run_reader.find_run(args.run)
     cells = run.cells()
     if not any(c.index == args.cell for c in cells):
         raise ConfigError(
             f"run {run.name_on_disk} has no cell #{args.cell}; it has cells #0 to #{len(cells) - 1}. "
             f"See them with: levers9 runs show {run.name_on_disk}"
         )
-    attempts = runs.attempt_folders(run, args.cell)
+    attempts = run_reader.attempt_folders(run, args.cell)
     if not attempts and not args.follow:
         state = next(c.state for c in cells if c.index == args.cell)
         print(f"cell #{args.cell} has no output ({state})", file=sys.stderr)
@@ -167,25 +155,25 @@ def _print_attempt(folder: Any, attempts: int) -> None:
     sys.stdout.flush()
 
 
-def _follow(run: runs.Run, index: int) -> None:
+def _follow(run: run_reader.Run, index: int) -> None:
     """Print the cell's newest attempt as it grows, until the cell has ended or its caller is gone."""
 
     def going() -> bool:
-        cells = runs.read_run(run.path).cells()
+        cells = run_reader.read_run(run.path).cells()
         return next((c.state for c in cells if c.index == index), "done") in ("waiting", "running", "retrying")
 
     followed = 0
     try:
         while True:
-            attempts = runs.attempt_folders(run, index)
+            attempts = run_reader.attempt_folders(run, index)
             if len(attempts) > followed:
                 followed = len(attempts)
                 folder = attempts[-1]
 
                 def current(seen: int = followed) -> bool:
-                    return going() and len(runs.attempt_folders(run, index)) == seen
+                    return going() and len(run_reader.attempt_folders(run, index)) == seen
 
-                for text in runs.follow([folder / "stdout.log", folder / "stderr.log"], current):
+                for text in run_reader.follow([folder / "stdout.log", folder / "stderr.log"], current):
                     sys.stdout.write(text)
                     sys.stdout.flush()
             elif not going():
@@ -196,13 +184,13 @@ def _follow(run: runs.Run, index: int) -> None:
         return
 
 
-@_guarded
+@said_as("levers9 runs: error", 2)
 def _clean(args: argparse.Namespace) -> int:
     keep = args.keep
     if keep is None and args.older_than is None:
-        keep = runs.keep_runs()
-    removed = runs.clean(keep=keep, older_than=args.older_than)
-    kept, skipped = runs.scan_runs()
+        keep = run_retention.keep_runs()
+    removed = run_retention.clean(keep=keep, older_than=args.older_than)
+    kept, skipped = run_reader.scan_runs()
     _say_skipped(skipped)
     print(f"removed {len(removed)} run folder(s) from {runs_dir()}; {len(kept)} kept")
     return 0
@@ -218,11 +206,3 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
 
 def _when(stamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp))
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    if seconds < 3600:
-        return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
-    return f"{int(seconds) // 3600}h{int(seconds) % 3600 // 60:02d}m"

@@ -30,7 +30,7 @@ import tomlkit
 from levers9.context import current_job
 from levers9.errors import ConfigError, SettingsError
 from levers9.private_dir import check_private, private_dir
-from levers9.state_files import StateFileError, read_private
+from levers9.state_files import StateFileError, read_private, write_atomic
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -288,7 +288,7 @@ def update_settings(path: Path | None = None, **changes: Any) -> tuple[Settings,
         after = dataclasses.replace(before, exists=True, **changes)
         _check_all(after)
         existing = read_private(path, limit=_MAX_BYTES).decode("utf-8") if before.exists else None
-        _atomic_write(path, render(after, existing))
+        write_atomic(path, render(after, existing).encode("utf-8"), durable=True)
         return before, after
     finally:
         os.close(lock_fd)
@@ -315,25 +315,3 @@ def _open_lock(path: Path) -> int:
 def _check_all(settings: Settings) -> None:
     _check_value(settings.path, "workspace", "multi_gpu", settings.multi_gpu)
     _check_value(settings.path, "limits", "max_gpu_count", settings.max_gpu_count)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    """Write `text` to `path` so that readers see either the old or the new file, whole."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

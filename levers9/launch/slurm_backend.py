@@ -36,7 +36,6 @@ from typing import IO, Any
 import submitit
 from submitit.core import utils as submitit_utils
 
-from levers9 import state_files
 from levers9.errors import (
     FailureKind,
     JobConfigError,
@@ -45,7 +44,7 @@ from levers9.errors import (
     JobTimeout,
     NotShippableError,
 )
-from levers9.launch import job_process, outcomes, runs, slurm_nodes, slurm_options, slurm_task
+from levers9.launch import job_process, outcomes, slurm_nodes, slurm_options, slurm_task
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.lanes import dispatch
@@ -83,11 +82,10 @@ class SlurmBackend:
         plan = slurm_nodes.plan_job(spec, nodes, options.get("partition"))
         func_blob = job_process.ship_for(batch.func, spec.name, "a SLURM job",
                                          "Define it at module level, with globals that can be pickled.")  # fmt: skip
-        run_dir = runs.run_folder(batch.run_id)
         limit = int(options.get("max_running", slurm_nodes.capacity(plan, spec, nodes)))
-        submitter = _Submitter(batch, plan, options, run_dir / "slurm", limit)
+        submitter = _Submitter(batch, plan, options, batch.folder.path / "slurm", limit)
         follower = _Follower(batch)
-        cells = [_SlurmCell(batch, cell, submitter, follower, run_dir, func_blob) for cell in batch.cells]
+        cells = [_SlurmCell(batch, cell, submitter, follower, func_blob) for cell in batch.cells]
         trackers = submitter.submit_all([c.payload(1) for c in cells], cells)
         for cell, tracker in zip(cells, trackers, strict=True):
             cell.first = tracker
@@ -240,7 +238,7 @@ class _Tracker:
     def __init__(self, submitter: _Submitter, cell: _SlurmCell, job_id: str, attempt: int) -> None:
         self.submitter, self.cell, self.job_id, self.attempt = submitter, cell, job_id, attempt
         batch = submitter.batch
-        self.run = outcomes.JobAttempt.begin(cell.run_dir, cell.label, cell.cell.index, attempt, batch.spec)
+        self.run = outcomes.JobAttempt.begin(batch.folder, cell.label, cell.cell.index, attempt, batch.spec)
         self.tail = OutputTail()
         tasks = submitter.plan.nodes * submitter.plan.tasks
         folder = submitter.folder
@@ -322,7 +320,7 @@ class _Tracker:
 
     def _read_output(self) -> None:
         events, cell = self.submitter.batch.events, self.cell.cell
-        losses = state_files.losses(self.cell.run_dir)
+        losses = self.run.losses
         for stream in self.streams:
             for line in stream.read():
                 if "DUE TO JOB REQUEUE" in line or "DUE TO PREEMPTION" in line:
@@ -465,9 +463,9 @@ def _states() -> dict[str, tuple[str, str, str]] | None:
 class _SlurmCell:
     """One cell: its first attempt is already submitted (in the array); retries are single jobs."""
 
-    def __init__(self, batch: Batch, cell: Cell, submitter: _Submitter, follower: _Follower, run_dir: Path,
+    def __init__(self, batch: Batch, cell: Cell, submitter: _Submitter, follower: _Follower,
                  func_blob: bytes) -> None:  # fmt: skip
-        self.batch, self.cell, self.submitter, self.follower, self.run_dir = batch, cell, submitter, follower, run_dir
+        self.batch, self.cell, self.submitter, self.follower = batch, cell, submitter, follower
         self.label = batch.cell_label(cell)
         self.func_blob = func_blob
         self.first: _Tracker | None = None

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 from levers9.errors import Levers9Error
+from levers9.launch.cli_errors import said_as
+from levers9.launch.pool import local_pool
 from levers9.launch.settings import MAX_GPU_COUNT_LIMIT, Settings, load_settings, update_settings
 
 
@@ -52,20 +53,15 @@ def _on_off(value: bool) -> str:
 
 def _cards_line() -> str:
     try:
-        from levers9.launch.pool import local_pool
-
         settings = load_settings()
         return local_pool(simulate=settings.simulate_gpus).describe()
     except Levers9Error as exc:
         return f"unknown ({exc})"
 
 
+@said_as("levers9", 1)
 def _show(args: argparse.Namespace) -> int:
-    try:
-        settings = load_settings()
-    except Levers9Error as exc:
-        print(f"levers9: {exc}", file=sys.stderr)
-        return 1
+    settings = load_settings()
     source = "" if settings.exists else " (no file yet: the defaults)"
     if args.json:
         print(json.dumps({
@@ -86,16 +82,13 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+@said_as("levers9", 1)
 def _multi_gpu(args: argparse.Namespace) -> int:
-    try:
-        if args.state is None:
-            settings = load_settings()
-            print(f"Multi-GPU jobs: {_on_off(settings.multi_gpu)} ({settings.path}).")
-            return 0
-        before, after = update_settings(multi_gpu=args.state == "on")
-    except Levers9Error as exc:
-        print(f"levers9: {exc}", file=sys.stderr)
-        return 1
+    if args.state is None:
+        settings = load_settings()
+        print(f"Multi-GPU jobs: {_on_off(settings.multi_gpu)} ({settings.path}).")
+        return 0
+    before, after = update_settings(multi_gpu=args.state == "on")
     print(
         f"Multi-GPU jobs: {_on_off(after.multi_gpu)} (was {_on_off(before.multi_gpu)}). Takes effect on the next "
         f"call. Per-job limit: {after.max_gpu_count} cards (this machine: {_cards_line()}). Saved in {after.path}."
@@ -103,16 +96,13 @@ def _multi_gpu(args: argparse.Namespace) -> int:
     return 0
 
 
+@said_as("levers9", 1)
 def _max_gpu_count(args: argparse.Namespace) -> int:
-    try:
-        if args.count is None:
-            settings: Settings = load_settings()
-            print(f"Max GPU count per job: {settings.max_gpu_count} ({settings.path}).")
-            return 0
-        before, after = update_settings(max_gpu_count=args.count)
-    except Levers9Error as exc:
-        print(f"levers9: {exc}", file=sys.stderr)
-        return 1
+    if args.count is None:
+        settings: Settings = load_settings()
+        print(f"Max GPU count per job: {settings.max_gpu_count} ({settings.path}).")
+        return 0
+    before, after = update_settings(max_gpu_count=args.count)
     switch = (
         ""
         if after.multi_gpu or after.max_gpu_count == 1
