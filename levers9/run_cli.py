@@ -126,6 +126,8 @@ def _console_ranks(text: str) -> tuple[int, ...] | None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the script on every rank; the exit status follows torchrun's rules."""
+    # the CLI's parser loads without the distributed package
+    from levers9 import distributed as dist
     from levers9.distributed import script as scripts
 
     try:
@@ -144,10 +146,8 @@ def main(args: argparse.Namespace) -> int:
         count, backend = scripts.resolve_nprocs(args.nproc_per_node, None, flag="--nproc-per-node")
         target = scripts.with_log_folder(target, "levers9 run")
         scripts.say_one_thread_each(count)
-        from levers9.distributed.spawner import run
-
-        run(
-            scripts.run_target,
+        dist.run(
+            scripts.run_script_target,
             target,
             nprocs=count,
             backend=backend,
@@ -182,6 +182,7 @@ def main(args: argparse.Namespace) -> int:
 def _report_failure(exc: BaseException) -> int:
     """Print the failing rank's headline and its own traceback; return that rank's own exit status (1 for an
     exception, N for sys.exit(N), 128+N for signal N)."""
+    # the CLI's parser loads without the distributed package
     from levers9.distributed import script as scripts
 
     failure = scripts.failure_of(exc)

@@ -381,7 +381,7 @@ APPLY = textwrap.dedent(
     from levers9.distributed.hardware import quirks
     if os.environ.get("TEST_MARK_APPLIED"):
         from levers9 import runtime  # what each rank of distributed.run does: its parent applied the quirks
-        runtime.begin(runtime.Runtime(quirks=quirks.QuirkPlan()))
+        runtime.begin(runtime.Runtime(quirks_from_parent=True))
     try:
         first = quirks.apply_quirks(local_world_size=2, backend="nccl", is_main=True, disabled=["shm-too-small"])
     except Exception as exc:

@@ -20,8 +20,8 @@ world of one.
 
 from levers9.distributed.helpers import PaddedShard, all_reduce_mean, barrier, device, print0, shard, wrap
 from levers9.distributed.mpspawn import spawn
+from levers9.distributed.running import run
 from levers9.distributed.script import run_script
-from levers9.distributed.spawner import run
 from levers9.distributed.world import (
     is_main,
     launcher,
