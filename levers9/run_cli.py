@@ -18,6 +18,8 @@ import logging
 import sys
 from typing import Any
 
+from levers9 import distributed as dist
+from levers9.distributed import script as scripts
 from levers9.errors import ConfigError, RankFailed, signal_name
 
 log = logging.getLogger("levers9.run")
@@ -126,10 +128,6 @@ def _console_ranks(text: str) -> tuple[int, ...] | None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the script on every rank; the exit status follows torchrun's rules."""
-    # the CLI's parser loads without the distributed package
-    from levers9 import distributed as dist
-    from levers9.distributed import script as scripts
-
     try:
         _refuse_multi_node(args)
         if args.master_port is not None:
@@ -182,9 +180,6 @@ def main(args: argparse.Namespace) -> int:
 def _report_failure(exc: BaseException) -> int:
     """Print the failing rank's headline and its own traceback; return that rank's own exit status (1 for an
     exception, N for sys.exit(N), 128+N for signal N)."""
-    # the CLI's parser loads without the distributed package
-    from levers9.distributed import script as scripts
-
     failure = scripts.failure_of(exc)
     if failure is None:
         if isinstance(exc, RankFailed):  # a timeout or a stall: the report says where every rank was

@@ -22,6 +22,8 @@ import traceback
 import types
 from typing import Any, NoReturn
 
+from levers9.errors import NotShippableError, RankFailed, add_note
+
 _HEADER = struct.Struct("!Q")
 
 # Errors a child raises only because a peer died first: never the root cause when a real one exists.
@@ -122,8 +124,6 @@ def rebuild(failure: Failure) -> BaseException | None:
 def raise_rank_exception(message: str, failure: Any, report: Failure, note: str) -> NoReturn:
     """Raise the rank's own exception, rebuilt here, with `note` added and a RankFailed(`message`, `failure`) as
     its cause; that RankFailed itself where the exception's type cannot be rebuilt in this process."""
-    from levers9.errors import RankFailed, add_note
-
     wrapper = RankFailed(message, failure)
     original = rebuild(report)
     if not isinstance(original, Exception):  # not rebuilt, or a KeyboardInterrupt sent to that rank alone: the
@@ -185,8 +185,6 @@ def ship_value(value: Any, what: str) -> bytes:
     Plain data (numbers, dicts, tensors) goes through the standard pickle, so neither side pays for
     importing cloudpickle; whatever pickle cannot take by reference (a function or class defined in
     the child) goes by value."""
-    from levers9.errors import NotShippableError
-
     with contextlib.suppress(Exception):
         if "torch" not in sys.modules:
             return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
@@ -234,8 +232,6 @@ def unship(blob: bytes) -> Any:
 def unship_value(blob: bytes | None, what: str) -> Any:
     """A target's return value as the caller unpickles it (None for None), or NotShippableError naming
     `what` ("rank 0's return value") and why it cannot be rebuilt here (a module only the child imported)."""
-    from levers9.errors import NotShippableError
-
     if blob is None:
         return None
     try:
