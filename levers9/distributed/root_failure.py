@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from levers9.errors import RankCrashed, RankFailure, signal_name
+from levers9.errors import RankCrashed, RankFailed, RankFailure, signal_name
 from levers9.procs import oom
 from levers9.procs.failure import raise_rank_exception, unship_value
 from levers9.procs.outcome import Outcome, kind_of
@@ -56,3 +56,12 @@ def rank0_value(outcomes: list[Outcome], raise_root_of: Callable[[list[Outcome]]
     if any(not o.succeeded for o in outcomes):
         raise_root_of(outcomes)
     return unship_value(outcomes[0].value, "distributed.run: rank 0's return value")
+
+
+def rank_failed_behind(exc: BaseException) -> RankFailed | None:
+    """The RankFailed behind `exc`: `exc` itself, or the cause of a rank's own exception raised from one; else None
+    (a bad argument, something before any rank ran fn)."""
+    for error in (exc, exc.__cause__):
+        if isinstance(error, RankFailed):
+            return error
+    return None

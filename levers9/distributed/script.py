@@ -32,10 +32,11 @@ from levers9.context import current_job
 from levers9.distributed import devices, world
 from levers9.distributed.layout import plan_layout, visible_card_count
 from levers9.distributed.rank_set import rank_vars
+from levers9.distributed.root_failure import rank_failed_behind
 from levers9.distributed.running import RunOptions, run_with
 from levers9.distributed.started_ranks import one_thread_each
 from levers9.distributed.store_server import hosted_store
-from levers9.errors import ConfigError, FailureKind, RankCrashed, RankFailed, RankFailure
+from levers9.errors import ConfigError, FailureKind, RankCrashed, RankFailure
 from levers9.procs.failure import exit_status
 
 NPROC_WORDS = ("gpu", "cpu", "auto")
@@ -409,10 +410,8 @@ def _private_log(path: Path) -> TextIO:
 
 def failure_of(exc: BaseException) -> RankFailure | None:
     """The RankFailure behind `exc` (a RankFailed, or a rank's own exception raised from one), else None."""
-    for candidate in (exc, exc.__cause__):
-        if isinstance(candidate, RankFailed):
-            return candidate.failure
-    return None
+    failed = rank_failed_behind(exc)
+    return None if failed is None else failed.failure
 
 
 def exit_code_for(exc: BaseException) -> int:
