@@ -38,7 +38,7 @@ from levers9.distributed.root_failure import raise_root, rank0_value, rank_failu
 from levers9.distributed.store_server import hosted_store
 from levers9.errors import ConfigError, FailureKind, NodeLost, RankFailure, RunTimeout, StallError
 from levers9.procs import lines, start
-from levers9.procs.failure import Failure
+from levers9.procs.failure import FailureRecord
 from levers9.procs.outcome import Outcome, StopReason, root_cause
 from levers9.procs.supervise import ROOT_CAUSE_WINDOW_S, Supervisor
 from levers9.procs.watch import Child, Ended, exit_on_terminate
@@ -269,7 +269,7 @@ class NodeShare(Ended):
         self.rank = attempt.gang.first_rank(node)  # the failed rank, once one is reported
         self.pid = 0
         self.status: tuple[int | None, int | None] | None = None
-        self.failure: Failure | None = None
+        self.failure: FailureRecord | None = None
         self.reported = False
         self.lost = False
         self.ended_at: float | None = None

@@ -3,7 +3,7 @@
 The child leads its own session, dies with its parent (the kernel's parent-death signal for itself,
 and a watchdog process in its group that kills the whole group once the parent's lifeline pipe
 reads end of file, so what the target started dies too), writes its output to the parent's pipes,
-runs the target and sends back one message: ("result", value) or ("error", Failure), then ends as an
+runs the target and sends back one message: ("result", value) or ("error", FailureRecord), then ends as an
 interpreter ends (interpreter.py: threads joined, exit handlers run, files flushed; a forked child also
 began with its own random state and exit handlers). It is a child
 subreaper, and when the target is done it kills every descendant it still has, daemons that left
