@@ -14,7 +14,7 @@
     dist.run(train_one_rank, cfg, max_restarts=3)   # every rank started again after a crash or stall
 
 Under torchrun, `accelerate launch`, SLURM or MPI the same helpers read the launcher's RANK /
-WORLD_SIZE / LOCAL_RANK, and `run` spawns nothing. With nothing launched, every helper answers as a
+WORLD_SIZE / LOCAL_RANK, and `run` starts no ranks. With nothing launched, every helper answers as a
 world of one.
 """
 

@@ -70,5 +70,5 @@ def spawn(
 
 
 def _call_with_rank(fn: Callable[..., Any], args: tuple[Any, ...], rank: int) -> Any:
-    """What each rank runs: fn(rank, *args), where rank is this process's index among the spawned ones."""
+    """What each rank runs: fn(rank, *args), where rank is this process's index among the ranks started."""
     return fn(rank, *args)

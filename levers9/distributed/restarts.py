@@ -1,4 +1,4 @@
-"""Restarts of a spawned run: the attempts so far, the warning between them, the final error.
+"""Restarts of a run whose ranks levers9 started: the attempts so far, the warning between them, the final error.
 
 `distributed.run(fn, cfg, max_restarts=N)` hands `run_attempts` a function that starts one attempt:
 a fresh set of ranks with a fresh rendezvous store, forked from the caller again (no new
