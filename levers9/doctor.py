@@ -89,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=False, default=str))
     else:
-        print(render(report))
+        print(report_text(report))
     failed = bool(report["quirks"]["errors"]) or (args.probe and report["probe"]["status"] == "failed")
     return 1 if failed else 0
 
@@ -303,7 +303,7 @@ def _mib(n: int | None) -> str:
     return f"{n / 1024**3:.1f} GiB" if n >= 1024**3 else f"{n // 1024**2} MiB"
 
 
-def render(r: dict[str, Any]) -> str:
+def report_text(r: dict[str, Any]) -> str:
     """The report as readable text."""
     out: list[str] = []
     launch = r["launch"]

@@ -66,7 +66,7 @@ def forked_main(target: Callable[[], Any], ends: Ends, env: dict[str, str]) -> N
 
 def fresh_main() -> NoReturn:
     """Entry point of a fresh interpreter: sys.path, cwd, ends, env and the shipped target come on stdin."""
-    interpreter.begin()
+    interpreter.mark_own_objects()
     sys_path, cwd, ends, env, blob = pickle.loads(sys.stdin.buffer.read())
     die_with_parent(ends.parent_pid)
     for fd in (ends.msg_fd, ends.lifeline_fd, *ends.held):

@@ -203,7 +203,7 @@ class Watcher:
         self._paused: dict[int, Child] = {}  # output pipes not read while the forwarder is full
         self._stopped_early = False  # stop() found children still running: output is not waited for
         self._cutting = {"immediate": immediate, "exact": exact}  # how output is cut: see lines.LineCutter
-        reaping.hold()  # exit statuses stay readable even where the caller ignores SIGCHLD
+        reaping.hold_exit_statuses()  # exit statuses stay readable even where the caller ignores SIGCHLD
         self._holding = True
 
     def add(self, child: Child) -> Child:
@@ -367,4 +367,4 @@ class Watcher:
             fds.close(self._wake_w)
             if self._holding:
                 self._holding = False
-                reaping.release()
+                reaping.release_exit_statuses()
