@@ -192,7 +192,7 @@ def _run_under_launcher(call: Callable[[], Any], info: detect.LaunchInfo, option
         )
     _refuse_started_ranks_only(f"under {info.launcher}", **options.for_started_ranks_only())
     backend = options.backend or devices.default_backend()
-    quirks.apply_quirks(local_world_size=info.local_world_size, backend=backend, is_main=info.rank == 0,
+    quirks.apply_quirks(local_world_size=info.local_world_size, backend=backend, is_main=world.rank() == 0,
                         disabled=options.disable_quirks)  # fmt: skip
     with SelfTimer(options.timeout, f"rank {world.rank()} of distributed.run", under_launcher=True):
         with group.joined(backend) if options.init_group else contextlib.nullcontext():
