@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from levers9.distributed import devices, group, world
-from levers9.distributed.hardware import quirks
 
 if TYPE_CHECKING:
     import torch
@@ -158,6 +157,8 @@ def _ensure_group() -> None:
     info = world.launch_info()
     if world.live_group() is not None or info.world_size <= 1:
         return
+    from levers9.distributed.hardware import quirks  # loads on use, not with levers9.distributed
+
     quirks.apply_quirks(local_world_size=info.local_world_size, backend=devices.default_backend(), is_main=info.rank == 0)
     if group.join_launcher_group(info):
         atexit.register(group.destroy_own_group)

@@ -18,8 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from levers9.context import JobContext, current_job
-from levers9.distributed import detect, devices, group, nodes, slurm_env, started_ranks, world
-from levers9.distributed.hardware import quirks
+from levers9.distributed import detect, devices, group, slurm_env, started_ranks, world
 from levers9.distributed.helpers import device
 from levers9.distributed.layout import Layout, plan_layout
 from levers9.distributed.rank_process import to_cpu
@@ -137,6 +136,8 @@ class RunOptions:
         if not isinstance(self.init_group, bool):
             raise ConfigError(f"init_group={self.init_group!r}; expected True (levers9 joins the group before fn) or "
                               f"False (fn calls init_process_group itself).")  # fmt: skip
+        from levers9.distributed.hardware import quirks  # loads on use, not with levers9.distributed
+
         quirks.check_quirk_ids(self.disable_quirks)
         if self.init_group:
             group.pg_timeout()  # a bad LEVERS9_PG_TIMEOUT is refused here, not in every rank
@@ -192,6 +193,8 @@ def _run_under_launcher(call: Callable[[], Any], info: detect.LaunchInfo, option
         )
     _refuse_started_ranks_only(f"under {info.launcher}", **options.for_started_ranks_only())
     backend = options.backend or devices.default_backend()
+    from levers9.distributed.hardware import quirks  # loads on use, not with levers9.distributed
+
     quirks.apply_quirks(local_world_size=info.local_world_size, backend=backend, is_main=world.rank() == 0,
                         disabled=options.disable_quirks)  # fmt: skip
     with SelfTimer(options.timeout, f"rank {world.rank()} of distributed.run", under_launcher=True):
@@ -205,6 +208,8 @@ def _run_under_launcher(call: Callable[[], Any], info: detect.LaunchInfo, option
 def _run_in_place(call: Callable[[], Any], layout: Layout, options: RunOptions) -> Any:
     """fn in this process as a world of one, quirks applied; its value."""
     _refuse_started_ranks_only("in place", stall_timeout=options.stall_timeout, start_method=options.start_method)
+    from levers9.distributed.hardware import quirks  # loads on use, not with levers9.distributed
+
     quirks.apply_quirks(local_world_size=1, backend=layout.backend, is_main=True, disabled=options.disable_quirks)
     with SelfTimer(options.timeout, "distributed.run (in place, a world of one)", under_launcher=False):
         return call()
@@ -224,6 +229,8 @@ def _run_ranks_here(fn: Callable[..., Any], cfg: Any, call: Callable[..., Any], 
 def _run_across_nodes(fn: Callable[..., Any], cfg: Any, call: Callable[..., Any], layout: Layout, options: RunOptions,
                       policy: RetryPolicy, job: JobContext) -> Any:  # fmt: skip
     """distributed.run inside a job that holds cards on several Ray nodes: see levers9.distributed.nodes."""
+    from levers9.distributed import nodes  # the code across nodes loads only for a job that spans nodes
+
     gang = job.gang
     assert gang is not None
     nodes.refuse_across_nodes(options.nprocs, gang)

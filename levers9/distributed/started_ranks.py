@@ -20,7 +20,6 @@ from typing import Any, NoReturn
 
 from levers9.context import current_job
 from levers9.distributed import restarts, stalls
-from levers9.distributed.hardware import quirks
 from levers9.distributed.layout import Layout, plan_layout
 from levers9.distributed.rank_set import RankOutput, RankSet, Share, rank_vars
 from levers9.distributed.root_failure import raise_root, rank0_value, rank_failure
@@ -104,6 +103,8 @@ def ranks_env(layout: Layout, disabled: tuple[str, ...], *, as_torchrun: bool = 
     """Variables every rank gets on top of the caller's environment: the quirks' defaults for this world (planned
     here, errors raised before any rank starts, unless a job process applied its cards' plan already), and
     torchrun's thread count unless `as_torchrun` is False (mp.spawn's meaning: the caller's environment)."""
+    from levers9.distributed.hardware import quirks  # loads on use, not with levers9.distributed
+
     env: dict[str, str] = {"OMP_NUM_THREADS": "1"} if as_torchrun and one_thread_each(layout.nprocs) else {}
     plan = quirks.plan_for_world(local_world_size=layout.nprocs, backend=layout.backend, disabled=disabled)
     if plan is not None:
