@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from levers9 import runtime
+
 
 @dataclasses.dataclass(frozen=True)
 class GangContext:
@@ -72,6 +74,4 @@ class JobContext:
 
 def current_job() -> JobContext | None:
     """The job this process runs (in a job process and in the ranks it started), else None."""
-    from levers9 import runtime
-
     return runtime.this_process().job

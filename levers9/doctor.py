@@ -23,10 +23,13 @@ import sys
 import time
 from typing import Any
 
+from levers9 import distributed as dist
+from levers9.distributed import world
 from levers9.distributed.hardware import cards as _cards
 from levers9.distributed.hardware import nccl as _nccl
 from levers9.distributed.hardware import quirks as _quirks
 from levers9.distributed.hardware.platform import read_platform
+from levers9.errors import Levers9Error
 
 PROBE_TIMEOUT_S = 60.0
 # Tried in order until one works: how levers9 runs it, then the settings that fix most hangs.
@@ -86,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=False, default=str))
     else:
-        print(render(report))
+        print(report_text(report))
     failed = bool(report["quirks"]["errors"]) or (args.probe and report["probe"]["status"] == "failed")
     return 1 if failed else 0
 
@@ -99,7 +102,6 @@ def _ray_plan(asked: str) -> dict[str, Any]:
     gpu, _, count = asked.rpartition(":")
     if not gpu or not count.isdigit() or int(count) < 1:
         return {"error": f"--ray-plan {asked!r}; expected GPU:N, e.g. --ray-plan RTXPro6000:4 (or any:4)."}
-    from levers9.errors import Levers9Error
     from levers9.launch import ray_backend  # imports Ray: only when asked for
 
     try:
@@ -110,8 +112,7 @@ def _ray_plan(asked: str) -> dict[str, Any]:
 
 def _slurm(gpu_count: int | None, partition: str | None) -> dict[str, Any]:
     """{'report': nodes, cards free and the plan (slurm_nodes.report)}, or {'error': why not}."""
-    from levers9.errors import Levers9Error
-    from levers9.launch import slurm_nodes
+    from levers9.launch import slurm_nodes  # the job layer loads only when --slurm asks for it
 
     try:
         return {"report": slurm_nodes.report(gpu_count, partition)}
@@ -164,8 +165,6 @@ def collect(nprocs: int | None = None) -> dict[str, Any]:
 
 def _launch() -> dict[str, Any]:
     try:
-        from levers9.distributed import world
-
         info = world.launch_info()
         out: dict[str, Any] = dataclasses.asdict(info)
         out["rank"], out["world_size"] = world.rank(), world.world_size()
@@ -270,8 +269,6 @@ def _kill_group(pgid: int) -> None:
 
 def _probe_child(ncards: int, timeout: float) -> None:
     """In the child: one rank per card through distributed.run; prints rank 0's verdict."""
-    from levers9 import distributed as dist
-
     result = dist.run(_probe_rank, nprocs=ncards, backend="nccl", timeout=timeout)
     print("LEVERS9_PROBE_RESULT " + json.dumps(result), flush=True)
 
@@ -280,8 +277,6 @@ def _probe_rank() -> dict[str, Any]:
     """In each rank: all_reduce a 4 MiB tensor of (rank+1) and check every element of the sum."""
     import torch
     import torch.distributed as td
-
-    from levers9 import distributed as dist
 
     n = dist.world_size()
     x = torch.full((1 << 20,), float(dist.rank() + 1), device=dist.device())
@@ -308,7 +303,7 @@ def _mib(n: int | None) -> str:
     return f"{n / 1024**3:.1f} GiB" if n >= 1024**3 else f"{n // 1024**2} MiB"
 
 
-def render(r: dict[str, Any]) -> str:
+def report_text(r: dict[str, Any]) -> str:
     """The report as readable text."""
     out: list[str] = []
     launch = r["launch"]

@@ -18,6 +18,8 @@ import logging
 import sys
 from typing import Any
 
+from levers9 import distributed as dist
+from levers9.distributed import script as scripts
 from levers9.errors import ConfigError, RankFailed, signal_name
 
 log = logging.getLogger("levers9.run")
@@ -126,8 +128,6 @@ def _console_ranks(text: str) -> tuple[int, ...] | None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the script on every rank; the exit status follows torchrun's rules."""
-    from levers9.distributed import script as scripts
-
     try:
         _refuse_multi_node(args)
         if args.master_port is not None:
@@ -144,10 +144,8 @@ def main(args: argparse.Namespace) -> int:
         count, backend = scripts.resolve_nprocs(args.nproc_per_node, None, flag="--nproc-per-node")
         target = scripts.with_log_folder(target, "levers9 run")
         scripts.say_one_thread_each(count)
-        from levers9.distributed.spawner import run
-
-        run(
-            scripts.run_target,
+        dist.run(
+            scripts.run_script_target,
             target,
             nprocs=count,
             backend=backend,
@@ -182,8 +180,6 @@ def main(args: argparse.Namespace) -> int:
 def _report_failure(exc: BaseException) -> int:
     """Print the failing rank's headline and its own traceback; return that rank's own exit status (1 for an
     exception, N for sys.exit(N), 128+N for signal N)."""
-    from levers9.distributed import script as scripts
-
     failure = scripts.failure_of(exc)
     if failure is None:
         if isinstance(exc, RankFailed):  # a timeout or a stall: the report says where every rank was

@@ -1,7 +1,7 @@
 """What levers9 knows about this process, as one typed value, built where a rank or a job process starts.
 
 A job process begins with its JobContext (launch/job_process.py); a rank of `distributed.run` with its
-job's context, the quirks its parent applied for it, and whether it computes on the CPU
+job's context, the mark that its parent applied the quirks for it, and whether it computes on the CPU
 (distributed/rank_process.py); any other process has the empty value. The value is kept process-wide,
 once, because what reads it is process-wide by nature: torch's default process group (which levers9
 may have made, and then alone destroys), the environment the quirks set, and the helpers and
@@ -23,7 +23,10 @@ class Runtime:
     """This process, in levers9's eyes."""
 
     job: JobContext | None = None  # the job this process runs (a job process, and the ranks it started)
-    quirks: QuirkPlan | None = None  # applied for this process: here, or by the parent that started this rank
+    quirks: QuirkPlan | None = None  # the plan applied in this process (a job process, in place, under a launcher)
+    # a rank distributed.run started: its parent planned the quirks for all its ranks and handed their variables
+    # down in this rank's environment, so the rank plans none of its own
+    quirks_from_parent: bool = False
     cpu_only: bool = False  # a rank of a gloo run: it computes on the CPU even where CUDA is present
     own_group: bool = False  # levers9 made the default process group (it destroys no other)
     groups_made: int = 0  # groups levers9 made on a launcher's store here: each gets store keys of its own

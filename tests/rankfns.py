@@ -32,6 +32,13 @@ def describe(cfg: Any) -> dict[str, Any]:
     }
 
 
+def variable_on_every_rank(name: str) -> list[str | None]:
+    """`name` in each rank's environment, gathered from every rank; rank 0 returns the list."""
+    seen: list[str | None] = [None] * dist.world_size()
+    torch.distributed.all_gather_object(seen, os.environ.get(name))
+    return seen
+
+
 def fail_on_rank_1(cfg: Any) -> None:
     """Rank 1 raises CustomError; rank 0 waits in a collective it will never complete."""
     if dist.rank() == 1:

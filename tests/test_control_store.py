@@ -14,7 +14,7 @@ from levers9.distributed.control_store import ControlStore, Report, StartRequest
 from levers9.distributed.nodes import rank_failure_of
 from levers9.distributed.stalls import Quiet
 from levers9.errors import FailureKind
-from levers9.procs.failure import Failure, ship, unship
+from levers9.procs.failure import FailureRecord, ship, unship
 
 pytestmark = pytest.mark.fast
 
@@ -146,7 +146,7 @@ def test_a_start_request_is_frozen_and_has_no_field_by_default() -> None:
 
 
 def test_a_reported_failure_becomes_the_callers_rank_failure() -> None:
-    raised = Failure(None, "KeyError", "'lr'", "Traceback ...\nKeyError: 'lr'", 0.0, False)
+    raised = FailureRecord(None, "KeyError", "'lr'", "Traceback ...\nKeyError: 'lr'", 0.0, False)
     report = dataclasses.replace(REPORT, signal=None, exitcode=1, failure=raised,
                                  tail=tuple(f"line {i}" for i in range(60)))  # fmt: skip
     failure = rank_failure_of(report)

@@ -29,7 +29,7 @@ from levers9.errors import (
 )
 from levers9.launch import outcomes
 from levers9.launch.outcomes import failure_kind
-from levers9.procs.failure import Failure, capture, ship
+from levers9.procs.failure import FailureRecord, capture, ship
 from levers9.procs.outcome import Outcome, StopReason, kind_of
 from levers9.retries import WORDS, Retries, restart_policy, word_for, words_adding
 from levers9.state_files import Losses
@@ -44,8 +44,8 @@ def _raised(exc: BaseException, exitcode: int = 1) -> Outcome:
     return Outcome(pid=42, exitcode=exitcode, signal=None, failure=capture(exc, exitcode=exitcode), reported=True)
 
 
-def _dist_backend_error() -> Failure:
-    return Failure(None, "torch.distributed.DistBackendError", "NCCL error: remote process exited", "", 0.0, False)
+def _dist_backend_error() -> FailureRecord:
+    return FailureRecord(None, "torch.distributed.DistBackendError", "NCCL error: remote process exited", "", 0.0, False)
 
 
 # (outcome, its kind, the kind retries= sees in the error a job process raises for it): one kind whichever layer
@@ -158,7 +158,7 @@ def test_a_suggested_restart_on_means_what_it_meant_and_does_not_warn() -> None:
 
 def test_the_words_of_a_message_do_not_decide_the_kind() -> None:
     """A failure whose text merely mentions a peer or a card is the plain exception its fields say it is."""
-    told = Failure(None, "ValueError", "Connection closed by peer; GPU is lost", "", 0.0, peer_loss=False)
+    told = FailureRecord(None, "ValueError", "Connection closed by peer; GPU is lost", "", 0.0, peer_loss=False)
     assert kind_of(Outcome(42, 1, None, failure=told, reported=True)) is K.EXCEPTION
 
 

@@ -381,7 +381,7 @@ APPLY = textwrap.dedent(
     from levers9.distributed.hardware import quirks
     if os.environ.get("TEST_MARK_APPLIED"):
         from levers9 import runtime  # what each rank of distributed.run does: its parent applied the quirks
-        runtime.begin(runtime.Runtime(quirks=quirks.QuirkPlan()))
+        runtime.begin(runtime.Runtime(quirks_from_parent=True))
     try:
         first = quirks.apply_quirks(local_world_size=2, backend="nccl", is_main=True, disabled=["shm-too-small"])
     except Exception as exc:
@@ -416,6 +416,43 @@ def test_apply_sets_defaults_once_and_logs(tmp_path: Path) -> None:
         {"FAKE_PYNVML": two_pro, "LD_LIBRARY_PATH": str(tmp_path), "TEST_MARK_APPLIED": "1"}
     )
     assert marked["set"] == {} and marked["p2p"] is None and "LOG" not in logs
+
+
+PLANNED_ONCE = textwrap.dedent(
+    """
+    import json, logging, os, sys
+    logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(name)s %(message)s")
+    logging.getLogger("levers9.quirks").setLevel(logging.DEBUG)  # a plan that sets nothing logs at DEBUG
+    from levers9 import distributed as dist
+    from levers9.distributed.hardware import quirks
+    from levers9.distributed.hardware.quirk_rows import Match, Quirk
+    from tests import rankfns
+    quirks.register_quirk(Quirk("test-knob", "a row of this test.", Match(min_local_world_size=1, backend=None),
+                                "set-env", set_env={"LEVERS9_TEST_KNOB": "on"}, evidence=("this test",)))
+    started = dist.run(rankfns.variable_on_every_rank, "LEVERS9_TEST_KNOB", nprocs=2, backend="gloo")
+    caller = os.environ.get("LEVERS9_TEST_KNOB")
+    in_place = dist.run(os.environ.get, "LEVERS9_TEST_KNOB", nprocs=1, backend="gloo")
+    again = dist.run(rankfns.variable_on_every_rank, "LEVERS9_TEST_KNOB", nprocs=2, backend="gloo")
+    print(json.dumps({"started": started, "caller": caller, "in_place": in_place, "again": again}))
+    """
+)
+
+
+@pytest.mark.procs
+def test_quirks_are_planned_once_then_handed_to_the_ranks_or_applied_here() -> None:
+    """A run that starts ranks plans the quirks in the caller and hands their variables to the ranks (the caller's
+    environment is left alone, no rank plans again); a run in place applies them here, once, and later runs plan
+    nothing more: one log line per plan."""
+    env = {k: v for k, v in os.environ.items() if k != "LEVERS9_TEST_KNOB"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", PLANNED_ONCE], env=env, capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    lines = out.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert result == {"started": ["on", "on"], "caller": None, "in_place": "on", "again": ["on", "on"]}
+    planned = [line for line in lines if "[test-knob]" in line]
+    assert len(planned) == 2 and all("set LEVERS9_TEST_KNOB=on" in line for line in planned), out
 
 
 @pytest.mark.procs

@@ -113,12 +113,12 @@ def test_padded_shards_are_equal_and_say_how_much_is_padding(monkeypatch: pytest
 
 
 def test_a_local_rank_without_a_card_is_an_error_naming_both_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
-    from levers9.distributed import group
+    from levers9.distributed import devices
     from levers9.errors import DeviceError
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     visible = torch.cuda.device_count()
     with pytest.raises(DeviceError) as info:
-        group.cuda_index_for_local_rank(visible + 1)
+        devices.cuda_index_for_local_rank(visible + 1)
     text = str(info.value)
     assert f"LOCAL_RANK={visible + 1}" in text and f"only {visible} card(s)" in text and "--nproc-per-node" in text

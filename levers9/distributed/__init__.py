@@ -14,14 +14,14 @@
     dist.run(train_one_rank, cfg, max_restarts=3)   # every rank started again after a crash or stall
 
 Under torchrun, `accelerate launch`, SLURM or MPI the same helpers read the launcher's RANK /
-WORLD_SIZE / LOCAL_RANK, and `run` spawns nothing. With nothing launched, every helper answers as a
+WORLD_SIZE / LOCAL_RANK, and `run` starts no ranks. With nothing launched, every helper answers as a
 world of one.
 """
 
 from levers9.distributed.helpers import PaddedShard, all_reduce_mean, barrier, device, print0, shard, wrap
 from levers9.distributed.mpspawn import spawn
+from levers9.distributed.running import run
 from levers9.distributed.script import run_script
-from levers9.distributed.spawner import run
 from levers9.distributed.world import (
     is_main,
     launcher,

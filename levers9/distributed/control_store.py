@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from levers9.distributed.stalls import Quiet
-from levers9.procs.failure import Failure, ship, unship
+from levers9.procs.failure import FailureRecord, ship, unship
 
 
 class Store(Protocol):
@@ -74,7 +74,7 @@ class Report:
     pid: int
     exitcode: int | None
     signal: int | None
-    failure: Failure | None
+    failure: FailureRecord | None
     tail: tuple[str, ...]
     wall: float  # when it failed (wall clock): the root cause is the earliest
 

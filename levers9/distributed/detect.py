@@ -94,7 +94,7 @@ def detect_torchrun(env: Mapping[str, str]) -> LaunchInfo | None:
 
 
 def detect_levers9(env: Mapping[str, str]) -> LaunchInfo | None:
-    """A rank started by levers9's own spawner or job runner: LEVERS9_LAUNCHER=levers9 (and, when
+    """A rank started by levers9's own distributed.run or job runner: LEVERS9_LAUNCHER=levers9 (and, when
     TORCHELASTIC_RUN_ID is set, a levers9 run id: torchrun started inside a levers9 rank is torchrun)."""
     if env.get("LEVERS9_LAUNCHER") != "levers9":
         return None

@@ -1,16 +1,16 @@
-"""The default process group's life: joined before fn (quirks applied first), destroyed only by its maker.
+"""The default process group's life: joined before fn, destroyed only by its maker.
 
 `distributed.run` makes the group before fn on every path with more than one rank (or adopts one
 that already exists), so fn starts with `torch.distributed.is_initialized()` True, as the user's
 documents say. Nothing of torch's is replaced: levers9 calls `init_process_group` as any script
 would. levers9 destroys only a group it made; one the user, accelerate or a launcher made is left
 alone. Under a launcher, code that uses levers9's helpers without `distributed.run` gets the group
-from the first helper that needs one (`ensure_group`).
+from the first helper that needs one (helpers.py). Which card a process computes on is devices.py's;
+the quirks are applied before, where the world is decided (hardware/quirks.py `plan_for_world`).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
 import gc
@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from levers9 import runtime
-from levers9.distributed import master_host, slurm_env, world
+from levers9.distributed import devices, master_host, slurm_env, world
 from levers9.distributed.detect import LaunchInfo
-from levers9.errors import ConfigError, DeviceError, LauncherEnvError
+from levers9.errors import ConfigError, LauncherEnvError
 
 DEFAULT_TIMEOUT_S = 600.0
 # Set by distributed.run for its ranks: the loopback port of the rendezvous store the parent hosts.
@@ -32,47 +32,6 @@ STORE_PORT_VAR = "LEVERS9_STORE_PORT"
 # makes on that store. Any local user can connect to a TCP port, but one who cannot read the ranks'
 # environment (/proc/<pid>/environ is the owner's alone) cannot name, so cannot set, a key they read.
 STORE_SECRET_VAR = "LEVERS9_STORE_SECRET"
-
-
-def cpu_only() -> bool:
-    """True in a rank of a gloo run: it computes on the CPU even where CUDA is present."""
-    return runtime.this_process().cpu_only
-
-
-def wants_cuda() -> bool:
-    """True if this process should compute on a card (CUDA present and not forced onto the CPU)."""
-    if cpu_only() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-def default_backend() -> str:
-    """nccl where this process computes on a card, else gloo."""
-    return "nccl" if wants_cuda() else "gloo"
-
-
-def visible_devices_note() -> str:
-    """' (CUDA_VISIBLE_DEVICES=...)' when that variable is set, for messages about card counts."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
-
-
-def cuda_index_for_local_rank(local_rank: int) -> int:
-    """The card index for this local rank, set as the current device; DeviceError if there is no such card."""
-    import torch
-
-    count = torch.cuda.device_count()
-    if local_rank >= count:
-        raise DeviceError(
-            f"LOCAL_RANK={local_rank} but this process sees only {count} card(s){visible_devices_note()}: local rank "
-            f"{local_rank} has no card of its own. Expected one card per local rank; start at most {count} "
-            f"processes per node (e.g. `torchrun --nproc-per-node {count}`, or distributed.run(..., nprocs={count}))."
-        )
-    if torch.cuda.current_device() != local_rank:
-        torch.cuda.set_device(local_rank)
-    return local_rank
 
 
 def destroy_own_group() -> None:
@@ -87,13 +46,6 @@ def destroy_own_group() -> None:
         # interpreter exit abort the process (pytorch/pytorch#190489, pytorch/pytorch#179291).
         gc.collect()
         td.destroy_process_group()
-
-
-def apply_quirks_here(local_world_size: int, backend: str, disabled: tuple[str, ...] = ()) -> None:
-    """Apply the GPU-quirk registry in this process before its first collective (once per process)."""
-    from levers9.distributed.hardware import quirks
-
-    quirks.apply_quirks(local_world_size=local_world_size, backend=backend, is_main=world.rank() == 0, disabled=disabled)
 
 
 def pg_timeout() -> datetime.timedelta:
@@ -115,8 +67,8 @@ def pg_timeout() -> datetime.timedelta:
 
 
 def join_launcher_group(info: LaunchInfo, backend: str | None = None) -> bool:
-    """With several ranks and no live group, make it (the card set as current device first for nccl, quirks
-    applied first, a finite timeout); True if this call made it.
+    """With several ranks and no live group, make it (the card set as current device first for nccl, a finite
+    timeout); True if this call made it. The caller applied the quirks for its world first (quirks.plan_for_world).
 
     Where a launcher hosts the store (distributed.run's parent, torchrun's agent:
     TORCHELASTIC_USE_AGENT_STORE=True) the group meets on it under keys of its own, so it never reads the
@@ -129,14 +81,13 @@ def join_launcher_group(info: LaunchInfo, backend: str | None = None) -> bool:
         return False
     if info.launcher == "slurm":
         slurm_env.check_tasks_match_cards(os.environ, info.local_world_size)
-    backend = backend or default_backend()
-    apply_quirks_here(info.local_world_size, backend)
+    backend = backend or devices.default_backend()
     import torch
     import torch.distributed as td
 
     kwargs: dict[str, Any] = {"rank": info.rank, "world_size": info.world_size, "timeout": pg_timeout()}
     if backend == "nccl":
-        kwargs["device_id"] = torch.device("cuda", cuda_index_for_local_rank(info.local_rank))
+        kwargs["device_id"] = torch.device("cuda", devices.cuda_index_for_local_rank(info.local_rank))
     agent_store = _agent_store_address()
     if agent_store is not None:
         this = runtime.this_process()
@@ -192,16 +143,6 @@ def _init_method(info: LaunchInfo) -> str:
     if os.environ.get("MASTER_ADDR"):
         master_host.check_resolves(os.environ["MASTER_ADDR"], "MASTER_ADDR")
     return "env://"
-
-
-def ensure_group() -> None:
-    """Make the group now if the launcher says there are several ranks and none exists (helpers call this);
-    it is destroyed when the process exits."""
-    if world.live_group() is not None:
-        return
-    info = world.launch_info()
-    if info.world_size > 1 and join_launcher_group(info):
-        atexit.register(destroy_own_group)
 
 
 @contextlib.contextmanager

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from levers9.distributed import group, world
+from levers9.distributed import devices, group, world
 
 if TYPE_CHECKING:
     import torch
@@ -22,11 +23,11 @@ def device() -> torch.device:
     import torch
 
     local = world.local_rank()
-    key = (local, group.cpu_only(), os.environ.get("ACCELERATE_USE_CPU"))
+    key = (local, devices.cpu_only(), os.environ.get("ACCELERATE_USE_CPU"))
     cached = _device_cache.get(key)
     if cached is not None:
         return cached
-    dev = torch.device("cuda", group.cuda_index_for_local_rank(local)) if group.wants_cuda() else torch.device("cpu")
+    dev = torch.device("cuda", devices.cuda_index_for_local_rank(local)) if devices.wants_cuda() else torch.device("cpu")
     _device_cache[key] = dev
     return dev
 
@@ -50,7 +51,7 @@ def wrap(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
         return model
     dev = device()
     model = model.to(dev)
-    group.ensure_group()
+    _ensure_group()
     if world.world_size() <= 1:
         return model
     if dev.type == "cuda":
@@ -119,7 +120,7 @@ def all_reduce_mean(x: Any) -> torch.Tensor:
         out = torch.tensor(x, dtype=torch.float64)
     if not out.is_floating_point() and not out.is_complex():
         out = out.to(torch.get_default_dtype())
-    group.ensure_group()  # under a launcher with several ranks and no group yet, make it now
+    _ensure_group()  # under a launcher with several ranks and no group yet, make it now
     td = world.live_group()
     if td is None or td.get_world_size() == 1:
         return out
@@ -142,12 +143,25 @@ def print0(*args: Any, **kwargs: Any) -> None:
 
 def barrier() -> None:
     """Every rank waits here for every other; a no-op in a world of one."""
-    group.ensure_group()
+    _ensure_group()
     if world.world_size() <= 1:
         return
     import torch.distributed as td
 
     td.barrier(device_ids=[device().index] if td.get_backend() == "nccl" else None)
+
+
+def _ensure_group() -> None:
+    """Under a launcher with several ranks and no group (helpers used without `distributed.run`): the quirks for
+    the launcher's world applied, then the group made now; it is destroyed when the process exits."""
+    info = world.launch_info()
+    if world.live_group() is not None or info.world_size <= 1:
+        return
+    from levers9.distributed.hardware import quirks  # loads on use, not with levers9.distributed
+
+    quirks.apply_quirks(local_world_size=info.local_world_size, backend=devices.default_backend(), is_main=info.rank == 0)
+    if group.join_launcher_group(info):
+        atexit.register(group.destroy_own_group)
 
 
 os.register_at_fork(after_in_child=_device_cache.clear)  # a forked rank has a device of its own

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from levers9.context import current_job
-from levers9.distributed import group
+from levers9.distributed import devices
 from levers9.errors import ConfigError
 
 
@@ -43,7 +43,7 @@ def plan_layout(nprocs: int | None, backend: str | None) -> Layout:
         )
     if nprocs is not None and nprocs > cards:
         raise ConfigError(
-            f"nprocs={nprocs} but only {cards} card(s) are visible{group.visible_devices_note()}: ranks {cards}..{nprocs - 1} would "
+            f"nprocs={nprocs} but only {cards} card(s) are visible{devices.visible_devices_note()}: ranks {cards}..{nprocs - 1} would "
             f"have no card. Expected one card per rank; pass nprocs<={cards}, or backend='gloo' to run "
             f"{nprocs} ranks on the CPU."
         )

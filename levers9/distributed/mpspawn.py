@@ -11,6 +11,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from levers9.distributed.started_ranks import start_like_mp_spawn
 from levers9.errors import ConfigError
 
 
@@ -65,11 +66,9 @@ def spawn(
         )
     if start_method == "forkserver":
         start_method = "spawn"
-    from levers9.distributed.spawner import spawn_ranks
-
-    return spawn_ranks(functools.partial(_call_with_rank, fn, args), nprocs, start_method, prefix_output)
+    return start_like_mp_spawn(functools.partial(_call_with_rank, fn, args), nprocs, start_method, prefix_output)
 
 
 def _call_with_rank(fn: Callable[..., Any], args: tuple[Any, ...], rank: int) -> Any:
-    """What each rank runs: fn(rank, *args), where rank is this process's index among the spawned ones."""
+    """What each rank runs: fn(rank, *args), where rank is this process's index among the ranks started."""
     return fn(rank, *args)

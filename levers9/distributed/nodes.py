@@ -34,11 +34,11 @@ from levers9.context import GangContext, JobContext, current_job
 from levers9.distributed import detect, restarts, stalls
 from levers9.distributed.control_store import ControlStore, Report, StartRequest
 from levers9.distributed.rank_set import RankOutput, RankSet, Share, rank_vars
-from levers9.distributed.root_failure import raise_root, rank_failure
+from levers9.distributed.root_failure import raise_root, rank0_value, rank_failure
 from levers9.distributed.store_server import hosted_store
 from levers9.errors import ConfigError, FailureKind, NodeLost, RankFailure, RunTimeout, StallError
 from levers9.procs import lines, start
-from levers9.procs.failure import Failure, unship_value
+from levers9.procs.failure import FailureRecord
 from levers9.procs.outcome import Outcome, StopReason, root_cause
 from levers9.procs.supervise import ROOT_CAUSE_WINDOW_S, Supervisor
 from levers9.procs.watch import Child, Ended, exit_on_terminate
@@ -269,7 +269,7 @@ class NodeShare(Ended):
         self.rank = attempt.gang.first_rank(node)  # the failed rank, once one is reported
         self.pid = 0
         self.status: tuple[int | None, int | None] | None = None
-        self.failure: Failure | None = None
+        self.failure: FailureRecord | None = None
         self.reported = False
         self.lost = False
         self.ended_at: float | None = None
@@ -401,10 +401,7 @@ class _Attempt:
         if stopped_for is StopReason.STALL:
             assert stall_timeout is not None
             raise StallError(f"{stalls.stall_text(stall_timeout)}\nWhere each rank was, on every node:\n{self.where}")
-        if any(not o.succeeded for o in outcomes):
-            self._raise_root(outcomes)
-        value = outcomes[0].value
-        return unship_value(value, "distributed.run: rank 0's return value")
+        return rank0_value(outcomes, self._raise_root)
 
     def _raise_root(self, outcomes: list[Outcome]) -> NoReturn:
         """Raise the root cause by outcome.root_cause's rule, named by its rank and its node (or the lost node)."""

@@ -49,10 +49,7 @@ class RankTarget:
 
 def rank_main(spec: RankSpec, call: Callable[..., Any]) -> bytes | None:
     """Run fn on this rank; rank 0's value shipped for the caller, None on the others."""
-    from levers9.distributed.hardware.quirks import QuirkPlan
-
-    # the parent applied the quirks for every rank, before starting any (their variables are in its environment)
-    runtime.begin(Runtime(job=spec.job, quirks=QuirkPlan(), cpu_only=spec.backend == "gloo"))
+    runtime.begin(Runtime(job=spec.job, quirks_from_parent=True, cpu_only=spec.backend == "gloo"))
     torch = sys.modules.get("torch")
     if torch is not None and os.environ.get("OMP_NUM_THREADS") == "1" and torch.get_num_threads() != 1:
         torch.set_num_threads(1)  # a forked rank keeps the caller's thread pool; a fresh one reads the variable

@@ -1,7 +1,7 @@
 """One node's share of a run's ranks: started with their variables, their output handed on in pieces, watched by
 the one Supervisor, ended as Outcomes.
 
-`distributed.run` on one node (spawner.py), node 0 of a run across nodes and every node's agent (nodes.py) start
+`distributed.run` on one node (started_ranks.py), node 0 of a run across nodes and every node's agent (nodes.py) start
 their ranks here. `rank_vars` is the one set of variables a rank gets (one node, or node i of k); `RankOutput` is
 the one rule for writing ranks' output to the caller's streams ("[rank N] " before each line, a long line in
 pieces, a "\\r" redraw prefixed again); `RankSet.supervisor` hands the ranks, and anything else the caller watches

@@ -1,4 +1,4 @@
-"""Restarts of a spawned run: the attempts so far, the warning between them, the final error.
+"""Restarts of a run whose ranks levers9 started: the attempts so far, the warning between them, the final error.
 
 `distributed.run(fn, cfg, max_restarts=N)` hands `run_attempts` a function that starts one attempt:
 a fresh set of ranks with a fresh rendezvous store, forked from the caller again (no new
@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from levers9.distributed.root_failure import rank_failed_behind
 from levers9.errors import (
     FailureKind,
     NodeLost,
@@ -113,10 +114,8 @@ def run_attempts(
 def kind_of_error(exc: BaseException) -> FailureKind | None:
     """The kind of failure an attempt's error carries (a rank's own exception: its RankFailed cause's); None
     when it is not a rank's failure (a bad argument, something before any rank ran fn)."""
-    for error in (exc, exc.__cause__):
-        if isinstance(error, RankFailed):
-            return error.kind
-    return None
+    failed = rank_failed_behind(exc)
+    return None if failed is None else failed.kind
 
 
 def cause_of(exc: BaseException, timeout: float | None, stall_timeout: float | None) -> str:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
-from levers9.errors import RankCrashed, RankFailure, signal_name
+from levers9.errors import RankCrashed, RankFailed, RankFailure, signal_name
 from levers9.procs import oom
-from levers9.procs.failure import raise_rank_exception
+from levers9.procs.failure import raise_rank_exception, unship_value
 from levers9.procs.outcome import Outcome, kind_of
 from levers9.procs.watch import output_excerpt
 
@@ -49,3 +49,19 @@ def raise_root(failure: RankFailure, root: Outcome, *, world: int, others: str, 
     raise_rank_exception(f"distributed.run: {head}{others}.\n\n{full}", failure, report,
                          f"levers9: raised on rank {failure.rank} {pid}{where} of {world}{others}. "
                          f"Its traceback:\n{report.traceback.rstrip()}")  # fmt: skip
+
+
+def rank0_value(outcomes: list[Outcome], raise_root_of: Callable[[list[Outcome]], NoReturn]) -> Any:
+    """Rank 0's value when every rank returned; else what `raise_root_of(outcomes)` raises (the root cause)."""
+    if any(not o.succeeded for o in outcomes):
+        raise_root_of(outcomes)
+    return unship_value(outcomes[0].value, "distributed.run: rank 0's return value")
+
+
+def rank_failed_behind(exc: BaseException) -> RankFailed | None:
+    """The RankFailed behind `exc`: `exc` itself, or the cause of a rank's own exception raised from one; else None
+    (a bad argument, something before any rank ran fn)."""
+    for error in (exc, exc.__cause__):
+        if isinstance(error, RankFailed):
+            return error
+    return None

@@ -28,8 +28,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from levers9.console_log import fresh_logging
-from levers9.distributed import group, world
-from levers9.errors import ConfigError, FailureKind, RankCrashed, RankFailed, RankFailure
+from levers9.context import current_job
+from levers9.distributed import devices, world
+from levers9.distributed.layout import plan_layout, visible_card_count
+from levers9.distributed.rank_set import rank_vars
+from levers9.distributed.root_failure import rank_failed_behind
+from levers9.distributed.running import RunOptions, run_with
+from levers9.distributed.started_ranks import one_thread_each
+from levers9.distributed.store_server import hosted_store
+from levers9.errors import ConfigError, FailureKind, RankCrashed, RankFailure
 from levers9.procs.failure import exit_status
 
 NPROC_WORDS = ("gpu", "cpu", "auto")
@@ -104,13 +111,11 @@ def run_script(
     count, backend = resolve_nprocs(nprocs, backend)
     script = with_log_folder(script)
     say_one_thread_each(count)
-    from levers9.distributed.spawner import RunOptions, run_with
-
     options = RunOptions(nprocs=count, backend=backend, timeout=timeout, stall_timeout=stall_timeout,
                          start_method=start_method, prefix_output=prefix_output, max_restarts=max_restarts,
                          restart_on=restart_on, restart_delay=restart_delay,
                          init_group=False)  # the script makes its own group, as under torchrun  # fmt: skip
-    run_with(run_target, script, options)
+    run_with(run_script_target, script, options)
 
 
 def refuse_inside_a_rank(what: str) -> None:
@@ -194,8 +199,6 @@ def _find_module(name: str) -> Any:
 
 def resolve_nprocs(value: int | str | None, backend: str | None = None, *, flag: str = "nprocs") -> tuple[int, str | None]:
     """How many ranks to start, and the backend a word implies ("cpu": gloo), from a number or a torchrun word."""
-    from levers9.distributed.layout import plan_layout
-
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if value is None:
@@ -216,7 +219,7 @@ def resolve_nprocs(value: int | str | None, backend: str | None = None, *, flag:
     if value == "gpu":
         if cards == 0:
             raise ConfigError(
-                f"{flag}=gpu but this process sees no CUDA card{group.visible_devices_note()}. Expected at least one "
+                f"{flag}=gpu but this process sees no CUDA card{devices.visible_devices_note()}. Expected at least one "
                 f"card; pass a number of CPU ranks instead ({flag}=2, on gloo) or {flag}=cpu."
             )
         return cards, backend
@@ -227,17 +230,12 @@ def resolve_nprocs(value: int | str | None, backend: str | None = None, *, flag:
 
 def _has_cards() -> bool:
     """Cards to run ranks on: this job's (simulated ones included), or the visible CUDA cards."""
-    from levers9.context import current_job
-    from levers9.distributed.layout import visible_card_count
-
     job = current_job()
     return (job is not None and job.gpu_count > 0) or visible_card_count() > 0
 
 
 def say_one_thread_each(nprocs: int) -> None:
     """Say once, as torchrun does, that each of `nprocs` ranks gets OMP_NUM_THREADS=1 (when distributed.run gives it)."""
-    from levers9.distributed.spawner import one_thread_each
-
     if one_thread_each(nprocs):
         print(
             f"levers9: OMP_NUM_THREADS is unset; each of the {nprocs} ranks gets OMP_NUM_THREADS=1 (as torchrun does) so "
@@ -266,10 +264,10 @@ def with_log_folder(script: ScriptTarget, what: str = "distributed.run_script") 
     return dataclasses.replace(script, log_dir=fresh)
 
 
-def run_target(script: ScriptTarget) -> None:
+def run_script_target(script: ScriptTarget) -> None:
     """What each rank of run_script does: run the target as __main__ (in place, as a world of one, if no rank was started)."""
     if world.launch_info().launcher == "single":
-        _run_in_place(script)
+        _run_script_in_place(script)
         return
     fresh_logging()  # the script starts with a fresh interpreter's root logger, as under torchrun
     local = world.launch_info().local_rank
@@ -309,12 +307,9 @@ def _run_as_main(script: ScriptTarget) -> None:
         sys.modules["__main__"] = saved
 
 
-def _run_in_place(script: ScriptTarget) -> None:
+def _run_script_in_place(script: ScriptTarget) -> None:
     """One rank: run the target in this process under torchrun's variables for a world of one, then put back
     sys.argv, sys.path and the environment; a sys.exit(N) with N != 0 becomes RankCrashed, as with more ranks."""
-    from levers9.distributed.rank_set import rank_vars
-    from levers9.distributed.store_server import hosted_store
-
     if script.kind == "program":
         with hosted_store() as port:
             code = subprocess.call([script.name, *script.argv], env={**os.environ, **rank_vars(0, 1, port)})
@@ -415,10 +410,8 @@ def _private_log(path: Path) -> TextIO:
 
 def failure_of(exc: BaseException) -> RankFailure | None:
     """The RankFailure behind `exc` (a RankFailed, or a rank's own exception raised from one), else None."""
-    for candidate in (exc, exc.__cause__):
-        if isinstance(candidate, RankFailed):
-            return candidate.failure
-    return None
+    failed = rank_failed_behind(exc)
+    return None if failed is None else failed.failure
 
 
 def exit_code_for(exc: BaseException) -> int:

@@ -50,8 +50,10 @@ class JobTarget:
         function; its value."""
         runtime.begin(Runtime(job=self.context))
         if self.context.gpu_count > 0 and not self.context.simulated:
+            # imported for a job on real cards only: the rows read NVML and NCCL
             from levers9.distributed.hardware import quirks
 
+            # the world its ranks have: one per card, on nccl (distributed.run's layout on real cards)
             quirks.apply_quirks(local_world_size=self.context.gpu_count, backend="nccl", is_main=True)
         return self.func(*self.args, **self.kwargs)
 

@@ -22,7 +22,7 @@ from levers9 import runtime
 from levers9.launch import job_process
 from levers9.launch.scratch import remove_scratch_dir, scratch_dir
 from levers9.launch.spec import JobSpec
-from levers9.procs.failure import Failure, capture, exit_status, ship_value, unship
+from levers9.procs.failure import FailureRecord, capture, exit_status, ship_value, unship
 from levers9.runtime import Runtime
 
 
@@ -34,7 +34,7 @@ class TaskReport:
     node: str
     pid: int
     value: bytes | None = None
-    failure: Failure | None = None
+    failure: FailureRecord | None = None
 
 
 def run_task(payload: dict[str, Any]) -> TaskReport:

@@ -3,7 +3,7 @@
 The child leads its own session, dies with its parent (the kernel's parent-death signal for itself,
 and a watchdog process in its group that kills the whole group once the parent's lifeline pipe
 reads end of file, so what the target started dies too), writes its output to the parent's pipes,
-runs the target and sends back one message: ("result", value) or ("error", Failure), then ends as an
+runs the target and sends back one message: ("result", value) or ("error", FailureRecord), then ends as an
 interpreter ends (interpreter.py: threads joined, exit handlers run, files flushed; a forked child also
 began with its own random state and exit handlers). It is a child
 subreaper, and when the target is done it kills every descendant it still has, daemons that left
@@ -66,7 +66,7 @@ def forked_main(target: Callable[[], Any], ends: Ends, env: dict[str, str]) -> N
 
 def fresh_main() -> NoReturn:
     """Entry point of a fresh interpreter: sys.path, cwd, ends, env and the shipped target come on stdin."""
-    interpreter.begin()
+    interpreter.mark_own_objects()
     sys_path, cwd, ends, env, blob = pickle.loads(sys.stdin.buffer.read())
     die_with_parent(ends.parent_pid)
     for fd in (ends.msg_fd, ends.lifeline_fd, *ends.held):

@@ -2,9 +2,9 @@
 
 A child talks to its parent over one pipe, in length-prefixed pickled messages:
     ("result", bytes | None)     the target returned (its value shipped, or None when not asked for)
-    ("error", Failure)           the target raised, called sys.exit(non-zero), or its value could not be shipped
+    ("error", FailureRecord)           the target raised, called sys.exit(non-zero), or its value could not be shipped
     ("waiting", [names])         after either: it waits for these non-daemon threads before it exits
-The parent reads them with a FrameReader as they arrive; `rebuild` turns a Failure back into the
+The parent reads them with a FrameReader as they arrive; `rebuild` turns a FailureRecord back into the
 original exception where its type can be unpickled here.
 """
 
@@ -21,6 +21,8 @@ import time
 import traceback
 import types
 from typing import Any, NoReturn
+
+from levers9.errors import NotShippableError, RankFailed, add_note
 
 _HEADER = struct.Struct("!Q")
 
@@ -40,7 +42,7 @@ CARD_FAULT_MARKERS = ("uncorrectable ECC error", "GPU has fallen off the bus", "
 
 
 @dataclasses.dataclass(frozen=True)
-class Failure:
+class FailureRecord:
     """A child's failure as it crosses the pipe: the exception (pickled if it can be), its traceback with
     the cause chain, when it happened, and the exit code the child leaves with. `peer_loss` and
     `card_fault` are read from the live exception's words (torch and CUDA give nothing else), once, here."""
@@ -60,14 +62,14 @@ class Failure:
         return self.exc_type == "SystemExit"
 
 
-def capture(exc: BaseException, exitcode: int = 1) -> Failure:
-    """The Failure for `exc`, pickling the exception itself when that works."""
+def capture(exc: BaseException, exitcode: int = 1) -> FailureRecord:
+    """The FailureRecord for `exc`, pickling the exception itself when that works."""
     try:
         blob: bytes | None = ship(exc)
     except Exception:
         blob = None
     message = describe(exc)
-    return Failure(
+    return FailureRecord(
         exc_blob=blob,
         exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
         message=message,
@@ -108,7 +110,7 @@ def exit_status(exc: SystemExit) -> int:
     return 1
 
 
-def rebuild(failure: Failure) -> BaseException | None:
+def rebuild(failure: FailureRecord) -> BaseException | None:
     """The child's original exception object, if it unpickles here."""
     if failure.exc_blob is None:
         return None
@@ -119,11 +121,9 @@ def rebuild(failure: Failure) -> BaseException | None:
     return exc if isinstance(exc, BaseException) else None
 
 
-def raise_rank_exception(message: str, failure: Any, report: Failure, note: str) -> NoReturn:
+def raise_rank_exception(message: str, failure: Any, report: FailureRecord, note: str) -> NoReturn:
     """Raise the rank's own exception, rebuilt here, with `note` added and a RankFailed(`message`, `failure`) as
     its cause; that RankFailed itself where the exception's type cannot be rebuilt in this process."""
-    from levers9.errors import RankFailed, add_note
-
     wrapper = RankFailed(message, failure)
     original = rebuild(report)
     if not isinstance(original, Exception):  # not rebuilt, or a KeyboardInterrupt sent to that rank alone: the
@@ -185,8 +185,6 @@ def ship_value(value: Any, what: str) -> bytes:
     Plain data (numbers, dicts, tensors) goes through the standard pickle, so neither side pays for
     importing cloudpickle; whatever pickle cannot take by reference (a function or class defined in
     the child) goes by value."""
-    from levers9.errors import NotShippableError
-
     with contextlib.suppress(Exception):
         if "torch" not in sys.modules:
             return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
@@ -234,8 +232,6 @@ def unship(blob: bytes) -> Any:
 def unship_value(blob: bytes | None, what: str) -> Any:
     """A target's return value as the caller unpickles it (None for None), or NotShippableError naming
     `what` ("rank 0's return value") and why it cannot be rebuilt here (a module only the child imported)."""
-    from levers9.errors import NotShippableError
-
     if blob is None:
         return None
     try:

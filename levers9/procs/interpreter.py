@@ -30,7 +30,7 @@ from levers9.procs.failure import user_frames
 
 def begin_forked() -> None:
     """Right after the fork: the child's own random state and exit handlers, as a fresh interpreter has."""
-    begin()
+    mark_own_objects()
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.seed()  # a nondeterministic seed for the CPU generator (and, lazily, the cards'), as at import
@@ -43,7 +43,7 @@ def begin_forked() -> None:
         atexit.register(logging.shutdown)  # what `import logging` registers in a fresh interpreter
 
 
-def begin() -> None:
+def mark_own_objects() -> None:
     """Mark where the child's own objects begin: everything older is frozen out of `gc.get_objects()`,
     so `shutdown` flushes only files the child opened (the caller's buffered files must not be written twice)."""
     gc.freeze()

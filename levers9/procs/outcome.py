@@ -2,7 +2,7 @@
 
 Every child levers9 starts (a rank of `distributed.run`, a local job, a job inside a Ray task) is
 watched by one Supervisor (supervise.py) and ends as an `Outcome`: its exit code or signal, what it
-sent back (a value, or a `Failure` record of what it raised), why the supervisor stopped it if it
+sent back (a value, or a `FailureRecord` of what it raised), why the supervisor stopped it if it
 did, and the cgroup's out-of-memory kill counts around it. `kind_of` names the kind of failure from
 those typed fields alone (`levers9.errors.FailureKind`); `restart_on=` and `retries=` choose from them.
 
@@ -18,7 +18,7 @@ import enum
 import math
 
 from levers9.errors import FailureKind
-from levers9.procs.failure import Failure
+from levers9.procs.failure import FailureRecord
 
 # Exception types (as the failure codec names them) raised when a collective or the rendezvous failed.
 COMM_TYPES = frozenset(
@@ -43,7 +43,7 @@ class Outcome:
     exitcode: int | None  # None when it died by a signal (or was never reaped: see `lost`)
     signal: int | None
     value: bytes | None = None  # what it returned, shipped (None: nothing, or not asked for)
-    failure: Failure | None = None  # what it raised or the sys.exit(N) it called, as the child recorded it
+    failure: FailureRecord | None = None  # what it raised or the sys.exit(N) it called, as the child recorded it
     reported: bool = False  # it sent a "result" or "error" message before it ended
     stopped_for: StopReason | None = None  # None: it ended by itself
     oom_counts: tuple[int | None, int | None] = (None, None)  # its cgroup's OOM-kill count at start and at the end
@@ -62,7 +62,7 @@ class Outcome:
         return self.signal is not None and before is not None and after is not None and after > before
 
 
-def consequence(failure: Failure | None) -> int:
+def consequence(failure: FailureRecord | None) -> int:
     """How likely a child's failure is a consequence of another's, for ordering the root cause first: 0 for a
     failure of its own (an exception, or a death with nothing reported: a signal beats the exits it causes in
     its peers), 1 for sys.exit(N) (more often a script's reaction to a lost peer than a cause), 2 for an

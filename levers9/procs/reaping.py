@@ -23,8 +23,8 @@ _holders = 0
 _restore = False  # SIGCHLD was ignored when the first holder came, and is put back when the last goes
 
 
-def hold() -> None:
-    """One more waiter that needs exit statuses (pair with `release`)."""
+def hold_exit_statuses() -> None:
+    """One more waiter that needs exit statuses (pair with `release_exit_statuses`)."""
     global _holders, _restore
     with _lock:
         _holders += 1
@@ -32,7 +32,7 @@ def hold() -> None:
             _restore = _set(_SIG_DFL) == _SIG_IGN
 
 
-def release() -> None:
+def release_exit_statuses() -> None:
     """One waiter less; the last puts back an ignored SIGCHLD."""
     global _holders, _restore
     with _lock:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from levers9.procs import oom
-from levers9.procs.failure import Failure
+from levers9.procs.failure import FailureRecord
 from levers9.procs.outcome import Outcome, StopReason
 from levers9.procs.watch import Watcher
 
@@ -29,7 +29,7 @@ class Watched(Protocol):
 
     pid: int
     result: bytes | None
-    failure: Failure | None
+    failure: FailureRecord | None
     reported: bool
     oom_before: int | None
     ended_at: float | None

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 
 from levers9.procs import echo, fds, lines, reaping, tree
-from levers9.procs.failure import Failure, FrameReader
+from levers9.procs.failure import FailureRecord, FrameReader
 
 TAIL_LINES = 400  # kept per child for failure reports
 REPORT_LINES = 40  # of a child's last output, shown in a failure report
@@ -37,7 +37,7 @@ class Ended:
     """How something watched ended, once it has: `status` (exit code, signal), the failure it reported."""
 
     status: tuple[int | None, int | None] | None = None  # (exit code, signal) once it ended
-    failure: Failure | None = None
+    failure: FailureRecord | None = None
     lost = False  # nothing is known of how it ended (never, for a child of this process: its end is always seen)
 
     @property
@@ -72,7 +72,7 @@ class Child(Ended):
         self.ended_at: float | None = None  # time.monotonic() when it was reaped
         self.reported = False  # a "result" or "error" message arrived
         self.result: bytes | None = None
-        self.failure: Failure | None = None
+        self.failure: FailureRecord | None = None
         self.waiting_for: list[str] = []  # names of the non-daemon threads it waited for once its target was done
         try:
             self.pidfd: int | None = os.pidfd_open(pid)
@@ -203,7 +203,7 @@ class Watcher:
         self._paused: dict[int, Child] = {}  # output pipes not read while the forwarder is full
         self._stopped_early = False  # stop() found children still running: output is not waited for
         self._cutting = {"immediate": immediate, "exact": exact}  # how output is cut: see lines.LineCutter
-        reaping.hold()  # exit statuses stay readable even where the caller ignores SIGCHLD
+        reaping.hold_exit_statuses()  # exit statuses stay readable even where the caller ignores SIGCHLD
         self._holding = True
 
     def add(self, child: Child) -> Child:
@@ -367,4 +367,4 @@ class Watcher:
             fds.close(self._wake_w)
             if self._holding:
                 self._holding = False
-                reaping.release()
+                reaping.release_exit_statuses()

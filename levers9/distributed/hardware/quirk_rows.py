@@ -3,7 +3,7 @@
 A row says what it matches (`Match`: card name, compute capability, ranks on this node, NVLink, driver,
 NCCL build, platform, /dev/shm size, unset variables), what it does (`Quirk.action`: set environment
 defaults, raise, warn, or only inform), and the evidence behind it (owner/repo#N, documentation).
-`quirks.py` decides what the rows mean for a run; this file holds only the data and its shape.
+`quirk_checks.py` checks a row against a run and `quirks.py` plans and applies; this file holds only the data and its shape.
 """
 
 from __future__ import annotations
