@@ -5,7 +5,7 @@ Each run started by `distributed.run` gets a private board folder holding
 - `sample-<rank>`: a FIFO asking that rank's thread for a fresh flight-recorder sample (sampler.py,
   flight_recorder.py);
 - `stack-<rank>.txt`: where a rank writes every thread's Python stack on SIGUSR1 (report.py);
-- `ranks.json`: the caller's pid and the ranks' pids, for `levers9 stacks` (runs.py).
+- `ranks.json`: the caller's pid and the ranks' pids, for `levers9 stacks` (stalls/lookup.py).
 A run gets its folder only when `timeout=` or `stall_timeout=` asks for reports; nothing of torch's is
 wrapped: what a rank waits for comes from torch's own flight recorder, where it is from stack dumps.
 The three functions below are what `distributed.run`'s parent and ranks call.
