@@ -468,3 +468,43 @@ def test_apply_raises_before_any_collective_with_old_nccl(tmp_path: Path) -> Non
     fixed = os.pathsep.join([str(tmp_path / "fixed"), FAKES_DIR])
     ok, _ = _apply({"FAKE_PYNVML": machine(RTX_PRO_6000_SERVER), "PYTHONPATH": fixed})
     assert "error" not in ok
+
+
+AGENT_ENV = textwrap.dedent(
+    """
+    import json, os
+    import pynvml  # the fake stands in for a driver
+    from levers9 import runtime
+    from levers9.context import GangContext, JobContext
+    from levers9.distributed.hardware import quirks
+    from levers9.launch import job_process
+    gang = GangContext("127.0.0.1", 1, ("10.0.0.1", "10.0.0.2"), (2, 2), node_index=1)
+    job = JobContext("run", 0, 1, "/nonexistent", gpu_count=2, gpu_type="RTXPro6000", gang=gang)
+    given = json.loads(os.environ["TEST_RANKS_ENV"])
+    env = job_process.quirk_env(job, given)
+    print(json.dumps({"env": env, "p2p_here": os.environ.get("NCCL_P2P_DISABLE"),
+                      "applied_here": quirks.quirks_applied()}))
+    """
+)
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize(
+    ("ranks_env", "expected"),
+    [
+        ({"CUDA_VISIBLE_DEVICES": "0,1"}, {"NCCL_P2P_DISABLE": "1"}),
+        ({"CUDA_VISIBLE_DEVICES": "0,1", "NCCL_P2P_DISABLE": "0"}, {}),  # the job's env= wins
+    ],
+)
+def test_a_further_nodes_agent_hands_its_cards_quirks_to_its_ranks(
+    tmp_path: Path, ranks_env: dict[str, str], expected: dict[str, str]
+) -> None:
+    """The agent of node 1 of a job across nodes plans for its own cards and hands the plan to the ranks it
+    starts, leaving its own process (a Ray worker later tasks reuse) as it was."""
+    build_fake_nccl(tmp_path, 22705, "2.27.5+cuda12.9")
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "PYTHONPATH", "NCCL_P2P_DISABLE")}
+    env.update(PYTHONPATH=FAKES_DIR, LD_LIBRARY_PATH=str(tmp_path), TEST_RANKS_ENV=json.dumps(ranks_env),
+               FAKE_PYNVML=machine(RTX_PRO_6000_SERVER, RTX_PRO_6000_SERVER))  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", AGENT_ENV], env=env, capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"env": expected, "p2p_here": None, "applied_here": False}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,13 +50,32 @@ class JobTarget:
         """Enter the job's context, apply its cards' quirks (once, for every rank it may start), call the
         function; its value."""
         runtime.begin(Runtime(job=self.context))
-        if self.context.gpu_count > 0 and not self.context.simulated:
+        if _on_real_cards(self.context):
             # imported for a job on real cards only: the rows read NVML and NCCL
             from levers9.distributed.hardware import quirks
 
-            # the world its ranks have: one per card, on nccl (distributed.run's layout on real cards)
             quirks.apply_quirks(local_world_size=self.context.gpu_count, backend="nccl", is_main=True)
         return self.func(*self.args, **self.kwargs)
+
+
+def quirk_env(context: JobContext, ranks_env: Mapping[str, str]) -> dict[str, str]:
+    """The variables the quirks of the job's cards set where neither this process's environment nor `ranks_env`
+    (what the ranks get on top of it: their cards, the job's env=) sets them, for the ranks started by a process
+    that must stay as it is: the agent of a further node of a job across nodes, in a Ray worker that later tasks
+    reuse (its cards are its own, so it plans for them; node 0's job process applies its plan as it starts)."""
+    if not _on_real_cards(context):
+        return {}
+    from levers9.distributed.hardware import quirks  # on real cards only: the rows read NVML and NCCL
+
+    plan = quirks.plan_quirks(local_world_size=context.gpu_count, backend="nccl", env={**os.environ, **ranks_env})
+    plan.raise_errors()
+    return plan.set_env
+
+
+def _on_real_cards(context: JobContext) -> bool:
+    """True for a job on cards NVML shows: their world is one rank per card on nccl (distributed.run's
+    layout on real cards), which the quirks are planned for."""
+    return context.gpu_count > 0 and not context.simulated
 
 
 def ship_for(value: Any, name: str, where: str, fix: str) -> bytes:

@@ -311,6 +311,7 @@ def _agent(payload: AgentPayload) -> None:
         env = job_process.job_env(spec, [])
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
         context = job_process.task_context(spec, task.run_id, index, attempt, str(job_dir), ids, task.gpu_type, gang)
+        env.update(job_process.quirk_env(context, env))  # this node's cards' quirks, for the ranks it starts
         node_agent.serve(gang, ray.util.get_node_ip_address(), context, env, generation=payload.generation,
                     first_attempt=payload.first_attempt)  # fmt: skip
     finally:
