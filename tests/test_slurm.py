@@ -296,3 +296,81 @@ def test_levers9_runs_lists_a_slurm_run_with_its_job_ids(on_slurm: None, capsys:
     assert cli_main(["runs", "show", str(results.run_id)]) == 0
     shown = capsys.readouterr().out
     assert shown.count("(SLURM job ") == 2, shown
+
+
+# ---- srun with one task per node: torchrun and levers9 run across nodes -------------------------------
+
+
+def _per_node(seen: list[dict[str, object]]) -> dict[object, list[tuple[object, object]]]:
+    """node name -> [(node rank, local rank)] of its ranks."""
+    nodes: dict[object, list[tuple[object, object]]] = {}
+    for r in seen:
+        nodes.setdefault(r["node"], []).append((r["node_rank"], r["local_rank"]))
+    return nodes
+
+
+def test_srun_one_task_per_node_runs_torchrun_across_nodes(env: dict[str, str]) -> None:
+    """The field's recipe: srun starts torchrun once per node; c10d's rendezvous on the first node. (Two slurmd
+    on one machine: the first node's name is not this machine's hostname, so its torchrun is told it hosts.)"""
+    launch = (f"h=$([ $SLURM_NODEID = 0 ] && echo true || echo false); exec {sys.executable} -m torch.distributed.run "
+              f"--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint l9node1:$((20000 + SLURM_JOB_ID % 9000)) "
+              f"--rdzv-conf is_host=$h --rdzv-id $SLURM_JOB_ID {RANKS}")  # fmt: skip
+    done = srun(env, "-N2", "--ntasks-per-node=1", "bash", "-c", launch)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = ranks_seen(done.stdout)
+    assert [r["rank"] for r in seen] == [0, 1, 2, 3]
+    assert {(r["world_size"], r["local_world_size"], r["launcher"], r["sum"]) for r in seen} == {(4, 2, "torchrun", 4.0)}
+    nodes = _per_node(seen)  # c10d numbers the nodes in the order their agents joined
+    assert set(nodes) == {"l9node1", "l9node2"}
+    assert sorted(sorted(v) for v in nodes.values()) == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+    assert all(r["rank"] == 2 * int(str(r["node_rank"])) + int(str(r["local_rank"])) for r in seen)
+
+
+def test_srun_one_task_per_node_runs_levers9_run_across_nodes(env: dict[str, str]) -> None:
+    done = srun(env, "-N2", "--ntasks-per-node=1", sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2",
+                str(RANKS))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = ranks_seen(done.stdout)  # every node's output, on node 0's task, with its ranks' prefixes
+    assert [(r["rank"], r["local_rank"], r["node_rank"], r["node"]) for r in seen] == [
+        (0, 0, 0, "l9node1"), (1, 1, 0, "l9node1"), (2, 0, 1, "l9node2"), (3, 1, 1, "l9node2"),
+    ]  # fmt: skip
+    assert {(r["world_size"], r["local_world_size"], r["launcher"], r["sum"]) for r in seen} == {(4, 2, "levers9", 4.0)}
+    assert len({r["master"] for r in seen}) == 1 and str(seen[0]["master"]).startswith("127.0.0.2:")  # l9node1
+
+
+def test_the_compat_contract_script_under_levers9_run_across_nodes(env: dict[str, str]) -> None:
+    """compat_tests/contract_script.py: 2 nodes x 1 rank of `levers9 run` under srun, the numbers of 2 spawned ranks."""
+    script = str(ROOT / "compat_tests" / "contract_script.py")
+    spawned = subprocess.run([sys.executable, script, "--mode", "run", "--nprocs", "2"], env=env, capture_output=True,
+                             text=True, timeout=180)  # fmt: skip
+    done = srun(env, "-N2", "--ntasks-per-node=1", sys.executable, "-m", "levers9", "run", "--nproc-per-node", "1",
+                script, "--mode", "run")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def lines(out: str) -> dict[str, dict[str, object]]:
+        return {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
+                if line.startswith(("CONTRACT ", "WORLD "))}  # fmt: skip
+
+    across = lines(done.stdout)
+    assert across["WORLD"]["launcher"] == "levers9" and across["CONTRACT"]["world_size"] == 2, across["WORLD"]
+    assert across["CONTRACT"] == lines(spawned.stdout)["CONTRACT"]
+
+
+def test_levers9_run_twice_on_a_node_under_srun_is_one_error(env: dict[str, str]) -> None:
+    done = srun(env, "-N2", "--ntasks-per-node=2", sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2",
+                str(RANKS), timeout=90)  # fmt: skip
+    assert done.returncode == 2
+    assert "levers9 run ran as one of 4 srun task(s) on 2 node(s)" in done.stderr
+    assert "`srun --ntasks-per-node=1 levers9 run ...`" in done.stderr and "RANK {" not in done.stdout
+
+
+def test_levers9_run_across_nodes_restarts_after_a_rank_on_node_2_is_killed(env: dict[str, str], tmp_path: Path) -> None:
+    done = srun(env, "-N2", "--ntasks-per-node=1", sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2",
+                "--max-restarts", "1", str(ROOT / "tests" / "scripts" / "slurm_restart.py"), str(tmp_path))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = [json.loads(line.partition("ATTEMPT ")[2]) for line in done.stdout.splitlines() if "ATTEMPT {" in line]
+    seen = sorted(seen, key=lambda r: r["rank"])
+    assert [(r["rank"], r["attempt"], r["sum"], r["resumed"]) for r in seen] == [
+        (0, 2, 4.0, "step 5"), (1, 2, 4.0, "step 5"), (2, 2, 4.0, "step 5"), (3, 2, 4.0, "step 5"),
+    ]  # fmt: skip
+    assert [r["node"] for r in seen] == ["l9node1", "l9node1", "l9node2", "l9node2"]
