@@ -60,6 +60,33 @@ def fail_on_rank(bad_rank: int, how: str = "raise") -> int:
     return dist.run(one_rank)
 
 
+def train_restarting(folder: str) -> list[dict[str, Any]]:
+    """Every rank's report of the attempt that returned: rank 0 saves a checkpoint in attempt 1, then rank 3 dies
+    by SIGKILL while the others wait in a collective; attempt 2 resumes from the checkpoint."""
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as td
+
+    def one_rank() -> list[Any]:
+        attempt = dist.restart_count() + 1
+        checkpoint = Path(folder) / "checkpoint"
+        if attempt == 1 and dist.rank() == 0:
+            checkpoint.write_text("step 5")
+        td.barrier()
+        if attempt == 1 and dist.rank() == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        total = torch.tensor([1.0])
+        td.all_reduce(total)
+        mine = {"rank": dist.rank(), "attempt": attempt, "sum": total.item(), "resumed": checkpoint.read_text(),
+                "node": os.environ.get("SLURMD_NODENAME")}  # fmt: skip
+        reports: list[Any] = [None] * dist.world_size()
+        td.all_gather_object(reports, mine)
+        return reports
+
+    return dist.run(one_rank)
+
+
 def sleep_then(seconds: float, marker: str = "") -> str:
     """Sleep; `marker`: a file written when the job starts (so a test waits for that, not for time)."""
     if marker:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from levers9.cli import main as cli_main
-from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, WorkspacePolicyError
+from levers9.errors import InfeasibleJobError, JobTimeout, RankCrashed, WorkspacePolicyError
 from levers9.launch import job
 from levers9.launch.settings import update_settings
 from tests import slurm_cluster, slurmfns
@@ -163,13 +163,14 @@ def test_a_job_of_cards_on_one_node_starts_a_rank_per_card(on_slurm: None) -> No
 def test_a_rank_on_the_second_node_raising_is_named(on_slurm: None) -> None:
     with pytest.raises(ValueError, match="rank 3 failed on purpose") as caught:
         job(slurmfns.fail_on_rank, gpu_count=4, backend="slurm").remote(3)
-    note = caught.value.__notes__[-1]
-    assert "on l9node2 as rank 3 of l9node[1-2]" in note
+    notes = caught.value.__notes__
+    assert "raised on rank 3 (pid " in notes[0] and "on node 1 (127.0.0.3) of 4" in notes[0]  # l9node2's address
+    assert "on l9node1, node 0 of l9node[1-2] (SLURM job" in notes[-1]  # node 0's task raised it
     assert any("raise ValueError" in n for n in caught.value.__notes__)  # the rank's traceback
 
 
 def test_a_rank_killed_by_a_signal_is_named(on_slurm: None) -> None:
-    with pytest.raises(JobCrashed, match=r"rank\(s\) 3 on l9node2 killed \(srun: Killed\)"):
+    with pytest.raises(RankCrashed, match=r"rank 3 \(pid \d+\) on node 1 \(127.0.0.3\) was killed by SIGKILL"):
         job(slurmfns.fail_on_rank, gpu_count=4, backend="slurm").remote(3, "kill")
 
 
@@ -184,6 +185,15 @@ def test_timeout_cancels_the_job(on_slurm: None, env: dict[str, str], tmp_path: 
         job(slurmfns.sleep_then, backend="slurm", timeout=2, name="l9-timeout").remote(120, str(marker))
     pid = int(marker.read_text().split()[0])
     assert wait_until(lambda: not squeue("l9-timeout", env) and not _alive(pid), 30), squeue("l9-timeout", env)
+
+
+def test_max_restarts_restarts_a_training_across_nodes(on_slurm: None, tmp_path: Path) -> None:
+    """Rank 3 (on l9node2) is killed in attempt 1; every rank starts again and resumes from the checkpoint."""
+    ranks = job(slurmfns.train_restarting, gpu_count=4, backend="slurm", max_restarts=1).remote(str(tmp_path))
+    assert [(r["rank"], r["attempt"], r["sum"], r["resumed"], r["node"]) for r in ranks] == [
+        (0, 2, 4.0, "step 5", "l9node1"), (1, 2, 4.0, "step 5", "l9node1"),
+        (2, 2, 4.0, "step 5", "l9node2"), (3, 2, 4.0, "step 5", "l9node2"),
+    ]  # fmt: skip
 
 
 def test_a_crash_is_retried_as_a_new_job(on_slurm: None) -> None:
@@ -275,7 +285,8 @@ def test_doctor_shows_the_nodes_and_the_sbatch_lines_of_a_job(env: dict[str, str
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     report = json.loads(done.stdout)["slurm"]["report"]
     assert "l9node1 (l9): 2 GPU(s)" in report and "l9node2 (l9): 2 GPU(s)" in report
-    assert "gpu_count=4 would be: #SBATCH --nodes=2 #SBATCH --ntasks-per-node=2 #SBATCH --gres=gpu:2" in report
+    assert ("gpu_count=4 would be: #SBATCH --nodes=2 #SBATCH --ntasks-per-node=1 #SBATCH --gres=gpu:2 (srun starts "
+            "levers9 on each node, 2 ranks each)") in report
 
 
 def test_a_pending_cell_says_what_it_waits_for(on_slurm: None, capfd: pytest.CaptureFixture[str]) -> None:

@@ -23,9 +23,9 @@ def nodes(*cards: int) -> list[SlurmNode]:
     [
         (0, (4, 4), SlurmPlan(1, 1, 0)),
         (4, (4, 4), SlurmPlan(1, 1, 4)),
-        (8, (4, 4), SlurmPlan(2, 4, 4)),
-        (6, (4, 4, 4), SlurmPlan(2, 3, 3)),  # fewest nodes with equal shares
-        (12, (8, 4, 4, 4), SlurmPlan(3, 4, 4)),
+        (8, (4, 4), SlurmPlan(2, 1, 4)),
+        (6, (4, 4, 4), SlurmPlan(2, 1, 3)),  # fewest nodes with equal shares
+        (12, (8, 4, 4, 4), SlurmPlan(3, 1, 4)),
         (8, (8, 2), SlurmPlan(1, 1, 8)),
     ],
 )

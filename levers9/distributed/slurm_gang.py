@@ -112,8 +112,6 @@ def _hosted_control(gang: GangContext) -> Iterator[None]:
             f"<a free port> in the job script before srun (every node's task reads it)."
         ) from exc
     store = ControlStore.under_secret(server, gang.secret)
-    for node in range(1, len(gang.shares)):
-        store.new_generation(node)  # each node's one agent is generation 1 (none is ever replaced)
     try:
         yield
     finally:
@@ -157,6 +155,7 @@ def run_as_node(gang: GangContext, job: JobContext, base_env: dict[str, str], no
         runtime.begin(runtime.Runtime(job=job))
         with _hosted_control(gang):
             return node_zero()
-    node_agent.serve(gang, gang.addresses[gang.node_index], job, base_env)
+    # generation 0: node 0 never launches a replacement (SLURM keeps no spare), so no generation is ever counted
+    node_agent.serve(gang, gang.addresses[gang.node_index], job, base_env, generation=0)
     return None
 

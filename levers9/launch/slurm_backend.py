@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import re
+import secrets
 import subprocess
 import sys
 import threading
@@ -245,7 +246,7 @@ class _Tracker:
         tasks = submitter.plan.nodes * submitter.plan.tasks
         folder = submitter.folder
         self.streams = [
-            _Stream(folder / f"{job_id}_{t}_log.{ext}", stream, f"[rank {t}] " if t else "")
+            _Stream(folder / f"{job_id}_{t}_log.{ext}", stream, f"[node {t}] " if t else "")  # node 0: every rank's
             for t in range(tasks)
             for ext, stream in (("out", "stdout"), ("err", "stderr"))
         ]
@@ -379,7 +380,7 @@ class _Tracker:
             if kind is FailureKind.TIMEOUT:
                 raise JobTimeout(message)
             raise JobCrashed(message, JobFailure(cell=self.cell.cell.index, pid=0, output_tail=self.tail.text, kind=kind), kind=kind)
-        node = f"{report.node} as rank {report.rank} of {where}"
+        node = f"{report.node}, {'node' if self.submitter.plan.nodes > 1 else 'rank'} {report.rank} of {where}"
         outcome = Outcome(pid=report.pid, exitcode=0 if report.failure is None else 1, signal=None,
                           value=report.value, failure=report.failure, reported=True)  # fmt: skip
         return outcomes.finish(run, outcome, self.tail, spec.timeout, meta, node)
@@ -470,6 +471,7 @@ class _SlurmCell:
         self.batch, self.cell, self.submitter, self.follower, self.run_dir = batch, cell, submitter, follower, run_dir
         self.label = batch.cell_label(cell)
         self.func_blob = func_blob
+        self.secret = secrets.token_hex(16)
         self.first: _Tracker | None = None
         self.current: _Tracker | None = None
         try:
@@ -492,6 +494,7 @@ class _SlurmCell:
             "index": self.cell.index,
             "attempt": attempt,
             "tasks": self.submitter.plan.nodes * self.submitter.plan.tasks,
+            "secret": self.secret,  # the keys of a job across nodes' control store (slurm_gang.py)
         }
 
     def _on_done(self, future: Future[Any]) -> None:

@@ -116,7 +116,7 @@ def pending_words(plan: SlurmPlan, reason: str) -> str:
 
 def plan_job(spec: JobSpec, nodes: list[SlurmNode], partition: str | None) -> SlurmPlan:
     """One node with all the cards when some node has them; else the fewest nodes with equal shares, one task
-    per card; InfeasibleJobError naming the nodes when no such split exists."""
+    per node that starts the node's ranks; InfeasibleJobError naming the nodes when no such split exists."""
     n = spec.gpu_count
     if n == 0:
         return SlurmPlan(1, 1, 0)
@@ -125,7 +125,7 @@ def plan_job(spec: JobSpec, nodes: list[SlurmNode], partition: str | None) -> Sl
     for count in range(2, len(nodes) + 1):
         share = n // count
         if n % count == 0 and sum(node.cards >= share for node in nodes) >= count:
-            return SlurmPlan(count, share, share)
+            return SlurmPlan(count, 1, share)  # one levers9 launcher task per node (slurm_gang.py)
     where = f"partition {partition!r}" if partition else "the cluster"
     listed = "; ".join(node.describe() for node in nodes) or "no node"
     raise InfeasibleJobError(
@@ -160,7 +160,7 @@ def report(gpu_count: int | None, partition: str | None) -> str:
             sbatch = [f"--nodes={plan.nodes}", f"--ntasks-per-node={plan.tasks}"] + ([f"--gres=gpu:{plan.cards}"] if plan.cards else [])
             sbatch += [f"--partition={partition}"] if partition else []
             lines.append(f"  gpu_count={gpu_count} would be: " + " ".join(f"#SBATCH {flag}" for flag in sbatch)
-                         + ("" if plan.nodes == 1 else f" (srun starts {plan.nodes * plan.tasks} ranks)"))  # fmt: skip
+                         + ("" if plan.nodes == 1 else f" (srun starts levers9 on each node, {plan.cards} ranks each)"))  # fmt: skip
     return "\n".join(lines)
 
 

@@ -2,8 +2,9 @@
 
 A job of one task (one node) is the job process: it enters the job's context (its cards, which
 distributed.run inside reads, as on a workstation) and calls the function. A job across nodes has one
-task per card, started by SLURM's srun; each task is a rank, and the function runs in every rank through
-`distributed.run`, which finds the world SLURM made (levers9.distributed.detect). Every task reports
+task per node, started by SLURM's srun: levers9's launcher on that node (levers9/distributed/slurm_gang.py).
+Node 0's task calls the function, whose distributed.run starts every node's ranks, restarts them
+(max_restarts=) and raises the root failure; the other tasks start their node's share when asked. Every task reports
 back a TaskReport (its value, or its failure with the traceback) in submitit's result file, never an
 exception of its own, so the caller sees the job's exception with its type.
 """
@@ -18,12 +19,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from levers9 import runtime
 from levers9.launch import job_process
 from levers9.launch.scratch import remove_scratch_dir, scratch_dir
 from levers9.launch.spec import JobSpec
 from levers9.procs.failure import Failure, capture, exit_status, ship_value, unship
-from levers9.runtime import Runtime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +66,10 @@ def _call(payload: dict[str, Any], job_dir: Path) -> Any:
     if int(payload["tasks"]) == 1:
         return job_process.JobTarget(func, args, kwargs, context).call()
     from levers9 import distributed as dist
+    from levers9.distributed import slurm_gang
 
-    runtime.begin(Runtime(job=context))
-    return dist.run(functools.partial(func, *args, **kwargs))
+    # one task per node: node 0's runs fn through distributed.run on every node's ranks, the others serve
+    gang = slurm_gang.gang_of_step({**os.environ, slurm_gang.SECRET_VAR: payload["secret"]}, len(ids))
+    base_env = job_process.job_env(spec, [])
+    base_env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+    return slurm_gang.run_as_node(gang, context, base_env, lambda: dist.run(functools.partial(func, *args, **kwargs)))
