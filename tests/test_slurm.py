@@ -179,6 +179,20 @@ def test_more_cards_than_the_cluster_is_refused_before_submitting(on_slurm: None
         job(slurmfns.square, gpu_count=6, backend="slurm").remote(1)
 
 
+def test_a_gpu_type_is_asked_as_gres_of_that_type(on_slurm: None) -> None:
+    """The cluster's cards are GRES type h100 (compat_tests/slurm_cluster.sh): gpu="H100" is --gres=gpu:h100:1."""
+    results = job(slurmfns.where, gpu="H100", gpu_count=1, backend="slurm").map([5])
+    assert [v["x"] for v in results] == [5]
+    scripts = list((Path(os.environ["LEVERS9_STATE_DIR"]) / "runs" / str(results.run_id) / "slurm").glob("*submission.sh"))
+    assert "#SBATCH --gres=gpu:h100:1" in scripts[0].read_text()
+
+
+def test_a_gpu_type_the_cluster_lacks_is_refused_before_submitting(on_slurm: None, env: dict[str, str]) -> None:
+    with pytest.raises(InfeasibleJobError, match=r"gpu='A100-80'.*its cards are h100 \(H100\)"):
+        job(slurmfns.square, gpu="A100-80", gpu_count=1, backend="slurm", name="l9-type").remote(1)
+    assert squeue("l9-type", env) == []
+
+
 def test_timeout_cancels_the_job(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
     marker = tmp_path / "started"
     with pytest.raises(JobTimeout, match=r"exceeded timeout=2s .* was cancelled"):

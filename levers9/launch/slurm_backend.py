@@ -117,7 +117,7 @@ class _Submitter:
             "additional_parameters": slurm_options.sbatch_options(options.get("sbatch", ""), "the sbatch option"),
         }
         if plan.cards:
-            params["gres"] = f"gpu:{plan.cards}"
+            params["gres"] = plan.gres  # gpu:a100:4 when @job(gpu=...) names a type
         if spec.cpu is not None:
             params["cpus_per_task"] = math.ceil(spec.cpu)
         if spec.memory_mib is not None:
