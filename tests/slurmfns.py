@@ -97,6 +97,23 @@ def sleep_then(seconds: float, marker: str = "") -> str:
 
 
 
+def save_on_sigterm(folder: str, seconds_to_save: float) -> str:
+    """Wait to be stopped; on SIGTERM, save for `seconds_to_save` (longer than the cluster's KillWait of 5 s)
+    and exit. Files in `folder`: started (when running), term (SIGTERM came), saved (the save finished)."""
+    from pathlib import Path
+
+    def on_term(_signum: int, _frame: Any) -> None:
+        (Path(folder) / "term").write_text("got SIGTERM")
+        time.sleep(seconds_to_save)
+        (Path(folder) / "saved").write_text("saved")
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    (Path(folder) / "started").write_text(str(os.getpid()))
+    time.sleep(300)
+    return "never stopped"
+
+
 def crash_on_first_attempt() -> int:
     """Die by SIGKILL in attempt 1; return the attempt's number after that."""
     from levers9 import current_job

@@ -210,6 +210,19 @@ def test_max_restarts_restarts_a_training_across_nodes(on_slurm: None, tmp_path:
     ]  # fmt: skip
 
 
+def test_a_cancel_gives_the_job_its_stop_grace(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
+    """timeout= stops the job as a cancel does: SIGTERM, the function's handler saves for 7 s (more than the
+    cluster's KillWait of 5 s, after which SLURM's own cancel kills), the kill only after stop_grace."""
+    with pytest.raises(JobTimeout):
+        job(slurmfns.save_on_sigterm, backend="slurm", timeout=3, stop_grace=30, name="l9-grace").remote(str(tmp_path), 7)
+    assert wait_until(lambda: not squeue("l9-grace", env), 60), squeue("l9-grace", env)
+    assert (tmp_path / "term").exists(), "the job never got SIGTERM"
+    assert (tmp_path / "saved").read_text() == "saved"
+    reaper = f"{ROOT}/levers9/launch/slurm_reaper.py 30"  # the helper that kills after stop_grace=30
+    assert wait_until(lambda: subprocess.run(["pgrep", "-f", reaper], capture_output=True).returncode == 1, 25), \
+        "the helper that kills after stop_grace did not leave when the job ended"
+
+
 def test_a_crash_is_retried_as_a_new_job(on_slurm: None) -> None:
     assert job(slurmfns.crash_on_first_attempt, backend="slurm", retries=1).remote() == 2
 

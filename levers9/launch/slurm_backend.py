@@ -127,7 +127,7 @@ class _Submitter:
                 params[key] = options[key]
         self.executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=0)
         self.executor.update_parameters(**params)
-        self.reaper = _Reaper()
+        self.reaper = _Reaper(spec.stop_grace)
 
     def submit_all(self, payloads: list[dict[str, Any]], cells: list[_SlurmCell]) -> list[_Tracker]:
         """Every cell's first attempt: one job, or one job array."""
@@ -153,9 +153,9 @@ class _Submitter:
         return _Tracker(self, cell, str(job.job_id), attempt)
 
     def cancel(self, job_id: str) -> None:
-        """scancel `job_id` (a job, an array element, or a whole array by its base id)."""
-        with contextlib.suppress(Exception):
-            subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
+        """Stop `job_id` (a job, an array element, or a whole array by its base id) with the job's stop_grace:
+        SIGTERM to its tasks now, the kill after stop_grace s (slurm_reaper.py does both: it outlives this process)."""
+        self.reaper.stop(job_id)
 
 
 def _submit_error(exc: Exception) -> Exception:
@@ -172,14 +172,15 @@ def _submit_error(exc: Exception) -> Exception:
 class _Reaper:
     """The helper process that cancels this batch's jobs if this process dies first (slurm_reaper.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[str] | None = None
 
     def _pipe(self) -> IO[str] | None:
         if self._proc is None:
             self._proc = subprocess.Popen(
-                [sys.executable, str(REAPER)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                [sys.executable, str(REAPER), str(self.grace)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, text=True, start_new_session=True, close_fds=True,
             )  # fmt: skip
         return self._proc.stdin
@@ -197,15 +198,19 @@ class _Reaper:
     def remove(self, job_id: str) -> None:
         self._say(f"-{job_id}")
 
+    def stop(self, job_id: str) -> None:
+        self._say(f"!{job_id}")
+
     def close(self) -> None:
-        """Nothing more to watch: the helper exits (it cancels nothing that was removed)."""
+        """Nothing more to watch: the helper exits once the stops it was asked for are done (it cancels nothing
+        that was removed)."""
         with self._lock:
             proc, self._proc = self._proc, None
         if proc is not None and proc.stdin is not None:
             with contextlib.suppress(OSError):
                 proc.stdin.close()
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(60)
+                proc.wait(self.grace + 60)
 
 
 # ---- following jobs --------------------------------------------------------------------------------
@@ -359,7 +364,7 @@ class _Tracker:
                 f"{run.label} exceeded timeout={spec.timeout:g}s ({run.attempts}); SLURM job {self.job_id} on "
                 f"{self.node or '?'} was cancelled and its cards freed. Raise timeout= if it needs longer. {run.where}"
             )
-        if report is None and self.died is not None:
+        if report is None and self.died is not None and not self.cell.stopped():
             node, tasks, how = self.died
             run.write_meta({**meta, "attempt": run.attempt, "killed_for": None, "died": how})
             raise JobCrashed(
@@ -405,10 +410,12 @@ class _Follower:
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.open = len(batch.cells)  # cells not yet resolved
+        self.reaper: _Reaper | None = None
 
     def add(self, tracker: _Tracker) -> None:
         with self.lock:
             self.trackers.append(tracker)
+            self.reaper = tracker.submitter.reaper
         self.wake.set()
 
     def cell_over(self) -> None:
@@ -441,8 +448,8 @@ class _Follower:
                         tracker._end(None)
             self.wake.wait(POLL_S)
             self.wake.clear()
-        if self.trackers:
-            self.trackers[0].submitter.reaper.close()
+        if self.reaper is not None:  # the helper exits once the stops it was asked for are done
+            self.reaper.close()
 
 
 def _states() -> dict[str, tuple[str, str, str]] | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -38,6 +39,9 @@ class TaskReport:
 
 def run_task(payload: dict[str, Any]) -> TaskReport:
     """Run this task's part of the cell in `payload` and report how it ended (never raises an Exception)."""
+    # submitit's worker ignores SIGTERM (it waits for a requeue); levers9's cancel is SIGTERM, then the kill after
+    # stop_grace, as on a workstation: the default ends the task, and a handler the function installs can save
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     job_dir = scratch_dir("slurm", int(payload["index"]), int(payload["attempt"]))
