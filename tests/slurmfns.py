@@ -114,6 +114,28 @@ def save_on_sigterm(folder: str, seconds_to_save: float) -> str:
     return "never stopped"
 
 
+def save_at_time_limit(folder: str) -> dict[str, Any]:
+    """A long training that saves on SIGTERM: the first run waits for the time limit (its `started` file says it
+    runs), saves its checkpoint when SIGTERM comes, and exits; a later run resumes from it and returns."""
+    from pathlib import Path
+
+    from levers9 import current_job
+
+    checkpoint = Path(folder) / "checkpoint"
+    context = current_job()
+    if checkpoint.exists():
+        return {"attempt": None if context is None else context.attempt, "resumed": checkpoint.read_text()}
+
+    def on_term(_signum: int, _frame: Any) -> None:
+        checkpoint.write_text("saved at the time limit")
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    (Path(folder) / "started").write_text(os.environ.get("SLURM_JOB_ID", ""))
+    time.sleep(300)
+    return {"attempt": None, "resumed": "the time limit never came"}
+
+
 def crash_on_first_attempt() -> int:
     """Die by SIGKILL in attempt 1; return the attempt's number after that."""
     from levers9 import current_job

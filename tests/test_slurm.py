@@ -277,6 +277,30 @@ def test_a_requeued_job_resumes_from_its_checkpoint(on_slurm: None, env: dict[st
     assert value == {"runs": 2, "restart_count": "1", "attempt": 2}
 
 
+def test_the_time_limit_requeues_the_job_which_resumes(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
+    """A 1-minute SLURM time limit, the early signal 30 s before it: the job is requeued, the function's SIGTERM
+    handler saves, and the next run (attempt 2) resumes from that checkpoint. Takes about 45 s."""
+    over = threading.Event()
+
+    def start_the_requeued_job_now() -> None:  # SLURM holds a requeued job back two minutes
+        assert wait_until((tmp_path / "started").exists, 90)
+        job_id = (tmp_path / "started").read_text()
+        while not over.wait(0.5):
+            if (tmp_path / "checkpoint").exists():
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, capture_output=True,
+                               timeout=60)  # fmt: skip
+
+    helper = threading.Thread(target=start_the_requeued_job_now, daemon=True)
+    helper.start()
+    try:
+        value = job(slurmfns.save_at_time_limit, backend="slurm",
+                    slurm={"requeue": 30, "sbatch": "--time=1"}).remote(str(tmp_path))  # fmt: skip
+    finally:
+        over.set()
+        helper.join(60)
+    assert value == {"attempt": 2, "resumed": "saved at the time limit"}
+
+
 def test_the_compat_contract_script_gives_the_same_numbers_under_srun(env: dict[str, str]) -> None:
     """compat_tests/contract_script.py on 2 tasks of srun (one per node) and on 2 ranks levers9 spawns."""
     script = str(ROOT / "compat_tests" / "contract_script.py")

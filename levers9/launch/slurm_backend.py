@@ -87,7 +87,7 @@ class Submitter:
     """submitit's executor for one batch: the sbatch options of its plan, one array for the first attempts."""
 
     def __init__(self, batch: Batch, plan: SlurmPlan, options: dict[str, str], folder: Path, limit: int) -> None:
-        self.batch, self.plan, self.folder = batch, plan, folder
+        self.batch, self.plan, self.folder, self.options = batch, plan, folder, options
         spec = batch.spec
         params: dict[str, Any] = {
             "job_name": spec.name[:64],
@@ -95,7 +95,7 @@ class Submitter:
             "ntasks_per_node": plan.tasks,
             "time": None if spec.timeout is None else math.ceil(spec.timeout / 60) + 1,  # a backstop: enforced here
             "array_parallelism": limit,
-            "signal_delay_s": 60,
+            "signal_delay_s": int(options.get("requeue", slurm_options.REQUEUE_SIGNAL_S)),  # --signal=USR2@N
             "setup": ["export SUBMITIT_LOG_LEVEL=${SUBMITIT_LOG_LEVEL:-WARNING}"],  # the job's output is the user's
             "additional_parameters": slurm_options.sbatch_options(options.get("sbatch", ""), "the sbatch option"),
         }
@@ -183,6 +183,7 @@ class SlurmCell:
             "index": self.cell.index,
             "attempt": attempt,
             "tasks": self.submitter.plan.nodes * self.submitter.plan.tasks,
+            "requeue": "requeue" in self.submitter.options,  # at the time limit's early signal (slurm_task.py)
             "secret": self.secret,  # the keys of a job across nodes' control store (slurm_gang.py)
         }
 

@@ -42,6 +42,9 @@ STATES_EVERY_S = 1.0  # seconds between squeue calls (each one costs slurmctld a
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
          "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}  # fmt: skip
 RUNNING = {"RUNNING", "COMPLETING", "STOPPED", "SUSPENDED", "SIGNALING", "STAGE_OUT"} | ENDED
+# lines of a job's output that say it is requeued: SLURM's (scontrol requeue, preemption) and slurm_task.py's own
+REQUEUED_WORDS = ("DUE TO JOB REQUEUE", "DUE TO PREEMPTION", slurm_task.REQUEUE_WORDS)
+REQUEUE_WAIT_POLLS = 60  # squeue answers (about a second apart) a requeued job may show as ended
 ROOT_WAIT_S = 3.0  # how long reports of a lost peer wait for the report of the rank that failed first
 REAPER = Path(__file__).with_name("slurm_reaper.py")
 
@@ -188,9 +191,12 @@ class Tracker:
             return
         if states is not None and (state is None or self.state in ENDED):
             self.ended_polls += 1  # the result file is written before the task exits: one more look, then over
-            if self.ended_polls > 2:
+            # (a requeued job may show its run's end for a while before SLURM queues it again)
+            if self.ended_polls > (REQUEUE_WAIT_POLLS if self.requeued else 2):
                 self.ended_state = self.state if state is not None else "gone from squeue"
                 self._end(None)
+        elif states is not None:
+            self.ended_polls = 0
 
     def _reports(self) -> list[slurm_task.TaskReport]:
         reports = []
@@ -207,7 +213,7 @@ class Tracker:
         losses = state_files.losses(self.cell.run_dir)
         for stream in self.streams:
             for line in stream.read():
-                if "DUE TO JOB REQUEUE" in line or "DUE TO PREEMPTION" in line:
+                if any(word in line for word in REQUEUED_WORDS):
                     self.requeued = True
                 elif not self.requeued and self.died is None:
                     self.died = srun_error(line)

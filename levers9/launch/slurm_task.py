@@ -16,6 +16,7 @@ import functools
 import os
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from levers9.launch import job_process
 from levers9.launch.scratch import remove_scratch_dir, scratch_dir
 from levers9.launch.spec import JobSpec
 from levers9.procs.failure import Failure, capture, exit_status, ship_value, unship
+
+REQUEUE_WORDS = "nears its time limit: requeued"  # what the task prints (the caller's follower reads it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +45,8 @@ def run_task(payload: dict[str, Any]) -> TaskReport:
     # submitit's worker ignores SIGTERM (it waits for a requeue); levers9's cancel is SIGTERM, then the kill after
     # stop_grace, as on a workstation: the default ends the task, and a handler the function installs can save
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if payload.get("requeue") and os.environ.get("SLURM_NODEID", "0") == "0":
+        signal.signal(signal.SIGUSR2, _requeue)  # SLURM's early signal before the time limit (--signal=USR2@N)
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     job_dir = scratch_dir("slurm", int(payload["index"]), int(payload["attempt"]))
@@ -54,6 +59,14 @@ def run_task(payload: dict[str, Any]) -> TaskReport:
         return TaskReport(rank, node, os.getpid(), failure=capture(exc))
     finally:
         remove_scratch_dir(job_dir)
+
+
+def _requeue(_signum: int, _frame: Any) -> None:
+    """The time limit is near: ask SLURM to requeue this job. SLURM then sends SIGTERM to every task (a handler
+    of the function's can save within the cluster's KillWait) and starts the job again, as attempt n+1."""
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    print(f"levers9: SLURM job {job_id} {REQUEUE_WORDS}, to resume from its checkpoint", file=sys.stderr, flush=True)
+    subprocess.Popen(["scontrol", "requeue", job_id], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _call(payload: dict[str, Any], job_dir: Path) -> Any:
