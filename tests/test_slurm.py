@@ -246,6 +246,31 @@ def test_stopping_the_caller_leaves_nothing_in_squeue(on_slurm: None, env: dict[
     assert wait_until(lambda: not squeue(name, env) and not _alive(pid), 30), squeue(name, env)
 
 
+def test_a_detached_job_outlives_its_caller_and_is_collected_later(
+    on_slurm: None, env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    marker = tmp_path / "started"
+    code = (f"import time\nfrom levers9.launch import job\nfrom tests import slurmfns\n"
+            f"job(slurmfns.sleep_then, backend='slurm', name='l9-detach', slurm={{'detach': True}})"
+            f".spawn(5, {str(marker)!r})\ntime.sleep(300)\n")  # fmt: skip
+    caller = subprocess.Popen([sys.executable, "-c", code], env={**os.environ}, cwd=ROOT)
+    try:
+        assert wait_until(marker.exists, 90), "the job never started"
+        caller.kill()  # the caller dies; its helper process stops nothing
+        caller.wait(60)
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+            caller.wait()
+    assert any(line.endswith("RUNNING") for line in squeue("l9-detach", env)), squeue("l9-detach", env)
+    capsys.readouterr()
+    assert cli_main(["runs", "result", "last", "--timeout", "90"]) == 0
+    assert capsys.readouterr().out.strip() == "'slept'"
+    from levers9.launch import slurm_collect
+
+    assert slurm_collect.result("last", 0) == "slept"
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from levers9.errors import ConfigError, Levers9Error
-from levers9.launch import runs
+from levers9.launch import runs, slurm_collect
 from levers9.launch.settings import runs_dir
 from levers9.state_files import read_private
 
@@ -46,6 +46,7 @@ def register(subparsers: Any) -> None:
     clean.add_argument("--older-than", type=_age, metavar="AGE", help="e.g. 90m, 12h, 7d, 2w")
     clean.add_argument("--keep", type=_keep, metavar="N", help="keep the newest N runs")
     clean.set_defaults(handler=_clean)
+    slurm_collect.register(sub)  # `levers9 runs result`: a detached SLURM job's value (issue 42)
 
 
 def _age(text: str) -> float:

@@ -37,7 +37,7 @@ from levers9.errors import (
     JobTimeout,
     NotShippableError,
 )
-from levers9.launch import job_process, outcomes, runs, slurm_nodes, slurm_options, slurm_task
+from levers9.launch import job_process, outcomes, runs, slurm_collect, slurm_nodes, slurm_options, slurm_task
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.lanes import dispatch
@@ -123,7 +123,10 @@ class Submitter:
                 jobs = list(delayed)
         except Exception as exc:
             raise _submit_error(exc) from exc
-        self.reaper.add(jobs[0].job_id.split("_")[0])
+        if "detach" not in self.options:  # detached: the caller's exit or death leaves them running
+            self.reaper.add(jobs[0].job_id.split("_")[0])
+        for cell, job in zip(cells, jobs, strict=True):
+            slurm_collect.record(self.folder, cell.cell.index, str(job.job_id))
         return [Tracker(self, cell, str(job.job_id), 1) for cell, job in zip(cells, jobs, strict=True)]
 
     def submit_one(self, payload: dict[str, Any], cell: SlurmCell, attempt: int) -> Tracker:
@@ -132,7 +135,9 @@ class Submitter:
             job = self.executor.submit(slurm_task.run_task, payload)
         except Exception as exc:
             raise _submit_error(exc) from exc
-        self.reaper.add(str(job.job_id))
+        if "detach" not in self.options:
+            self.reaper.add(str(job.job_id))
+        slurm_collect.record(self.folder, cell.cell.index, str(job.job_id))
         return Tracker(self, cell, str(job.job_id), attempt)
 
     def cancel(self, job_id: str) -> None:

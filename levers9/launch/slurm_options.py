@@ -21,6 +21,7 @@ KEYS = {
     "qos": "#SBATCH --qos",
     "sbatch": "more #SBATCH options, as one string ('--exclusive --constraint=a100')",
     "max_running": "the job array's concurrency limit (#SBATCH --array=0-N%max_running)",
+    "detach": "True: the caller's exit or death leaves the jobs running; `levers9 runs result RUN` collects them",
     "requeue": "True, or seconds: SLURM's early signal that many seconds (default 60) before the time limit "
                "requeues the job, which resumes from the function's checkpoint (#SBATCH --signal=USR2@N)",
 }
@@ -44,6 +45,12 @@ def check(value: Any, source: str = "slurm=") -> tuple[tuple[str, str], ...]:
                 + "; ".join(f"{k} ({what})" for k, what in KEYS.items())
                 + ". Other #SBATCH options go in 'sbatch'."
             )
+        if key == "detach":
+            if not isinstance(text, bool):
+                raise JobConfigError(f"{source}['detach'] must be True or False, got {text!r}.")
+            if text:
+                out[key] = "1"
+            continue
         if key == "requeue":
             if text is True:
                 text = REQUEUE_SIGNAL_S
