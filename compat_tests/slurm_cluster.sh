@@ -8,7 +8,7 @@
 #
 # Needs root and Debian's packages: apt-get install -y slurm-wlm munge
 # One slurmctld and two slurmd (Debian's build has MULTIPLE_SLURMD, so `slurmd -N l9node1` and
-# `slurmd -N l9node2` are two nodes with their own port), each node with 2 fake GPUs declared as GRES
+# `slurmd -N l9node2` are two nodes with their own port), each node with 2 fake GPUs declared as GRES of type h100
 # (character devices with NVIDIA's major number 195, made with mknod in the cluster's folder, so SLURM
 # sets CUDA_VISIBLE_DEVICES as it would on a GPU node), and a munged of its own.
 #
@@ -26,6 +26,7 @@ ADDRS=(127.0.0.2 127.0.0.3)
 CTLD_PORT="${LEVERS9_SLURM_PORT:-16817}"  # slurmd ports follow: +1, +2
 MARK="# levers9-slurm"
 SOCKET="$DIR/munge/munge.socket"
+GPU_TYPE=h100  # the cards' GRES type (gres.conf Type=): @job(gpu="H100") asks for --gres=gpu:h100:N
 CPUS_PER_NODE=8  # more than the machine has (config_overrides): a 200-cell map needs room, not cores
 
 die() { echo "slurm_cluster.sh: $*" >&2; exit 1; }
@@ -72,7 +73,7 @@ write_config() {
         for card in 0 1; do
             [[ -c "$DIR/dev/$n/nvidia$card" ]] || mknod "$DIR/dev/$n/nvidia$card" c 195 "$((2 * i + card))"
         done
-        gres+="NodeName=$n Name=gpu File=$DIR/dev/$n/nvidia[0-1]"$'\n'
+        gres+="NodeName=$n Name=gpu Type=$GPU_TYPE File=$DIR/dev/$n/nvidia[0-1]"$'\n'
     done
     printf '%s' "$gres" >"$DIR/gres.conf"
     cat >"$CONF" <<EOF
@@ -115,7 +116,7 @@ MaxArraySize=1001
 PrologFlags=Alloc
 EOF
     for i in "${!NODES[@]}"; do
-        echo "NodeName=${NODES[$i]} NodeAddr=${ADDRS[$i]} Port=$((CTLD_PORT + 1 + i)) CPUs=$CPUS_PER_NODE RealMemory=4000 Gres=gpu:2 State=UNKNOWN" >>"$CONF"
+        echo "NodeName=${NODES[$i]} NodeAddr=${ADDRS[$i]} Port=$((CTLD_PORT + 1 + i)) CPUs=$CPUS_PER_NODE RealMemory=4000 Gres=gpu:$GPU_TYPE:2 State=UNKNOWN" >>"$CONF"
     done
     echo "PartitionName=l9 Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO" >>"$CONF"
     # slurmd and slurmctld refuse a slurm.conf others can write

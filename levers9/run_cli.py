@@ -14,20 +14,25 @@ started). `--rank-exit-status` exits with the failing rank's own status instead 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
+import os
 import sys
 from typing import Any
 
 from levers9 import distributed as dist
 from levers9.distributed import script as scripts
-from levers9.errors import ConfigError, RankFailed, signal_name
+from levers9.distributed import slurm_gang
+from levers9.errors import ConfigError, LauncherEnvError, RankFailed, signal_name
 
 log = logging.getLogger("levers9.run")
 
 MULTI_NODE_FIX = (
     "levers9 run starts every rank on this machine. To run across several machines today, start the script "
     "with torchrun on each node (`torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:PORT train.py`) "
-    "or with srun under SLURM; levers9's helpers join the group those launchers make."
+    "or with srun under SLURM; levers9's helpers join the group those launchers make. Under SLURM, levers9 run "
+    "itself runs across nodes as one srun task per node: `srun --ntasks-per-node=1 levers9 run --nproc-per-node 8 "
+    "train.py`."
 )
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "")
 
@@ -126,10 +131,21 @@ def _console_ranks(text: str) -> tuple[int, ...] | None:
         ) from None
 
 
+def _slurm_step_across_nodes() -> bool:
+    """True when srun started this `levers9 run` as one task on each of several nodes (LauncherEnvError
+    when it started several on a node)."""
+    if not slurm_gang.check_one_task_per_node(os.environ, "levers9 run"):
+        return False
+    slurm_gang.not_a_rank()
+    return True
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the script on every rank; the exit status follows torchrun's rules."""
     try:
-        _refuse_multi_node(args)
+        across_nodes = _slurm_step_across_nodes()
+        if not across_nodes:
+            _refuse_multi_node(args)
         if args.master_port is not None:
             log.info("--master-port %s ignored: the rendezvous store binds a free loopback port", args.master_port)
         target = scripts.prepare(
@@ -144,10 +160,14 @@ def main(args: argparse.Namespace) -> int:
         count, backend = scripts.resolve_nprocs(args.nproc_per_node, None, flag="--nproc-per-node")
         target = scripts.with_log_folder(target, "levers9 run")
         scripts.say_one_thread_each(count)
-        dist.run(
+        gang = None
+        if across_nodes:  # srun with one task per node: this task starts its node's share (slurm_gang.py)
+            gang = slurm_gang.gang_of_step(os.environ, count)
+        call = functools.partial(
+            dist.run,
             scripts.run_script_target,
             target,
-            nprocs=count,
+            nprocs=count if gang is None else gang.world_size,
             backend=backend,
             timeout=args.timeout,
             stall_timeout=args.stall_timeout,
@@ -158,7 +178,11 @@ def main(args: argparse.Namespace) -> int:
             restart_delay=args.restart_delay,
             init_group=False,  # the script makes its own group, as under torchrun
         )
-    except ConfigError as exc:
+        if gang is None:
+            call()
+        else:
+            slurm_gang.run_as_node(gang, slurm_gang.launcher_job(gang), {}, call)
+    except (ConfigError, LauncherEnvError) as exc:
         if scripts.failure_of(exc) is not None:  # raised on a rank (e.g. init_process_group's world_size)
             return _report_failure(exc)
         print(f"levers9 run: error: {str(exc).removeprefix('levers9 run: ')}", file=sys.stderr)

@@ -60,6 +60,33 @@ def fail_on_rank(bad_rank: int, how: str = "raise") -> int:
     return dist.run(one_rank)
 
 
+def train_restarting(folder: str) -> list[dict[str, Any]]:
+    """Every rank's report of the attempt that returned: rank 0 saves a checkpoint in attempt 1, then rank 3 dies
+    by SIGKILL while the others wait in a collective; attempt 2 resumes from the checkpoint."""
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as td
+
+    def one_rank() -> list[Any]:
+        attempt = dist.restart_count() + 1
+        checkpoint = Path(folder) / "checkpoint"
+        if attempt == 1 and dist.rank() == 0:
+            checkpoint.write_text("step 5")
+        td.barrier()
+        if attempt == 1 and dist.rank() == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        total = torch.tensor([1.0])
+        td.all_reduce(total)
+        mine = {"rank": dist.rank(), "attempt": attempt, "sum": total.item(), "resumed": checkpoint.read_text(),
+                "node": os.environ.get("SLURMD_NODENAME")}  # fmt: skip
+        reports: list[Any] = [None] * dist.world_size()
+        td.all_gather_object(reports, mine)
+        return reports
+
+    return dist.run(one_rank)
+
+
 def sleep_then(seconds: float, marker: str = "") -> str:
     """Sleep; `marker`: a file written when the job starts (so a test waits for that, not for time)."""
     if marker:
@@ -68,6 +95,45 @@ def sleep_then(seconds: float, marker: str = "") -> str:
     time.sleep(seconds)
     return "slept"
 
+
+
+def save_on_sigterm(folder: str, seconds_to_save: float) -> str:
+    """Wait to be stopped; on SIGTERM, save for `seconds_to_save` (longer than the cluster's KillWait of 5 s)
+    and exit. Files in `folder`: started (when running), term (SIGTERM came), saved (the save finished)."""
+    from pathlib import Path
+
+    def on_term(_signum: int, _frame: Any) -> None:
+        (Path(folder) / "term").write_text("got SIGTERM")
+        time.sleep(seconds_to_save)
+        (Path(folder) / "saved").write_text("saved")
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    (Path(folder) / "started").write_text(str(os.getpid()))
+    time.sleep(300)
+    return "never stopped"
+
+
+def save_at_time_limit(folder: str) -> dict[str, Any]:
+    """A long training that saves on SIGTERM: the first run waits for the time limit (its `started` file says it
+    runs), saves its checkpoint when SIGTERM comes, and exits; a later run resumes from it and returns."""
+    from pathlib import Path
+
+    from levers9 import current_job
+
+    checkpoint = Path(folder) / "checkpoint"
+    context = current_job()
+    if checkpoint.exists():
+        return {"attempt": None if context is None else context.attempt, "resumed": checkpoint.read_text()}
+
+    def on_term(_signum: int, _frame: Any) -> None:
+        checkpoint.write_text("saved at the time limit")
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    (Path(folder) / "started").write_text(os.environ.get("SLURM_JOB_ID", ""))
+    time.sleep(300)
+    return {"attempt": None, "resumed": "the time limit never came"}
 
 
 def crash_on_first_attempt() -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from levers9.cli import main as cli_main
-from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, WorkspacePolicyError
+from levers9.errors import InfeasibleJobError, JobTimeout, RankCrashed, WorkspacePolicyError
 from levers9.launch import job
 from levers9.launch.settings import update_settings
 from tests import slurm_cluster, slurmfns
@@ -163,13 +163,14 @@ def test_a_job_of_cards_on_one_node_starts_a_rank_per_card(on_slurm: None) -> No
 def test_a_rank_on_the_second_node_raising_is_named(on_slurm: None) -> None:
     with pytest.raises(ValueError, match="rank 3 failed on purpose") as caught:
         job(slurmfns.fail_on_rank, gpu_count=4, backend="slurm").remote(3)
-    note = caught.value.__notes__[-1]
-    assert "on l9node2 as rank 3 of l9node[1-2]" in note
+    notes = caught.value.__notes__
+    assert "raised on rank 3 (pid " in notes[0] and "on node 1 (127.0.0.3) of 4" in notes[0]  # l9node2's address
+    assert "on l9node1, node 0 of l9node[1-2] (SLURM job" in notes[-1]  # node 0's task raised it
     assert any("raise ValueError" in n for n in caught.value.__notes__)  # the rank's traceback
 
 
 def test_a_rank_killed_by_a_signal_is_named(on_slurm: None) -> None:
-    with pytest.raises(JobCrashed, match=r"rank\(s\) 3 on l9node2 killed \(srun: Killed\)"):
+    with pytest.raises(RankCrashed, match=r"rank 3 \(pid \d+\) on node 1 \(127.0.0.3\) was killed by SIGKILL"):
         job(slurmfns.fail_on_rank, gpu_count=4, backend="slurm").remote(3, "kill")
 
 
@@ -178,12 +179,48 @@ def test_more_cards_than_the_cluster_is_refused_before_submitting(on_slurm: None
         job(slurmfns.square, gpu_count=6, backend="slurm").remote(1)
 
 
+def test_a_gpu_type_is_asked_as_gres_of_that_type(on_slurm: None) -> None:
+    """The cluster's cards are GRES type h100 (compat_tests/slurm_cluster.sh): gpu="H100" is --gres=gpu:h100:1."""
+    results = job(slurmfns.where, gpu="H100", gpu_count=1, backend="slurm").map([5])
+    assert [v["x"] for v in results] == [5]
+    scripts = list((Path(os.environ["LEVERS9_STATE_DIR"]) / "runs" / str(results.run_id) / "slurm").glob("*submission.sh"))
+    assert "#SBATCH --gres=gpu:h100:1" in scripts[0].read_text()
+
+
+def test_a_gpu_type_the_cluster_lacks_is_refused_before_submitting(on_slurm: None, env: dict[str, str]) -> None:
+    with pytest.raises(InfeasibleJobError, match=r"gpu='A100-80'.*its cards are h100 \(H100\)"):
+        job(slurmfns.square, gpu="A100-80", gpu_count=1, backend="slurm", name="l9-type").remote(1)
+    assert squeue("l9-type", env) == []
+
+
 def test_timeout_cancels_the_job(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
     marker = tmp_path / "started"
     with pytest.raises(JobTimeout, match=r"exceeded timeout=2s .* was cancelled"):
         job(slurmfns.sleep_then, backend="slurm", timeout=2, name="l9-timeout").remote(120, str(marker))
     pid = int(marker.read_text().split()[0])
     assert wait_until(lambda: not squeue("l9-timeout", env) and not _alive(pid), 30), squeue("l9-timeout", env)
+
+
+def test_max_restarts_restarts_a_training_across_nodes(on_slurm: None, tmp_path: Path) -> None:
+    """Rank 3 (on l9node2) is killed in attempt 1; every rank starts again and resumes from the checkpoint."""
+    ranks = job(slurmfns.train_restarting, gpu_count=4, backend="slurm", max_restarts=1).remote(str(tmp_path))
+    assert [(r["rank"], r["attempt"], r["sum"], r["resumed"], r["node"]) for r in ranks] == [
+        (0, 2, 4.0, "step 5", "l9node1"), (1, 2, 4.0, "step 5", "l9node1"),
+        (2, 2, 4.0, "step 5", "l9node2"), (3, 2, 4.0, "step 5", "l9node2"),
+    ]  # fmt: skip
+
+
+def test_a_cancel_gives_the_job_its_stop_grace(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
+    """timeout= stops the job as a cancel does: SIGTERM, the function's handler saves for 7 s (more than the
+    cluster's KillWait of 5 s, after which SLURM's own cancel kills), the kill only after stop_grace."""
+    with pytest.raises(JobTimeout):
+        job(slurmfns.save_on_sigterm, backend="slurm", timeout=3, stop_grace=30, name="l9-grace").remote(str(tmp_path), 7)
+    assert wait_until(lambda: not squeue("l9-grace", env), 60), squeue("l9-grace", env)
+    assert (tmp_path / "term").exists(), "the job never got SIGTERM"
+    assert (tmp_path / "saved").read_text() == "saved"
+    reaper = f"{ROOT}/levers9/launch/slurm_reaper.py 30"  # the helper that kills after stop_grace=30
+    assert wait_until(lambda: subprocess.run(["pgrep", "-f", reaper], capture_output=True).returncode == 1, 25), \
+        "the helper that kills after stop_grace did not leave when the job ended"
 
 
 def test_a_crash_is_retried_as_a_new_job(on_slurm: None) -> None:
@@ -207,6 +244,31 @@ def test_stopping_the_caller_leaves_nothing_in_squeue(on_slurm: None, env: dict[
             caller.wait()
     pid = int(marker.read_text().split()[0])
     assert wait_until(lambda: not squeue(name, env) and not _alive(pid), 30), squeue(name, env)
+
+
+def test_a_detached_job_outlives_its_caller_and_is_collected_later(
+    on_slurm: None, env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    marker = tmp_path / "started"
+    code = (f"import time\nfrom levers9.launch import job\nfrom tests import slurmfns\n"
+            f"job(slurmfns.sleep_then, backend='slurm', name='l9-detach', slurm={{'detach': True}})"
+            f".spawn(5, {str(marker)!r})\ntime.sleep(300)\n")  # fmt: skip
+    caller = subprocess.Popen([sys.executable, "-c", code], env={**os.environ}, cwd=ROOT)
+    try:
+        assert wait_until(marker.exists, 90), "the job never started"
+        caller.kill()  # the caller dies; its helper process stops nothing
+        caller.wait(60)
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+            caller.wait()
+    assert any(line.endswith("RUNNING") for line in squeue("l9-detach", env)), squeue("l9-detach", env)
+    capsys.readouterr()
+    assert cli_main(["runs", "result", "last", "--timeout", "90"]) == 0
+    assert capsys.readouterr().out.strip() == "'slept'"
+    from levers9.launch import slurm_collect
+
+    assert slurm_collect.result("last", 0) == "slept"
 
 
 def _alive(pid: int) -> bool:
@@ -238,6 +300,30 @@ def test_a_requeued_job_resumes_from_its_checkpoint(on_slurm: None, env: dict[st
     value = job(slurmfns.resume_after_requeue, backend="slurm").remote(str(tmp_path))
     helper.join(60)
     assert value == {"runs": 2, "restart_count": "1", "attempt": 2}
+
+
+def test_the_time_limit_requeues_the_job_which_resumes(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
+    """A 1-minute SLURM time limit, the early signal 30 s before it: the job is requeued, the function's SIGTERM
+    handler saves, and the next run (attempt 2) resumes from that checkpoint. Takes about 45 s."""
+    over = threading.Event()
+
+    def start_the_requeued_job_now() -> None:  # SLURM holds a requeued job back two minutes
+        assert wait_until((tmp_path / "started").exists, 90)
+        job_id = (tmp_path / "started").read_text()
+        while not over.wait(0.5):
+            if (tmp_path / "checkpoint").exists():
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, capture_output=True,
+                               timeout=60)  # fmt: skip
+
+    helper = threading.Thread(target=start_the_requeued_job_now, daemon=True)
+    helper.start()
+    try:
+        value = job(slurmfns.save_at_time_limit, backend="slurm",
+                    slurm={"requeue": 30, "sbatch": "--time=1"}).remote(str(tmp_path))  # fmt: skip
+    finally:
+        over.set()
+        helper.join(60)
+    assert value == {"attempt": 2, "resumed": "saved at the time limit"}
 
 
 def test_the_compat_contract_script_gives_the_same_numbers_under_srun(env: dict[str, str]) -> None:
@@ -275,7 +361,8 @@ def test_doctor_shows_the_nodes_and_the_sbatch_lines_of_a_job(env: dict[str, str
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     report = json.loads(done.stdout)["slurm"]["report"]
     assert "l9node1 (l9): 2 GPU(s)" in report and "l9node2 (l9): 2 GPU(s)" in report
-    assert "gpu_count=4 would be: #SBATCH --nodes=2 #SBATCH --ntasks-per-node=2 #SBATCH --gres=gpu:2" in report
+    assert ("gpu_count=4 would be: #SBATCH --nodes=2 #SBATCH --ntasks-per-node=1 #SBATCH --gres=gpu:2 (srun starts "
+            "levers9 on each node, 2 ranks each)") in report
 
 
 def test_a_pending_cell_says_what_it_waits_for(on_slurm: None, capfd: pytest.CaptureFixture[str]) -> None:
@@ -296,3 +383,81 @@ def test_levers9_runs_lists_a_slurm_run_with_its_job_ids(on_slurm: None, capsys:
     assert cli_main(["runs", "show", str(results.run_id)]) == 0
     shown = capsys.readouterr().out
     assert shown.count("(SLURM job ") == 2, shown
+
+
+# ---- srun with one task per node: torchrun and levers9 run across nodes -------------------------------
+
+
+def _per_node(seen: list[dict[str, object]]) -> dict[object, list[tuple[object, object]]]:
+    """node name -> [(node rank, local rank)] of its ranks."""
+    nodes: dict[object, list[tuple[object, object]]] = {}
+    for r in seen:
+        nodes.setdefault(r["node"], []).append((r["node_rank"], r["local_rank"]))
+    return nodes
+
+
+def test_srun_one_task_per_node_runs_torchrun_across_nodes(env: dict[str, str]) -> None:
+    """The field's recipe: srun starts torchrun once per node; c10d's rendezvous on the first node. (Two slurmd
+    on one machine: the first node's name is not this machine's hostname, so its torchrun is told it hosts.)"""
+    launch = (f"h=$([ $SLURM_NODEID = 0 ] && echo true || echo false); exec {sys.executable} -m torch.distributed.run "
+              f"--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint l9node1:$((20000 + SLURM_JOB_ID % 9000)) "
+              f"--rdzv-conf is_host=$h --rdzv-id $SLURM_JOB_ID {RANKS}")  # fmt: skip
+    done = srun(env, "-N2", "--ntasks-per-node=1", "bash", "-c", launch)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = ranks_seen(done.stdout)
+    assert [r["rank"] for r in seen] == [0, 1, 2, 3]
+    assert {(r["world_size"], r["local_world_size"], r["launcher"], r["sum"]) for r in seen} == {(4, 2, "torchrun", 4.0)}
+    nodes = _per_node(seen)  # c10d numbers the nodes in the order their agents joined
+    assert set(nodes) == {"l9node1", "l9node2"}
+    assert sorted(sorted(v) for v in nodes.values()) == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+    assert all(r["rank"] == 2 * int(str(r["node_rank"])) + int(str(r["local_rank"])) for r in seen)
+
+
+def test_srun_one_task_per_node_runs_levers9_run_across_nodes(env: dict[str, str]) -> None:
+    done = srun(env, "-N2", "--ntasks-per-node=1", sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2",
+                str(RANKS))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = ranks_seen(done.stdout)  # every node's output, on node 0's task, with its ranks' prefixes
+    assert [(r["rank"], r["local_rank"], r["node_rank"], r["node"]) for r in seen] == [
+        (0, 0, 0, "l9node1"), (1, 1, 0, "l9node1"), (2, 0, 1, "l9node2"), (3, 1, 1, "l9node2"),
+    ]  # fmt: skip
+    assert {(r["world_size"], r["local_world_size"], r["launcher"], r["sum"]) for r in seen} == {(4, 2, "levers9", 4.0)}
+    assert len({r["master"] for r in seen}) == 1 and str(seen[0]["master"]).startswith("127.0.0.2:")  # l9node1
+
+
+def test_the_compat_contract_script_under_levers9_run_across_nodes(env: dict[str, str]) -> None:
+    """compat_tests/contract_script.py: 2 nodes x 1 rank of `levers9 run` under srun, the numbers of 2 spawned ranks."""
+    script = str(ROOT / "compat_tests" / "contract_script.py")
+    spawned = subprocess.run([sys.executable, script, "--mode", "run", "--nprocs", "2"], env=env, capture_output=True,
+                             text=True, timeout=180)  # fmt: skip
+    done = srun(env, "-N2", "--ntasks-per-node=1", sys.executable, "-m", "levers9", "run", "--nproc-per-node", "1",
+                script, "--mode", "run")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def lines(out: str) -> dict[str, dict[str, object]]:
+        return {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
+                if line.startswith(("CONTRACT ", "WORLD "))}  # fmt: skip
+
+    across = lines(done.stdout)
+    assert across["WORLD"]["launcher"] == "levers9" and across["CONTRACT"]["world_size"] == 2, across["WORLD"]
+    assert across["CONTRACT"] == lines(spawned.stdout)["CONTRACT"]
+
+
+def test_levers9_run_twice_on_a_node_under_srun_is_one_error(env: dict[str, str]) -> None:
+    done = srun(env, "-N2", "--ntasks-per-node=2", sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2",
+                str(RANKS), timeout=90)  # fmt: skip
+    assert done.returncode == 2
+    assert "levers9 run ran as one of 4 srun task(s) on 2 node(s)" in done.stderr
+    assert "`srun --ntasks-per-node=1 levers9 run ...`" in done.stderr and "RANK {" not in done.stdout
+
+
+def test_levers9_run_across_nodes_restarts_after_a_rank_on_node_2_is_killed(env: dict[str, str], tmp_path: Path) -> None:
+    done = srun(env, "-N2", "--ntasks-per-node=1", sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2",
+                "--max-restarts", "1", str(ROOT / "tests" / "scripts" / "slurm_restart.py"), str(tmp_path))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = [json.loads(line.partition("ATTEMPT ")[2]) for line in done.stdout.splitlines() if "ATTEMPT {" in line]
+    seen = sorted(seen, key=lambda r: r["rank"])
+    assert [(r["rank"], r["attempt"], r["sum"], r["resumed"]) for r in seen] == [
+        (0, 2, 4.0, "step 5"), (1, 2, 4.0, "step 5"), (2, 2, 4.0, "step 5"), (3, 2, 4.0, "step 5"),
+    ]  # fmt: skip
+    assert [r["node"] for r in seen] == ["l9node1", "l9node1", "l9node2", "l9node2"]

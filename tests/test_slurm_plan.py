@@ -6,7 +6,7 @@ import pytest
 
 from levers9.errors import InfeasibleJobError, JobConfigError
 from levers9.launch import job
-from levers9.launch.slurm_nodes import SlurmNode, SlurmPlan, _gres_gpus, plan_job
+from levers9.launch.slurm_nodes import SlurmNode, SlurmPlan, _gres_gpus, _gres_types, plan_job
 from levers9.launch.slurm_options import merged, sbatch_options
 from levers9.launch.spec import JobSpec
 from tests import jobfns
@@ -23,9 +23,9 @@ def nodes(*cards: int) -> list[SlurmNode]:
     [
         (0, (4, 4), SlurmPlan(1, 1, 0)),
         (4, (4, 4), SlurmPlan(1, 1, 4)),
-        (8, (4, 4), SlurmPlan(2, 4, 4)),
-        (6, (4, 4, 4), SlurmPlan(2, 3, 3)),  # fewest nodes with equal shares
-        (12, (8, 4, 4, 4), SlurmPlan(3, 4, 4)),
+        (8, (4, 4), SlurmPlan(2, 1, 4)),
+        (6, (4, 4, 4), SlurmPlan(2, 1, 3)),  # fewest nodes with equal shares
+        (12, (8, 4, 4, 4), SlurmPlan(3, 1, 4)),
         (8, (8, 2), SlurmPlan(1, 1, 8)),
     ],
 )
@@ -40,6 +40,32 @@ def test_a_job_no_split_could_hold_names_the_nodes() -> None:
 
 def test_gres_strings_as_sinfo_prints_them() -> None:
     assert [_gres_gpus(g) for g in ("gpu:2", "gpu:a100:4(S:0-1)", "gpu:a100:4,gpu:v100:2", "(null)", "mps:100")] == [2, 4, 6, 0, 0]
+
+
+def test_gres_types_as_sinfo_prints_them() -> None:
+    assert _gres_types("gpu:a100:4(S:0-1),gpu:v100:2") == (("a100", 4), ("v100", 2))
+    assert _gres_types("gpu:2") == (("", 2),) and _gres_types("(null)") == ()
+
+
+def typed(*types: tuple[tuple[str, int], ...]) -> list[SlurmNode]:
+    return [SlurmNode(f"gpu{i}", sum(n for _, n in t), 32, "gpu", "idle", t) for i, t in enumerate(types)]
+
+
+def test_a_gpu_type_is_asked_as_the_clusters_gres_type() -> None:
+    cluster = typed((("a100", 4),), (("h100", 2), ("v100", 2)), (("h100", 2),))
+    assert plan_job(JobSpec("j", gpu_types=("H100",), gpu_count=2), cluster, None) == SlurmPlan(1, 1, 2, "h100")
+    assert plan_job(JobSpec("j", gpu_types=("H100",), gpu_count=4), cluster, None) == SlurmPlan(2, 1, 2, "h100")
+    assert plan_job(JobSpec("j", gpu_types=("H100", "A100-40"), gpu_count=4), cluster, None) == SlurmPlan(1, 1, 4, "a100")
+    assert SlurmPlan(2, 1, 2, "h100").gres == "gpu:h100:2" and SlurmPlan(1, 1, 2).gres == "gpu:2"
+    assert plan_job(JobSpec("j", gpu_count=4), cluster, None) == SlurmPlan(1, 1, 4)  # any type
+
+
+def test_a_gpu_type_the_cluster_lacks_is_refused_naming_its_types() -> None:
+    with pytest.raises(InfeasibleJobError, match=r"gpu='L40S'.*no node of the cluster has that type: its cards are "
+                                                 r"a100 \(A100-40\), h100 \(H100\)"):  # fmt: skip
+        plan_job(JobSpec("j", gpu_types=("L40S",), gpu_count=1), typed((("a100", 4),), (("h100", 2),)), None)
+    with pytest.raises(InfeasibleJobError, match=r"declared without a type \(gres.conf has no Type=\)"):
+        plan_job(JobSpec("j", gpu_types=("L40S",), gpu_count=1), nodes(4), None)
 
 
 def test_slurm_options_are_checked_at_decoration() -> None:

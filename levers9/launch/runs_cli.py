@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from levers9.errors import ConfigError, Levers9Error
-from levers9.launch import run_reader, run_retention
+from levers9.launch import run_reader, run_retention, slurm_collect
 from levers9.launch.cli_errors import said_as
 from levers9.launch.settings import runs_dir
 from levers9.seconds import say_duration
@@ -48,6 +48,7 @@ def register(subparsers: Any) -> None:
     clean.add_argument("--older-than", type=_age, metavar="AGE", help="e.g. 90m, 12h, 7d, 2w")
     clean.add_argument("--keep", type=_keep, metavar="N", help="keep the newest N runs")
     clean.set_defaults(handler=_clean)
+    slurm_collect.register(sub)  # `levers9 runs result`: a detached SLURM job's value (issue 42)
 
 
 def _age(text: str) -> float:

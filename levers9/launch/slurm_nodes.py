@@ -23,19 +23,46 @@ class SlurmNode:
     cpus: int
     partition: str
     state: str
+    types: tuple[tuple[str, int], ...] = ()  # (GRES type as the cluster names it, cards): (("a100", 4),)
 
     def describe(self) -> str:
-        return f"{self.name} ({self.cards} GPU(s), {self.cpus} CPU(s), {self.state})"
+        kinds = "+".join(f"{n} {t}" for t, n in self.types if t)
+        return f"{self.name} ({self.cards} GPU(s){f' ({kinds})' if kinds else ''}, {self.cpus} CPU(s), {self.state})"
+
+    def cards_of(self, gpu_type: str) -> tuple[str, int]:
+        """(the cluster's name for `gpu_type`, how many of those cards this node has); ('', cards) for any type."""
+        if not gpu_type:
+            return "", self.cards
+        for name, count in self.types:
+            if name and canonical_type(name) == gpu_type:
+                return name, count
+        return "", 0
+
+
+def canonical_type(gres_type: str) -> str | None:
+    """levers9's name for a cluster's GRES type ('a100' -> 'A100-40', 'h100' -> 'H100'); None when unknown."""
+    from levers9.distributed.hardware.gpu_types import parse_gpu_type
+
+    try:
+        return parse_gpu_type(gres_type)
+    except JobConfigError:
+        return None
+
+
+def _gres_types(gres: str) -> tuple[tuple[str, int], ...]:
+    """(type, GPUs) in sinfo's %G: 'gpu:2' -> (('', 2),), 'gpu:a100:4(S:0-1),gpu:v100:2' -> (('a100', 4), ('v100', 2));
+    () for '(null)'."""
+    found = []
+    for part in gres.split(","):
+        fields = part.split("(")[0].split(":")
+        if fields[0] == "gpu" and len(fields) >= 2 and fields[-1].isdigit():
+            found.append((fields[1] if len(fields) >= 3 else "", int(fields[-1])))
+    return tuple(found)
 
 
 def _gres_gpus(gres: str) -> int:
     """GPUs in sinfo's %G: 'gpu:2', 'gpu:a100:4(S:0-1)', 'gpu:a100:4,gpu:v100:2'; 0 for '(null)'."""
-    total = 0
-    for part in gres.split(","):
-        fields = part.split("(")[0].split(":")
-        if fields[0] == "gpu" and len(fields) >= 2 and fields[-1].isdigit():
-            total += int(fields[-1])
-    return total
+    return sum(count for _, count in _gres_types(gres))
 
 
 def cluster_nodes(partition: str | None) -> list[SlurmNode]:
@@ -46,7 +73,8 @@ def cluster_nodes(partition: str | None) -> list[SlurmNode]:
     for line in done.stdout.splitlines():
         name, gres, cpus, part, state = (line.split("|") + ["", "", "", "", ""])[:5]
         if name and all(node.name != name for node in nodes):  # a node of several partitions once
-            nodes.append(SlurmNode(name, _gres_gpus(gres), int(cpus) if cpus.isdigit() else 1, part.rstrip("*"), state))
+            nodes.append(SlurmNode(name, _gres_gpus(gres), int(cpus) if cpus.isdigit() else 1, part.rstrip("*"), state,
+                                   _gres_types(gres)))  # fmt: skip
     return nodes
 
 
@@ -73,6 +101,12 @@ class SlurmPlan:
     nodes: int
     tasks: int  # tasks per node
     cards: int  # GPUs per node
+    gres_type: str = ""  # the cluster's name of the cards' type ('a100'), '' for any
+
+    @property
+    def gres(self) -> str:
+        """--gres's value: 'gpu:a100:4', or 'gpu:4' for any type."""
+        return f"gpu:{self.gres_type}:{self.cards}" if self.gres_type else f"gpu:{self.cards}"
 
     def where(self, node: str, job_id: str) -> str:
         """What the status line says a running job holds: '2 on l9node1 (SLURM job 28)', 'no card on l9node2 (SLURM job 29)'."""
@@ -116,17 +150,32 @@ def pending_words(plan: SlurmPlan, reason: str) -> str:
 
 def plan_job(spec: JobSpec, nodes: list[SlurmNode], partition: str | None) -> SlurmPlan:
     """One node with all the cards when some node has them; else the fewest nodes with equal shares, one task
-    per card; InfeasibleJobError naming the nodes when no such split exists."""
+    per node that starts the node's ranks; InfeasibleJobError naming the nodes when no such split exists."""
     n = spec.gpu_count
     if n == 0:
         return SlurmPlan(1, 1, 0)
-    if any(node.cards >= n for node in nodes):
-        return SlurmPlan(1, 1, n)
-    for count in range(2, len(nodes) + 1):
-        share = n // count
-        if n % count == 0 and sum(node.cards >= share for node in nodes) >= count:
-            return SlurmPlan(count, share, share)
     where = f"partition {partition!r}" if partition else "the cluster"
+    wanted = tuple(t for t in spec.gpu_types if t != "any")
+    held = {t: [node.cards_of(t) for node in nodes] for t in wanted or ("",)}  # type -> (its name, cards) per node
+    for cards in held.values():  # one node of any type asked for, before a split of the first that splits
+        name = next((name for name, count in cards if count >= n), None)
+        if name is not None:
+            return SlurmPlan(1, 1, n, name)
+    for cards in held.values():
+        name = next((name for name, count in cards if count), "")
+        for k in range(2, len(nodes) + 1):
+            share = n // k
+            if n % k == 0 and sum(count >= share for _, count in cards) >= k:
+                return SlurmPlan(k, 1, share, name)  # one levers9 launcher task per node (slurm_gang.py)
+    if wanted and not any(node.cards_of(t)[1] for node in nodes for t in wanted):
+        types = sorted({f"{t} ({canonical_type(t) or 'not a type levers9 knows'})" for node in nodes
+                        for t, _ in node.types if t})  # fmt: skip
+        raise InfeasibleJobError(
+            f"Job {spec.name!r} asks for gpu={'/'.join(wanted)!r}, and no node of {where} has that type: its cards "
+            f"are {', '.join(types) or 'declared without a type (gres.conf has no Type=)'}. Ask for a type the "
+            f"cluster has (@job(gpu=...)), leave gpu= out for any card, or pick another partition "
+            f"(@job(slurm={{'partition': ...}}))."
+        )
     listed = "; ".join(node.describe() for node in nodes) or "no node"
     raise InfeasibleJobError(
         f"Job {spec.name!r} needs {spec.describe_cards()}, and {where} can never hold them, not even split "
@@ -138,7 +187,7 @@ def plan_job(spec: JobSpec, nodes: list[SlurmNode], partition: str | None) -> Sl
 def capacity(plan: SlurmPlan, spec: JobSpec, nodes: list[SlurmNode]) -> int:
     """How many cells of this plan the nodes could run at once (at least 1)."""
     if plan.cards:
-        fits = sum(node.cards // plan.cards for node in nodes) // plan.nodes
+        fits = sum(node.cards_of(canonical_type(plan.gres_type) or "")[1] // plan.cards for node in nodes) // plan.nodes
     else:
         fits = sum(node.cpus // max(1, math.ceil(spec.cpu or 1)) for node in nodes)
     return max(1, min(ARRAY_LIMIT, fits))
@@ -157,10 +206,10 @@ def report(gpu_count: int | None, partition: str | None) -> str:
         except InfeasibleJobError as exc:
             lines.append(f"  gpu_count={gpu_count}: {exc}")
         else:
-            sbatch = [f"--nodes={plan.nodes}", f"--ntasks-per-node={plan.tasks}"] + ([f"--gres=gpu:{plan.cards}"] if plan.cards else [])
+            sbatch = [f"--nodes={plan.nodes}", f"--ntasks-per-node={plan.tasks}"] + ([f"--gres={plan.gres}"] if plan.cards else [])
             sbatch += [f"--partition={partition}"] if partition else []
             lines.append(f"  gpu_count={gpu_count} would be: " + " ".join(f"#SBATCH {flag}" for flag in sbatch)
-                         + ("" if plan.nodes == 1 else f" (srun starts {plan.nodes * plan.tasks} ranks)"))  # fmt: skip
+                         + ("" if plan.nodes == 1 else f" (srun starts levers9 on each node, {plan.cards} ranks each)"))  # fmt: skip
     return "\n".join(lines)
 
 

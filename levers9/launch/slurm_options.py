@@ -21,7 +21,11 @@ KEYS = {
     "qos": "#SBATCH --qos",
     "sbatch": "more #SBATCH options, as one string ('--exclusive --constraint=a100')",
     "max_running": "the job array's concurrency limit (#SBATCH --array=0-N%max_running)",
+    "detach": "True: the caller's exit or death leaves the jobs running; `levers9 runs result RUN` collects them",
+    "requeue": "True, or seconds: SLURM's early signal that many seconds (default 60) before the time limit "
+               "requeues the job, which resumes from the function's checkpoint (#SBATCH --signal=USR2@N)",
 }
+REQUEUE_SIGNAL_S = 60  # requeue=True: the early signal this many seconds before the time limit
 SETTING_KEYS = ("partition", "account", "qos", "sbatch")  # the workspace's [slurm] table
 
 
@@ -41,6 +45,19 @@ def check(value: Any, source: str = "slurm=") -> tuple[tuple[str, str], ...]:
                 + "; ".join(f"{k} ({what})" for k, what in KEYS.items())
                 + ". Other #SBATCH options go in 'sbatch'."
             )
+        if key == "detach":
+            if not isinstance(text, bool):
+                raise JobConfigError(f"{source}['detach'] must be True or False, got {text!r}.")
+            if text:
+                out[key] = "1"
+            continue
+        if key == "requeue":
+            if text is True:
+                text = REQUEUE_SIGNAL_S
+            if isinstance(text, bool) or not isinstance(text, int) or text < 1:
+                raise JobConfigError(f"{source}['requeue'] must be True or whole seconds >= 1, got {text!r}.")
+            out[key] = str(text)
+            continue
         if key == "max_running":
             if isinstance(text, bool) or not isinstance(text, int) or text < 1:
                 raise JobConfigError(f"{source}['max_running'] must be a whole number >= 1, got {text!r}.")

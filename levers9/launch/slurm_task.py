@@ -2,8 +2,9 @@
 
 A job of one task (one node) is the job process: it enters the job's context (its cards, which
 distributed.run inside reads, as on a workstation) and calls the function. A job across nodes has one
-task per card, started by SLURM's srun; each task is a rank, and the function runs in every rank through
-`distributed.run`, which finds the world SLURM made (levers9.distributed.detect). Every task reports
+task per node, started by SLURM's srun: levers9's launcher on that node (levers9/distributed/slurm_gang.py).
+Node 0's task calls the function, whose distributed.run starts every node's ranks, restarts them
+(max_restarts=) and raises the root failure; the other tasks start their node's share when asked. Every task reports
 back a TaskReport (its value, or its failure with the traceback) in submitit's result file, never an
 exception of its own, so the caller sees the job's exception with its type.
 """
@@ -13,17 +14,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from levers9 import runtime
 from levers9.launch import job_process
 from levers9.launch.scratch import remove_scratch_dir, scratch_dir
 from levers9.launch.spec import JobSpec
 from levers9.procs.failure import FailureRecord, capture, exit_status, ship_value, unship
-from levers9.runtime import Runtime
+
+REQUEUE_WORDS = "nears its time limit: requeued"  # what the task prints (the caller's follower reads it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +42,11 @@ class TaskReport:
 
 def run_task(payload: dict[str, Any]) -> TaskReport:
     """Run this task's part of the cell in `payload` and report how it ended (never raises an Exception)."""
+    # submitit's worker ignores SIGTERM (it waits for a requeue); levers9's cancel is SIGTERM, then the kill after
+    # stop_grace, as on a workstation: the default ends the task, and a handler the function installs can save
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if payload.get("requeue") and os.environ.get("SLURM_NODEID", "0") == "0":
+        signal.signal(signal.SIGUSR2, _requeue)  # SLURM's early signal before the time limit (--signal=USR2@N)
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     job_dir = scratch_dir("slurm", int(payload["index"]), int(payload["attempt"]))
@@ -51,6 +59,14 @@ def run_task(payload: dict[str, Any]) -> TaskReport:
         return TaskReport(rank, node, os.getpid(), failure=capture(exc))
     finally:
         remove_scratch_dir(job_dir)
+
+
+def _requeue(_signum: int, _frame: Any) -> None:
+    """The time limit is near: ask SLURM to requeue this job. SLURM then sends SIGTERM to every task (a handler
+    of the function's can save within the cluster's KillWait) and starts the job again, as attempt n+1."""
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    print(f"levers9: SLURM job {job_id} {REQUEUE_WORDS}, to resume from its checkpoint", file=sys.stderr, flush=True)
+    subprocess.Popen(["scontrol", "requeue", job_id], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _call(payload: dict[str, Any], job_dir: Path) -> Any:
@@ -67,6 +83,10 @@ def _call(payload: dict[str, Any], job_dir: Path) -> Any:
     if int(payload["tasks"]) == 1:
         return job_process.JobTarget(func, args, kwargs, context).call()
     from levers9 import distributed as dist
+    from levers9.distributed import slurm_gang
 
-    runtime.begin(Runtime(job=context))
-    return dist.run(functools.partial(func, *args, **kwargs))
+    # one task per node: node 0's runs fn through distributed.run on every node's ranks, the others serve
+    gang = slurm_gang.gang_of_step({**os.environ, slurm_gang.SECRET_VAR: payload["secret"]}, len(ids))
+    base_env = job_process.job_env(spec, [])
+    base_env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+    return slurm_gang.run_as_node(gang, context, base_env, lambda: dist.run(functools.partial(func, *args, **kwargs)))

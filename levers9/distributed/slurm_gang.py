@@ -1,0 +1,161 @@
+"""srun with one task per node, as levers9's launcher on each node: node 0 hosts, the other nodes serve.
+
+    srun -N2 --ntasks-per-node=1 levers9 run --nproc-per-node 2 train.py      # 2 nodes x 2 ranks
+    @job(gpu_count=4, backend="slurm")   # on 2-card nodes: the same, one task per node (slurm_task.py)
+
+Each task of the step is a launcher, not a rank. The task on the step's first node hosts the step's
+control store (levers9/distributed/control_store.py) on its node's address at the step's port
+(MASTER_PORT, else slurm_env.master_port) and runs `distributed.run` with a GangContext, so
+levers9/distributed/nodes.py starts ranks 0..share-1 there, supervises every node, restarts
+(max_restarts) and raises the root failure; the task on node i serves node i's share with
+levers9/distributed/node_agent.py, as Ray's agents do. SLURM keeps no spare node, so a lost node is not
+replaced: the run fails naming it. The store's keys start with a secret the step's tasks agree on
+(LEVERS9_GANG_SECRET, which the SLURM backend sets to a random one; else one derived from the job).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import TypeVar
+
+from levers9 import runtime
+from levers9.context import GangContext, JobContext
+from levers9.distributed import slurm_env
+from levers9.distributed.control_store import ControlStore
+from levers9.distributed.detect import expand_nodelist
+from levers9.distributed.master_host import check_resolves
+from levers9.distributed.nodes import HEARTBEAT_EVERY_S
+from levers9.errors import LauncherEnvError
+
+T = TypeVar("T")
+LEAVE_QUIET_S = 3 * HEARTBEAT_EVERY_S  # no heartbeat for this long: the agents left
+LEAVE_WAIT_S = 10.0
+SECRET_VAR = "LEVERS9_GANG_SECRET"
+_RANK_VARS = ("SLURM_PROCID", "SLURM_LOCALID")  # what makes detect.py call this process a rank
+
+
+def _count(env: Mapping[str, str], *names: str) -> int:
+    for name in names:
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    return 1
+
+
+def step_shape(env: Mapping[str, str]) -> tuple[int, int] | None:
+    """(nodes, tasks) of the srun step this process is a task of; None outside a step."""
+    if "SLURM_PROCID" not in env or not ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
+        return None
+    return (_count(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES"), _count(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"))
+
+
+def check_one_task_per_node(env: Mapping[str, str], what: str) -> bool:
+    """True when this process is a task of an srun step of one task on each of several nodes (a launcher per
+    node); False outside a step or on one node (where levers9 run refuses to start inside a rank). LauncherEnvError
+    for several tasks on a node of several, where each would start the node's ranks again."""
+    shape = step_shape(env)
+    if shape is None or shape[0] == 1:
+        return False
+    nodes, tasks = shape
+    if tasks != nodes:
+        raise LauncherEnvError(
+            f"{what} ran as one of {tasks} srun task(s) on {nodes} node(s) (SLURM_STEP_NUM_TASKS={tasks}, "
+            f"SLURM_STEP_NUM_NODES={nodes}), so some node runs it more than once and would start its ranks twice. "
+            f"Expected one task per node, each starting that node's ranks: `srun --ntasks-per-node=1 {what} ...` "
+            f"(in a job script, `#SBATCH --ntasks-per-node=1`)."
+        )
+    return True
+
+
+def not_a_rank() -> None:
+    """This task launches ranks; it is not one: the variables detect.py reads as a rank's go from os.environ."""
+    for name in _RANK_VARS:
+        os.environ.pop(name, None)
+
+
+def gang_of_step(env: Mapping[str, str], per_node: int) -> GangContext:
+    """The GangContext of this step (one task per node, `per_node` ranks on each): its nodes' addresses,
+    node 0's control store address and port, this task's node index, the step's secret."""
+    variable = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
+    names = expand_nodelist(env.get(variable, ""), variable)
+    addresses = []
+    for name in names:
+        check_resolves(name, variable)
+        addresses.append(socket.gethostbyname(name))
+    node = _count(env, "SLURM_NODEID")
+    port = env.get("MASTER_PORT", "")
+    control_port = int(port) if port.isdigit() else slurm_env.master_port(env) or 29500
+    secret = env.get(SECRET_VAR) or hashlib.sha256(
+        f"levers9-slurm {env.get('SLURM_JOB_ID')} {env.get('SLURM_STEP_ID')} {os.getuid()}".encode()
+    ).hexdigest()[:32]
+    return GangContext(addresses[0], control_port, tuple(addresses), (per_node,) * len(names), node, 0.0, secret)
+
+
+@contextlib.contextmanager
+def _hosted_control(gang: GangContext) -> Iterator[None]:
+    """The step's control store, served by this process (node 0) on the gang's address and port."""
+    import torch.distributed as td
+
+    try:
+        server = td.TCPStore(gang.control_addr, gang.control_port, None, True, datetime.timedelta(seconds=60),
+                             wait_for_workers=False)  # fmt: skip
+    except (RuntimeError, OSError) as exc:
+        raise LauncherEnvError(
+            f"node 0 could not listen on {gang.control_addr}:{gang.control_port} for the levers9 store of this srun "
+            f"step ({type(exc).__name__}: {exc}). Expected that port free on the first node: export MASTER_PORT="
+            f"<a free port> in the job script before srun (every node's task reads it)."
+        ) from exc
+    store = ControlStore.under_secret(server, gang.secret)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            store.end()
+            _wait_for_agents_to_leave(store, len(gang.shares))
+        del store, server
+
+
+def _wait_for_agents_to_leave(store: ControlStore, nodes: int) -> None:
+    """After `end`: return once no agent's heartbeat moved for LEAVE_QUIET_S (each saw the end and stopped),
+    or after LEAVE_WAIT_S; an agent whose store went away first would fail instead of ending."""
+    deadline = time.monotonic() + LEAVE_WAIT_S
+    beats = [store.beats(i) for i in range(1, nodes)]
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = [store.beats(i) for i in range(1, nodes)]
+        if now != beats:
+            beats, quiet_since = now, time.monotonic()
+        elif time.monotonic() - quiet_since > LEAVE_QUIET_S:
+            return
+
+
+def launcher_job(gang: GangContext, env: Mapping[str, str] = os.environ) -> JobContext:
+    """The JobContext a launcher task (`levers9 run` under srun) runs its node under: SLURM job <id>'s step,
+    its node's cards (CUDA_VISIBLE_DEVICES as SLURM set it)."""
+    cards = [c for c in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if c.strip()]
+    job_id = f"slurm-{env.get('SLURM_JOB_ID', '?')}.{env.get('SLURM_STEP_ID', '?')}"
+    return JobContext(run_id=job_id, cell_index=0, attempt=1, job_dir="", gpu_count=len(cards), gang=gang)
+
+
+def run_as_node(gang: GangContext, job: JobContext, base_env: dict[str, str], node_zero: Callable[[], T]) -> T | None:
+    """This task's part of the step: on node 0, `node_zero()` (which calls distributed.run) under `job` with the
+    gang, the control store hosted here; on node i, serve node i's share until node 0 ends the run (None)."""
+    from levers9.distributed import node_agent
+
+    not_a_rank()
+    job = dataclasses.replace(job, gang=gang)
+    if gang.node_index == 0:
+        runtime.begin(runtime.Runtime(job=job))
+        with _hosted_control(gang):
+            return node_zero()
+    # generation 0: node 0 never launches a replacement (SLURM keeps no spare), so no generation is ever counted
+    node_agent.serve(gang, gang.addresses[gang.node_index], job, base_env, generation=0)
+    return None
+

@@ -1,0 +1,119 @@
+"""A SLURM job left running after its caller exited, and its result collected later.
+
+    @job(gpu_count=8, backend="slurm", slurm={"detach": True})
+    def train(cfg): ...
+
+    train.spawn(cfg)                      # the caller may exit, or be killed: the job keeps running
+    $ levers9 runs result last            # waits for the job; prints each cell's value, or its error
+    slurm_collect.result("last", cell=0)  # in Python: the value, or the job's own exception
+
+`detach` is an explicit choice: without it, the reaper stops a caller's jobs when the caller is gone.
+A detached job is still stopped by an explicit cancel (Ctrl-C of a caller that waits on it, leaving a
+map early, a future's cancel). The backend records each cell's latest SLURM job id in the run's
+`slurm/jobs.json` when it submits it; the result is the job's task 0 report (submitit's result file),
+read once squeue no longer shows the job running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from levers9.errors import JobCrashed, JobFailure, JobTimeout, Levers9Error, add_note
+from levers9.launch import run_reader
+from levers9.procs.failure import rebuild, unship_value
+
+JOBS_FILE = "jobs.json"
+POLL_S = 1.0
+_lock = threading.Lock()
+
+
+def record(folder: Path, index: int, job_id: str) -> None:
+    """Note that cell `index`'s latest attempt is SLURM job `job_id` (in `folder`/jobs.json, replaced whole)."""
+    path = folder / JOBS_FILE
+    with _lock:
+        jobs: dict[str, str] = {}
+        with contextlib.suppress(OSError, ValueError):
+            jobs = json.loads(path.read_text())
+        jobs[str(index)] = job_id
+        fresh = path.with_name(f".{JOBS_FILE}.{os.getpid()}")
+        fresh.write_text(json.dumps(jobs))
+        os.replace(fresh, path)
+
+
+def _running(job_id: str) -> bool:
+    done = subprocess.run(["squeue", "-h", "-r", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60)
+    return done.returncode == 0 and any(state not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                                                      "OUT_OF_MEMORY", "PREEMPTED") for state in done.stdout.split())  # fmt: skip
+
+
+def result(run: str, cell: int = 0, timeout: float | None = None) -> Any:
+    """The value cell `cell` of run `run` (an id, a unique prefix, or 'last') returned, waiting for its SLURM job
+    at most `timeout` s (None: as long as it runs); the job's own exception when it raised; JobCrashed when it
+    ended without a result; JobTimeout when it still runs after `timeout`."""
+    found = run_reader.find_run(run)
+    folder = found.path / "slurm"
+    try:
+        jobs = json.loads((folder / JOBS_FILE).read_text())
+        job_id = jobs[str(cell)]
+    except (OSError, ValueError, KeyError):
+        raise Levers9Error(
+            f"run {found.name_on_disk} has no SLURM job of cell {cell} ({folder / JOBS_FILE} lists none). Expected a "
+            f"run of @job(backend='slurm'); `levers9 runs show {found.name_on_disk}` lists its cells."
+        ) from None
+    report_path = folder / f"{job_id}_0_result.pkl"
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not report_path.exists() and _running(job_id):
+        if deadline is not None and time.monotonic() > deadline:
+            raise JobTimeout(f"SLURM job {job_id} (run {found.name_on_disk}, cell {cell}) still runs after {timeout:g} s. "
+                             f"Wait longer (--timeout), or see its output with `levers9 runs logs`.")  # fmt: skip
+        time.sleep(POLL_S)
+    from submitit.core import utils as submitit_utils  # here: `levers9 runs` itself needs no submitit
+
+    from levers9.launch import slurm_task
+
+    report = None
+    with contextlib.suppress(Exception):
+        status, value = submitit_utils.pickle_load(report_path)
+        report = value if status == "success" and isinstance(value, slurm_task.TaskReport) else None
+    where = f"SLURM job {job_id} (run {found.name_on_disk}, cell {cell})"
+    if report is None:
+        raise JobCrashed(
+            f"{where} ended without a result (killed, cancelled, or out of time). Its output: "
+            f"{folder / f'{job_id}_0_log.err'} and .out beside it.",
+            JobFailure(cell=cell, pid=0, output_tail=""),
+        )
+    if report.failure is None:
+        return unship_value(report.value, f"the return value of {where}")
+    exc = rebuild(report.failure) or JobCrashed(f"{where} raised {report.failure.exc_type}: {report.failure.message}",
+                                                JobFailure(cell=cell, pid=report.pid, output_tail=""))  # fmt: skip
+    add_note(exc, f"levers9: traceback of {where}, on {report.node}:\n{report.failure.traceback.rstrip()}")
+    raise exc
+
+
+def register(runs_commands: Any) -> None:
+    """`levers9 runs result RUN [CELL] [--timeout S]` (added to `levers9 runs` by runs_cli.py)."""
+    parser = runs_commands.add_parser("result", help="a SLURM cell's value, once its job ends (slurm={'detach': True})")
+    parser.add_argument("run", help="run id, a unique prefix of one, or 'last'")
+    parser.add_argument("cell", type=int, nargs="?", default=0, help="the cell's index (default 0)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="wait at most this long")
+    parser.set_defaults(handler=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    """Print the cell's value (repr) and exit 0; its error and exit 1."""
+    try:
+        value = result(args.run, args.cell, args.timeout)
+    except Exception as exc:
+        print(f"levers9 runs result: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(repr(value))
+    return 0

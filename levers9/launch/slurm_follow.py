@@ -1,0 +1,351 @@
+"""Following and stopping a batch's SLURM jobs from the caller (slurm_backend.py submits them).
+
+One thread per batch (`Follower`) asks squeue for every job's state once a second and reads each live job's
+output files (streamed to the caller with the local backend's prefixes, kept in the attempt's logs) and its
+tasks' result files (slurm_task.TaskReport); a `Tracker` per job decides when its outcome is known: rank 0's
+report, the failure that came first, srun's word on a task killed by a signal, a requeue (followed into the
+job's next run), the caller's timeout=. Every stop goes through `Reaper`, the caller's side of
+slurm_reaper.py: SIGTERM to the job's tasks, the kill after stop_grace, even when the caller is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from submitit.core import utils as submitit_utils
+
+from levers9.errors import FailureKind, JobCrashed, JobFailure, JobTimeout
+from levers9.launch import outcomes, slurm_nodes, slurm_task
+from levers9.launch.outcomes import Cancelled, OutputTail
+from levers9.procs.outcome import Outcome
+from levers9.state_files import AppendLog
+
+if TYPE_CHECKING:
+    from levers9.launch.backend import Batch
+    from levers9.launch.slurm_backend import SlurmCell, Submitter
+
+log = logging.getLogger("levers9.launch.slurm")
+
+POLL_S = 0.25  # seconds between reads of the live jobs' output and result files
+STATES_EVERY_S = 1.0  # seconds between squeue calls (each one costs slurmctld an RPC)
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+         "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}  # fmt: skip
+RUNNING = {"RUNNING", "COMPLETING", "STOPPED", "SUSPENDED", "SIGNALING", "STAGE_OUT"} | ENDED
+# lines of a job's output that say it is requeued: SLURM's (scontrol requeue, preemption) and slurm_task.py's own
+REQUEUED_WORDS = ("DUE TO JOB REQUEUE", "DUE TO PREEMPTION", slurm_task.REQUEUE_WORDS)
+REQUEUE_WAIT_POLLS = 60  # squeue answers (about a second apart) a requeued job may show as ended
+ROOT_WAIT_S = 3.0  # how long reports of a lost peer wait for the report of the rank that failed first
+REAPER = Path(__file__).with_name("slurm_reaper.py")
+
+
+class Reaper:
+    """The helper process that cancels this batch's jobs if this process dies first (slurm_reaper.py)."""
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[str] | None = None
+
+    def _pipe(self) -> IO[str] | None:
+        if self._proc is None:
+            self._proc = subprocess.Popen(
+                [sys.executable, str(REAPER), str(self.grace)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, text=True, start_new_session=True, close_fds=True,
+            )  # fmt: skip
+        return self._proc.stdin
+
+    def _say(self, line: str) -> None:
+        with self._lock, contextlib.suppress(OSError, ValueError):
+            pipe = self._pipe()
+            if pipe is not None:
+                pipe.write(line + "\n")
+                pipe.flush()
+
+    def add(self, job_id: str) -> None:
+        self._say(f"+{job_id}")
+
+    def remove(self, job_id: str) -> None:
+        self._say(f"-{job_id}")
+
+    def stop(self, job_id: str) -> None:
+        self._say(f"!{job_id}")
+
+    def close(self) -> None:
+        """Nothing more to watch: the helper exits once the stops it was asked for are done (it cancels nothing
+        that was removed)."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is not None and proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(self.grace + 60)
+
+
+
+
+@dataclasses.dataclass
+class Stream:
+    """One output file of one task, read as it grows."""
+
+    path: Path
+    stream: str
+    prefix: str
+    offset: int = 0
+    partial: bytes = b""
+
+    def read(self) -> list[str]:
+        """The complete lines added since the last read."""
+        try:
+            with open(self.path, "rb") as file:
+                file.seek(self.offset)
+                data = file.read(1 << 20)
+        except OSError:
+            return []
+        self.offset += len(data)
+        data = self.partial + data
+        *lines, self.partial = data.split(b"\n")
+        return [line.decode("utf-8", "replace") for line in lines]
+
+
+class Tracker:
+    """One submitted job (or array element) of one cell's attempt, until it ends: its state, output and reports."""
+
+    def __init__(self, submitter: Submitter, cell: SlurmCell, job_id: str, attempt: int) -> None:
+        self.submitter, self.cell, self.job_id, self.attempt = submitter, cell, job_id, attempt
+        batch = submitter.batch
+        self.run = outcomes.JobAttempt.begin(batch.folder, cell.label, cell.cell.index, attempt, batch.spec)
+        self.tail = OutputTail()
+        tasks = submitter.plan.nodes * submitter.plan.tasks
+        folder = submitter.folder
+        self.streams = [
+            Stream(folder / f"{job_id}_{t}_log.{ext}", stream, f"[node {t}] " if t else "")  # node 0: every rank's
+            for t in range(tasks)
+            for ext, stream in (("out", "stdout"), ("err", "stderr"))
+        ]
+        self.results = [folder / f"{job_id}_{t}_result.pkl" for t in range(tasks)]
+        self.state, self.reason, self.node = "PENDING", "", ""
+        self.started_at: float | None = None
+        self.started = threading.Event()
+        self.done = threading.Event()
+        self.report: slurm_task.TaskReport | None = None
+        self.ended_state = ""  # SLURM's state when the job ended without a report
+        self.timed_out = False
+        self.peer_loss_at: float | None = None  # when a rank first reported losing a peer
+        self.died: tuple[str, str, str] | None = None  # (node, tasks, how) of srun's "task N: Killed" line
+        self.requeued = False  # SLURM requeued the job (scontrol requeue, preemption): its kills are not deaths
+        self.queued_again = False  # ... and it was seen queued since
+        self.ended_polls = 0
+        self.logs: dict[str, AppendLog] = {}
+
+    def poll(self, states: dict[str, tuple[str, str, str]] | None) -> None:
+        """Read what is new (output, state, reports); set `done` when the job's outcome is known."""
+        self._read_output()
+        state = None if states is None else states.get(self.job_id)
+        if state is not None:
+            reason_before = self.reason
+            self.state, self.reason, node = state
+            self.node = node or self.node
+            if self.state == "PENDING" and self.reason != reason_before:
+                self.submitter.batch.events.waiting(self.cell.cell, slurm_nodes.pending_words(self.submitter.plan, self.reason))
+            if self.requeued and self.state not in RUNNING:
+                self.queued_again = True
+            elif self.requeued and self.queued_again:  # running again: resumes, as the user's checkpoint allows
+                self.requeued = self.queued_again = False
+        if self.started_at is None and (self.state in RUNNING or any(p.exists() for p in self.results)
+                                        or any(stream.offset for stream in self.streams)):
+            self.started_at = time.monotonic()
+            self.started.set()
+        reports = sorted(self._reports(), key=lambda r: r.rank)
+        failed = [r for r in reports if r.failure is not None]
+        roots = [r for r in failed if r.failure is not None and not r.failure.peer_loss]
+        if failed and self.peer_loss_at is None:
+            self.peer_loss_at = time.monotonic()
+        if not roots and self.died is not None:  # a rank died without a report (a signal): it is the news,
+            self.submitter.cancel(self.job_id)  # not the peers that lost it
+            self._end(None)
+            return
+        lost_long_ago = self.peer_loss_at is not None and time.monotonic() - self.peer_loss_at > ROOT_WAIT_S
+        if roots or (failed and (self.state in ENDED or lost_long_ago)):
+            self._end((roots or failed)[0])  # the rank that failed first, not the peers that lost it
+            return
+        if not failed and reports and reports[0].rank == 0:
+            self._end(reports[0])
+            return
+        timeout = self.submitter.batch.spec.timeout
+        if self.started_at is not None and timeout is not None and time.monotonic() - self.started_at > timeout:
+            self.timed_out = True
+            self.submitter.cancel(self.job_id)
+            self._end(None)
+            return
+        if states is not None and (state is None or self.state in ENDED):
+            self.ended_polls += 1  # the result file is written before the task exits: one more look, then over
+            # (a requeued job may show its run's end for a while before SLURM queues it again)
+            if self.ended_polls > (REQUEUE_WAIT_POLLS if self.requeued else 2):
+                self.ended_state = self.state if state is not None else "gone from squeue"
+                self._end(None)
+        elif states is not None:
+            self.ended_polls = 0
+
+    def _reports(self) -> list[slurm_task.TaskReport]:
+        reports = []
+        for path in self.results:
+            if path.exists():
+                with contextlib.suppress(Exception):
+                    status, value = submitit_utils.pickle_load(path)
+                    if status == "success" and isinstance(value, slurm_task.TaskReport):
+                        reports.append(value)
+        return reports
+
+    def _read_output(self) -> None:
+        events, cell = self.submitter.batch.events, self.cell.cell
+        losses = self.run.losses
+        for stream in self.streams:
+            for line in stream.read():
+                if any(word in line for word in REQUEUED_WORDS):
+                    self.requeued = True
+                elif not self.requeued and self.died is None:
+                    self.died = srun_error(line)
+                if stream.stream not in self.logs:
+                    self.logs[stream.stream] = AppendLog(self.run.job_dir / f"{stream.stream}.log", losses)
+                self.logs[stream.stream].write((stream.prefix + line + "\n").encode())
+                self.tail.add(stream.prefix + line)
+                if self.submitter.batch.spec.stream_output:
+                    events.output(cell, stream.stream, stream.prefix + line)
+
+    def _end(self, report: slurm_task.TaskReport | None) -> None:
+        if report is not None and report.failure is not None:
+            self.submitter.cancel(self.job_id)  # the other ranks would wait for the failed one
+        self._read_output()
+        for append_log in self.logs.values():
+            append_log.close()
+        self.report = report
+        self.submitter.reaper.remove(self.job_id)
+        self.started.set()
+        self.done.set()
+
+    def outcome(self) -> Any:
+        """The attempt's value, or its exception (the job's own, JobTimeout, JobCrashed, Cancelled)."""
+        spec, run, report = self.submitter.batch.spec, self.run, self.report
+        where = f"{self.node or '?'} (SLURM job {self.job_id})"
+        meta = {"slurm_job": self.job_id, "node": self.node, "state": self.state}
+        if self.timed_out:
+            run.write_meta({**meta, "attempt": run.attempt, "killed_for": "timeout"})
+            raise JobTimeout(
+                f"{run.label} exceeded timeout={spec.timeout:g}s ({run.attempts}); SLURM job {self.job_id} on "
+                f"{self.node or '?'} was cancelled and its cards freed. Raise timeout= if it needs longer. {run.where}"
+            )
+        if report is None and self.died is not None and not self.cell.stopped():
+            node, tasks, how = self.died
+            run.write_meta({**meta, "attempt": run.attempt, "killed_for": None, "died": how})
+            raise JobCrashed(
+                f"{run.label}: rank(s) {tasks} on {node} {how.lower()} (srun: {how}) before returning; the other "
+                f"ranks lost them and SLURM job {self.job_id} was cancelled; {run.attempts}. A rank killed by a "
+                f"signal is most often the out-of-memory killer. Last output:\n{self.tail.last_output}\n{run.where}",
+                JobFailure(cell=self.cell.cell.index, pid=0, output_tail=self.tail.text, kind=FailureKind.CRASH),
+                kind=FailureKind.CRASH,
+            )
+        if report is None:
+            if self.cell.stopped():
+                raise Cancelled()
+            run.write_meta({**meta, "attempt": run.attempt, "killed_for": None})
+            kind = FailureKind.TIMEOUT if self.ended_state == "TIMEOUT" else FailureKind.CRASH
+            how = "reached its SLURM time limit" if kind is FailureKind.TIMEOUT else f"ended ({self.ended_state})"
+            message = (f"{run.label} (SLURM job {self.job_id} on {self.node or '?'}) {how} before returning; "
+                       f"{run.attempts}. Last output:\n{self.tail.last_output}\n{run.where}")  # fmt: skip
+            if kind is FailureKind.TIMEOUT:
+                raise JobTimeout(message)
+            raise JobCrashed(message, JobFailure(cell=self.cell.cell.index, pid=0, output_tail=self.tail.text, kind=kind), kind=kind)
+        node = f"{report.node}, {'node' if self.submitter.plan.nodes > 1 else 'rank'} {report.rank} of {where}"
+        outcome = Outcome(pid=report.pid, exitcode=0 if report.failure is None else 1, signal=None,
+                          value=report.value, failure=report.failure, reported=True)  # fmt: skip
+        return outcomes.finish(run, outcome, self.tail, spec.timeout, meta, node)
+
+
+_SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): (Killed|Segmentation fault|Aborted|Terminated|Exited with exit code \d+)")
+
+
+def srun_error(output: str) -> tuple[str, str, str] | None:
+    """(node, tasks, how) from srun's own report of a task that ended badly ('srun: error: l9node2: task 3:
+    Killed'), which is all SLURM says of a rank that died without a Python exception; None if there is none."""
+    match = _SRUN_ERROR.search(output)
+    return None if match is None else (match.group(1), match.group(2), match.group(3))
+
+
+class Follower:
+    """One thread per batch: polls squeue and every live tracker until the batch is over."""
+
+    def __init__(self, batch: Batch) -> None:
+        self.batch = batch
+        self.trackers: list[Tracker] = []
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.open = len(batch.cells)  # cells not yet resolved
+        self.reaper: Reaper | None = None
+
+    def add(self, tracker: Tracker) -> None:
+        with self.lock:
+            self.trackers.append(tracker)
+            self.reaper = tracker.submitter.reaper
+        self.wake.set()
+
+    def cell_over(self) -> None:
+        with self.lock:
+            self.open -= 1
+        self.wake.set()
+
+    def start(self) -> None:
+        threading.Thread(target=self._loop, name=f"levers9-slurm-{self.batch.spec.name}", daemon=True).start()
+
+    def _loop(self) -> None:
+        asked = 0.0  # when squeue was last asked
+        while True:
+            with self.lock:
+                live = [t for t in self.trackers if not t.done.is_set()]
+                self.trackers = live
+                finished = self.open == 0 and not live
+            if finished:
+                break
+            if live:
+                states = None
+                if time.monotonic() - asked >= STATES_EVERY_S:
+                    states, asked = squeue_states(), time.monotonic()
+                for tracker in live:
+                    try:
+                        tracker.poll(states)
+                    except Exception as exc:  # never leave a cell waiting forever
+                        log.warning("following SLURM job %s failed: %s", tracker.job_id, exc)
+                        tracker.ended_state = f"not followed ({type(exc).__name__}: {exc})"
+                        tracker._end(None)
+            self.wake.wait(POLL_S)
+            self.wake.clear()
+        if self.reaper is not None:  # the helper exits once the stops it was asked for are done
+            self.reaper.close()
+
+
+def squeue_states() -> dict[str, tuple[str, str, str]] | None:
+    """job id ('123', '123_4' for array elements) -> (state, reason, nodes), for this user's jobs; None when
+    squeue gives no answer (then nothing is concluded from a job's absence)."""
+    try:
+        done = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-u", str(os.getuid()), "-o", "%i|%T|%r|%N"],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    states = {}
+    for line in done.stdout.splitlines():
+        parts = line.split("|")
+        if len(parts) == 4:
+            states[parts[0]] = (parts[1], parts[2], parts[3])
+    return states
