@@ -17,6 +17,8 @@
 # clients SLURM_CONF (see `env`). Machine files touched: /etc/hosts only, two lines ending in
 # "# levers9-slurm" (127.0.0.2 l9node1, 127.0.0.3 l9node2: node names must resolve for the ranks to
 # meet), added by start and removed by stop. The system munged, /etc/munge and /etc/slurm are not used.
+# AuthInfo's cred_expire=20 (SLURM's default 120): a requeued job starts again 20 s after it left its node,
+# where the old run's credential is revoked until then (started sooner there, it fails "credential revoked").
 set -euo pipefail
 
 DIR="${LEVERS9_SLURM_DIR:-/tmp/levers9-slurm}"
@@ -85,7 +87,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$SOCKET
+AuthInfo=socket=$SOCKET,cred_expire=20
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/run/slurmctld.pid

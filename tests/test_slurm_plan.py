@@ -23,9 +23,9 @@ def nodes(*cards: int) -> list[SlurmNode]:
     [
         (0, (4, 4), SlurmPlan(1, 1, 0)),
         (4, (4, 4), SlurmPlan(1, 1, 4)),
-        (8, (4, 4), SlurmPlan(2, 1, 4)),
-        (6, (4, 4, 4), SlurmPlan(2, 1, 3)),  # fewest nodes with equal shares
-        (12, (8, 4, 4, 4), SlurmPlan(3, 1, 4)),
+        (8, (4, 4), SlurmPlan(2, 4, 4)),
+        (6, (4, 4, 4), SlurmPlan(2, 3, 3)),  # fewest nodes with equal shares
+        (12, (8, 4, 4, 4), SlurmPlan(3, 4, 4)),
         (8, (8, 2), SlurmPlan(1, 1, 8)),
     ],
 )
@@ -54,7 +54,7 @@ def typed(*types: tuple[tuple[str, int], ...]) -> list[SlurmNode]:
 def test_a_gpu_type_is_asked_as_the_clusters_gres_type() -> None:
     cluster = typed((("a100", 4),), (("h100", 2), ("v100", 2)), (("h100", 2),))
     assert plan_job(JobSpec("j", gpu_types=("H100",), gpu_count=2), cluster, None) == SlurmPlan(1, 1, 2, "h100")
-    assert plan_job(JobSpec("j", gpu_types=("H100",), gpu_count=4), cluster, None) == SlurmPlan(2, 1, 2, "h100")
+    assert plan_job(JobSpec("j", gpu_types=("H100",), gpu_count=4), cluster, None) == SlurmPlan(2, 2, 2, "h100")
     assert plan_job(JobSpec("j", gpu_types=("H100", "A100-40"), gpu_count=4), cluster, None) == SlurmPlan(1, 1, 4, "a100")
     assert SlurmPlan(2, 1, 2, "h100").gres == "gpu:h100:2" and SlurmPlan(1, 1, 2).gres == "gpu:2"
     assert plan_job(JobSpec("j", gpu_count=4), cluster, None) == SlurmPlan(1, 1, 4)  # any type

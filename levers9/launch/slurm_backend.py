@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import secrets
 import sys
 import time
 from concurrent.futures import Future
@@ -33,6 +32,7 @@ from typing import Any
 import submitit
 
 from levers9.errors import (
+    FailureKind,
     JobConfigError,
     JobTimeout,
     NotShippableError,
@@ -46,6 +46,7 @@ from levers9.launch.settings import load_settings
 from levers9.launch.slurm_follow import POLL_S, Follower, Reaper, Tracker
 from levers9.launch.slurm_nodes import SlurmPlan
 from levers9.procs.failure import ship
+from levers9.retries import restart_policy, run_with_retries, word_for
 
 log = logging.getLogger("levers9.launch.slurm")
 
@@ -164,7 +165,6 @@ class SlurmCell:
         self.batch, self.cell, self.submitter, self.follower = batch, cell, submitter, follower
         self.label = batch.cell_label(cell)
         self.func_blob = func_blob
-        self.secret = secrets.token_hex(16)
         self.first: Tracker | None = None
         self.current: Tracker | None = None
         try:
@@ -177,7 +177,7 @@ class SlurmCell:
         self.future: Future[Any] = Future()
         self.future.add_done_callback(self._on_done)
 
-    def payload(self, attempt: int) -> dict[str, Any]:
+    def payload(self, attempt: int, restart: int = 0) -> dict[str, Any]:
         return {
             "sys_path": [p for p in sys.path if p],
             "func": self.func_blob,
@@ -186,9 +186,9 @@ class SlurmCell:
             "run_id": self.batch.run_id,
             "index": self.cell.index,
             "attempt": attempt,
+            "restart": restart,  # restarts so far of this attempt of a job across nodes (max_restarts=): a new job each
             "tasks": self.submitter.plan.nodes * self.submitter.plan.tasks,
             "requeue": "requeue" in self.submitter.options,  # at the time limit's early signal (slurm_task.py)
-            "secret": self.secret,  # the keys of a job across nodes' control store (slurm_gang.py)
         }
 
     def _on_done(self, future: Future[Any]) -> None:
@@ -210,12 +210,36 @@ class SlurmCell:
             self.submitter.cancel(self.first.job_id)
 
     def _attempt(self, attempt: int) -> Any:
+        """One attempt of the cell (what retries= counts). For a job across nodes, SLURM's srun is the launcher of
+        every rank, so a restart (max_restarts=) is the job submitted again, its ranks' TORCHELASTIC_RESTART_COUNT
+        one higher, after a failure of a kind distributed.run restarts on; a job of one node restarts its ranks
+        itself, inside the job, as on a workstation."""
+        spec = self.batch.spec
+        if self.submitter.plan.nodes == 1 or not spec.max_restarts:
+            return self._job(attempt, 0)
+
+        def restarting(number: int, exc: BaseException, kind: FailureKind) -> bool:
+            if self.stopped():
+                return False
+            log.info("%s: %s; every rank starts again as a new SLURM job (restart %d of %d)", self.label,
+                     word_for(kind), number, spec.max_restarts)  # fmt: skip
+            return True
+
+        def pause(seconds: float) -> None:
+            self.batch.cancel.wait(seconds)
+
+        policy = restart_policy(spec.max_restarts, None, None)
+        return run_with_retries(policy, lambda number: self._job(attempt, number - 1), kind_of_error=outcomes.failure_kind,
+                                before_retry=restarting, wait=pause)  # fmt: skip
+
+    def _job(self, attempt: int, restart: int) -> Any:
+        """Restart `restart` of attempt `attempt`, as one SLURM job: its value, or its failure raised."""
         if self.stopped():
             raise Cancelled()
-        if attempt == 1 and self.first is not None:
+        if attempt == 1 and restart == 0 and self.first is not None:
             tracker = self.first  # submitted in the array, followed since
         else:
-            tracker = self.submitter.submit_one(self.payload(attempt), self, attempt)
+            tracker = self.submitter.submit_one(self.payload(attempt, restart), self, attempt)
             self.follower.add(tracker)
         self.current = tracker
         unregister = self.batch.cancel.on_cancel(lambda: self.submitter.cancel(tracker.job_id))
@@ -233,7 +257,7 @@ class SlurmCell:
                         f"Raise queue_timeout=, or leave it None to wait.",
                         kind="queue",
                     )
-            if attempt == 1 and not self.future.set_running_or_notify_cancel():
+            if attempt == 1 and restart == 0 and not self.future.set_running_or_notify_cancel():
                 self.submitter.cancel(tracker.job_id)
                 raise Cancelled()
             self.batch.events.started(self.cell, self.submitter.plan.where(tracker.node, tracker.job_id), attempt)

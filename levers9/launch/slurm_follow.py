@@ -55,6 +55,7 @@ class Reaper:
         self.grace = grace
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[str] | None = None
+        self._closed = False
 
     def _pipe(self) -> IO[str] | None:
         if self._proc is None:
@@ -66,10 +67,15 @@ class Reaper:
 
     def _say(self, line: str) -> None:
         with self._lock, contextlib.suppress(OSError, ValueError):
+            if self._closed and not line.startswith("!"):
+                return  # nothing is watched any more: a job that ends after the close needs no word
             pipe = self._pipe()
             if pipe is not None:
                 pipe.write(line + "\n")
                 pipe.flush()
+                if self._closed:  # a stop asked after the close: a helper of its own does it, then exits
+                    pipe.close()
+                    self._proc = None
 
     def add(self, job_id: str) -> None:
         self._say(f"+{job_id}")
@@ -84,14 +90,12 @@ class Reaper:
         """Nothing more to watch: the helper exits once the stops it was asked for are done (it cancels nothing
         that was removed)."""
         with self._lock:
-            proc, self._proc = self._proc, None
+            proc, self._proc, self._closed = self._proc, None, True
         if proc is not None and proc.stdin is not None:
             with contextlib.suppress(OSError):
                 proc.stdin.close()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(self.grace + 60)
-
-
 
 
 @dataclasses.dataclass
@@ -129,7 +133,7 @@ class Tracker:
         tasks = submitter.plan.nodes * submitter.plan.tasks
         folder = submitter.folder
         self.streams = [
-            Stream(folder / f"{job_id}_{t}_log.{ext}", stream, f"[node {t}] " if t else "")  # node 0: every rank's
+            Stream(folder / f"{job_id}_{t}_log.{ext}", stream, f"[rank {t}] " if t else "")
             for t in range(tasks)
             for ext, stream in (("out", "stdout"), ("err", "stderr"))
         ]
@@ -266,7 +270,7 @@ class Tracker:
             if kind is FailureKind.TIMEOUT:
                 raise JobTimeout(message)
             raise JobCrashed(message, JobFailure(cell=self.cell.cell.index, pid=0, output_tail=self.tail.text, kind=kind), kind=kind)
-        node = f"{report.node}, {'node' if self.submitter.plan.nodes > 1 else 'rank'} {report.rank} of {where}"
+        node = f"{report.node} as rank {report.rank} of {where}"
         outcome = Outcome(pid=report.pid, exitcode=0 if report.failure is None else 1, signal=None,
                           value=report.value, failure=report.failure, reported=True)  # fmt: skip
         return outcomes.finish(run, outcome, self.tail, spec.timeout, meta, node)

@@ -150,7 +150,8 @@ def pending_words(plan: SlurmPlan, reason: str) -> str:
 
 def plan_job(spec: JobSpec, nodes: list[SlurmNode], partition: str | None) -> SlurmPlan:
     """One node with all the cards when some node has them; else the fewest nodes with equal shares, one task
-    per node that starts the node's ranks; InfeasibleJobError naming the nodes when no such split exists."""
+    per card (srun starts every rank: no levers9 agent runs there); InfeasibleJobError naming the nodes when no
+    such split exists."""
     n = spec.gpu_count
     if n == 0:
         return SlurmPlan(1, 1, 0)
@@ -166,7 +167,7 @@ def plan_job(spec: JobSpec, nodes: list[SlurmNode], partition: str | None) -> Sl
         for k in range(2, len(nodes) + 1):
             share = n // k
             if n % k == 0 and sum(count >= share for _, count in cards) >= k:
-                return SlurmPlan(k, 1, share, name)  # one levers9 launcher task per node (slurm_gang.py)
+                return SlurmPlan(k, share, share, name)
     if wanted and not any(node.cards_of(t)[1] for node in nodes for t in wanted):
         types = sorted({f"{t} ({canonical_type(t) or 'not a type levers9 knows'})" for node in nodes
                         for t, _ in node.types if t})  # fmt: skip
@@ -209,7 +210,7 @@ def report(gpu_count: int | None, partition: str | None) -> str:
             sbatch = [f"--nodes={plan.nodes}", f"--ntasks-per-node={plan.tasks}"] + ([f"--gres={plan.gres}"] if plan.cards else [])
             sbatch += [f"--partition={partition}"] if partition else []
             lines.append(f"  gpu_count={gpu_count} would be: " + " ".join(f"#SBATCH {flag}" for flag in sbatch)
-                         + ("" if plan.nodes == 1 else f" (srun starts levers9 on each node, {plan.cards} ranks each)"))  # fmt: skip
+                         + ("" if plan.nodes == 1 else f" (srun starts {plan.nodes * plan.tasks} ranks)"))  # fmt: skip
     return "\n".join(lines)
 
 

@@ -2,9 +2,10 @@
 
 A job of one task (one node) is the job process: it enters the job's context (its cards, which
 distributed.run inside reads, as on a workstation) and calls the function. A job across nodes has one
-task per node, started by SLURM's srun: levers9's launcher on that node (levers9/distributed/slurm_gang.py).
-Node 0's task calls the function, whose distributed.run starts every node's ranks, restarts them
-(max_restarts=) and raises the root failure; the other tasks start their node's share when asked. Every task reports
+task per card, started by SLURM's srun (no levers9 agent runs there: SLURM is the launcher); each task is a
+rank, and the function runs in every rank through `distributed.run`, which finds the world SLURM made
+(levers9.distributed.detect). A restart of a job across nodes (max_restarts=) is a new job whose ranks see
+TORCHELASTIC_RESTART_COUNT one higher, as under torchrun (slurm_backend.py). Every task reports
 back a TaskReport (its value, or its failure with the traceback) in submitit's result file, never an
 exception of its own, so the caller sees the job's exception with its type.
 """
@@ -21,10 +22,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from levers9 import distributed as dist
+from levers9 import runtime
+from levers9.distributed.restarts import attempt_env
 from levers9.launch import job_process
 from levers9.launch.scratch import remove_scratch_dir, scratch_dir
 from levers9.launch.spec import JobSpec
 from levers9.procs.failure import FailureRecord, capture, exit_status, ship_value, unship
+from levers9.runtime import Runtime
 
 REQUEUE_WORDS = "nears its time limit: requeued"  # what the task prints (the caller's follower reads it)
 
@@ -45,7 +50,7 @@ def run_task(payload: dict[str, Any]) -> TaskReport:
     # submitit's worker ignores SIGTERM (it waits for a requeue); levers9's cancel is SIGTERM, then the kill after
     # stop_grace, as on a workstation: the default ends the task, and a handler the function installs can save
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if payload.get("requeue") and os.environ.get("SLURM_NODEID", "0") == "0":
+    if payload.get("requeue") and os.environ.get("SLURM_PROCID", "0") == "0":
         signal.signal(signal.SIGUSR2, _requeue)  # SLURM's early signal before the time limit (--signal=USR2@N)
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -82,11 +87,6 @@ def _call(payload: dict[str, Any], job_dir: Path) -> Any:
     context = job_process.task_context(spec, payload["run_id"], int(payload["index"]), attempt, str(job_dir), ids)
     if int(payload["tasks"]) == 1:
         return job_process.JobTarget(func, args, kwargs, context).call()
-    from levers9 import distributed as dist
-    from levers9.distributed import slurm_gang
-
-    # one task per node: node 0's runs fn through distributed.run on every node's ranks, the others serve
-    gang = slurm_gang.gang_of_step({**os.environ, slurm_gang.SECRET_VAR: payload["secret"]}, len(ids))
-    base_env = job_process.job_env(spec, [])
-    base_env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
-    return slurm_gang.run_as_node(gang, context, base_env, lambda: dist.run(functools.partial(func, *args, **kwargs)))
+    os.environ.update(attempt_env(int(payload.get("restart", 0)), spec.max_restarts))  # this rank's restart count
+    runtime.begin(Runtime(job=context))
+    return dist.run(functools.partial(func, *args, **kwargs))
