@@ -149,6 +149,18 @@ def test_map_is_one_job_array_with_a_concurrency_limit(on_slurm: None) -> None:
     assert len(scripts) == 1 and "#SBATCH --array=0-11%3" in scripts[0].read_text()
 
 
+def test_a_200_cell_map_is_one_job_array(on_slurm: None) -> None:
+    """The issue's sweep: 200 CPU cells, one sbatch (one array of 200, at most 16 running), every value back in
+    input order, from both nodes."""
+    results = job(slurmfns.where, backend="slurm", slurm={"max_running": 16}).map(range(200))
+    values = list(results)
+    assert [v["x"] for v in values] == list(range(200))
+    assert {v["array"] for v in values} == {values[0]["array"]} and values[0]["array"] is not None
+    assert {v["node"] for v in values} == {"l9node1", "l9node2"}
+    scripts = list((Path(os.environ["LEVERS9_STATE_DIR"]) / "runs" / str(results.run_id) / "slurm").glob("*submission.sh"))
+    assert len(scripts) == 1 and "#SBATCH --array=0-199%16" in scripts[0].read_text()
+
+
 def test_more_cards_than_a_node_is_one_training_across_nodes(on_slurm: None) -> None:
     value = job(slurmfns.train, gpu_count=4, backend="slurm").remote()
     ranks = value["ranks"]
