@@ -1,7 +1,8 @@
 """srun with one task per node, as levers9's launcher on each node: node 0 hosts, the other nodes serve.
 
     srun -N2 --ntasks-per-node=1 levers9 run --nproc-per-node 2 train.py      # 2 nodes x 2 ranks
-    @job(gpu_count=4, backend="slurm")   # on 2-card nodes: the same, one task per node (slurm_task.py)
+
+(The SLURM backend does not use it: there srun is the launcher of every rank, one task per card.)
 
 Each task of the step is a launcher, not a rank. The task on the step's first node hosts the step's
 control store (levers9/distributed/control_store.py) on its node's address at the step's port
@@ -10,7 +11,8 @@ levers9/distributed/nodes.py starts ranks 0..share-1 there, supervises every nod
 (max_restarts) and raises the root failure; the task on node i serves node i's share with
 levers9/distributed/node_agent.py, as Ray's agents do. SLURM keeps no spare node, so a lost node is not
 replaced: the run fails naming it. The store's keys start with a secret the step's tasks agree on
-(LEVERS9_GANG_SECRET, which the SLURM backend sets to a random one; else one derived from the job).
+(LEVERS9_GANG_SECRET when the job script sets it; else one derived from the job and step ids and the uid,
+which another user who can read squeue could derive too: set LEVERS9_GANG_SECRET on shared clusters).
 """
 
 from __future__ import annotations
