@@ -6,13 +6,13 @@
     python benchmarks/bench_trees.py /tmp/before --rounds 2 -- \\
         python benchmarks/bench_ray_train.py --tools levers9 --repeats 1 --scenarios start,raise,kill,restart
 
-The command after `--` runs once a round under each checkout, its levers9 first on PYTHONPATH (the same
-benchmark script times both: only the package differs), in an order that alternates round by round so
-machine noise hits both alike. Both trees are compiled to bytecode first, as an installed package is
-(precompiled.py). Every row of the tables the command prints is read (a markdown row `| name | 1.23 s |`,
-or a row of a name then numbers, `cells 1.23 0.90`): for each row and each of its numbers, the table gives
-the median over the rounds under each checkout and their ratio. Rows printed in only one tree's output are
-left out.
+The command after `--` runs once a round under each checkout: its levers9 first on PYTHONPATH and its
+folder the working directory (the benchmark script is this checkout's for both: only the package
+differs), in an order that alternates round by round so machine noise hits both alike. Both trees are
+compiled to bytecode first, as an installed package is (precompiled.py). Every row of the tables the
+command prints is read (a markdown row `| name | 1.23 s |`, or a row of a name then numbers,
+`cells 1.23 0.90`): for each row and each of its numbers, the table gives the median over the rounds
+under each checkout and their ratio. Rows printed in only one tree's output are left out.
 """
 
 from __future__ import annotations
@@ -85,10 +85,13 @@ def main() -> None:
     for tree in trees.values():
         check_tree(tree)
         precompile(tree)
+    # the benchmark's files from this checkout, whichever tree runs; each tree runs in its own folder, which Ray
+    # puts first on its workers' sys.path (a worker must import the tree's levers9 as the driver does)
+    command = [str((HERE.parent / word).resolve()) if (HERE.parent / word).is_file() else word for word in command]
     rows: dict[str, Rows] = {name: {} for name in trees}
     for number in range(args.rounds):
         for name in list(trees) if number % 2 == 0 else list(trees)[::-1]:
-            for key, values in read_rows(run_once(trees[name], command)).items():
+            for key, values in read_rows(run_once(trees[name], command, cwd=trees[name])).items():
                 rows[name].setdefault(key, []).extend(values)
             print(f"round {number + 1}, {name}: done", file=sys.stderr, flush=True)
     print(f"`{' '.join(command)}`: median of {args.rounds} rounds under each checkout, interleaved; "
