@@ -2,7 +2,7 @@
 
     @job(gpu_count=1, backend="slurm", slurm={"partition": "gpu"})   # or LEVERS9_BACKEND=slurm
     train.map(configs)        # ONE job array, at most `max_running` cells at once (#SBATCH --array=0-N%M)
-    big.remote(cfg)           # @job(gpu_count=8) on 4-card nodes: 2 nodes x 4 ranks, one task each
+    big.remote(cfg)           # @job(gpu_count=8) on 4-card nodes: 2 nodes x 4 ranks, one srun task each
 
 submitit (the field's choice) writes the pickles and the sbatch script, submits single jobs and job
 arrays, and runs each task through `python -m submitit.core._submit` under srun. It reads job states
@@ -10,8 +10,9 @@ with sacct, which needs SLURM's accounting database; this backend reads squeue i
 has it), and follows each job by itself (slurm_follow.py): its state and node, its output files
 (streamed to the caller as they grow, with the local backend's prefixes), and the result file of each
 task (slurm_task.TaskReport). A gpu_count no node holds is one training across the fewest nodes with
-equal shares (`--nodes`, `--ntasks-per-node=1`, `--gres=gpu:share`): one levers9 task per node
-(levers9/distributed/slurm_gang.py), whose distributed.run starts every node's ranks.
+equal shares (`--nodes`, `--ntasks-per-node=share`, `--gres=gpu:share`): srun starts every rank (no levers9
+agent runs there) and the function runs in each through distributed.run; a restart (max_restarts=) is the job
+submitted again, its ranks' TORCHELASTIC_RESTART_COUNT one higher.
 
 `timeout=` is the job's SLURM time limit (rounded up to whole minutes, plus one) and is enforced here to
 the second from the moment the job runs (then a stop and JobTimeout). A stop (Ctrl-C, SIGTERM, leaving a
