@@ -349,11 +349,20 @@ job(stream_output=False)(procfns.grandchild_then_hang).remote(folder)
 """
 
 
+# A caller in a mount namespace of its own where /bin/sh cannot be executed (a container without a shell):
+# every child's watchdog is then a fork of the child instead of a shell.
+WITHOUT_SHELL = ["unshare", "--mount", "--", "bash", "-c", 'mount --bind /dev/null /bin/sh && exec "$@"', "-"]
+
+
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("shell", [True, False], ids=["watchdog-is-a-shell", "no-shell-watchdog-is-a-fork"])
 def test_a_helper_the_caller_forked_does_not_keep_its_jobs_alive_after_it_is_killed(
-    tmp_path: Path, no_strays: list[int]
+    tmp_path: Path, no_strays: list[int], shell: bool
 ) -> None:
-    caller = subprocess.Popen([sys.executable, "-c", HELPER_CALLER, str(tmp_path)], env=_env())
+    if not shell and (os.geteuid() != 0 or subprocess.run([*WITHOUT_SHELL, "true"]).returncode != 0):
+        pytest.fail("this test needs root and `unshare --mount` (CI runs as root); run it as root")
+    caller = subprocess.Popen([*([] if shell else WITHOUT_SHELL), sys.executable, "-c", HELPER_CALLER, str(tmp_path)],
+                              env=_env())  # fmt: skip
     try:
         helper = procfns.wait_for(str(tmp_path / "helper"), 60)
         grandchild = procfns.wait_for(str(tmp_path / "grandchild"), 60)
@@ -362,6 +371,8 @@ def test_a_helper_the_caller_forked_does_not_keep_its_jobs_alive_after_it_is_kil
         watchdogs = [p for p in children_of(job_pid) if p != grandchild]
         assert len(watchdogs) == 1
         no_strays.extend(watchdogs)
+        program = Path(f"/proc/{watchdogs[0]}/cmdline").read_bytes().split(b"\0")[0]
+        assert program == (b"levers9-watchdog" if shell else Path(f"/proc/{job_pid}/cmdline").read_bytes().split(b"\0")[0])
         caller.send_signal(signal.SIGKILL)
         caller.wait()
         assert wait_gone([job_pid, grandchild, *watchdogs], 5) == []

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy.random
 import pytest
 import torch
 
@@ -92,6 +93,7 @@ def test_an_uncaught_exception_reaches_the_scripts_own_excepthook(launcher: str,
 def test_distributed_run_ranks_are_fresh_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     torch.manual_seed(0)  # the caller's seed is the caller's: a rank starts unseeded, as under mp.spawn
+    numpy.random.seed(0)  # numpy's global generator too, once the caller has imported it
     dist.run(scriptfns.fresh_record, (str(tmp_path), None, None), nprocs=2, backend="gloo")
     zero, one = drawn(tmp_path)
     for source in ("torch", "numpy", "python", "loader_worker_seed"):

@@ -24,6 +24,7 @@ import io
 import os
 import pickle
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -126,19 +127,39 @@ def die_with_parent(expected_parent: int) -> None:
         os._exit(1)
 
 
-def _start_watchdog(lifeline_fd: int) -> int:
-    """Fork a tiny process into this child's group that kills the whole group once the lifeline reads end
-    of file (the parent died); its pid. A process, not a thread: it works while the target holds the
-    GIL, and it outlives a child that is killed, so what the child started dies too."""
-    pid = fds.fork_child((lifeline_fd,), lambda: _watch_lifeline(lifeline_fd))
+# The watchdog's program: /bin/sh reads its stdin (the lifeline) until end of file, then SIGKILLs its
+# process group. It ignores the terminal's SIGINT and SIGHUP, which reach the whole group, so a hang-up
+# of the caller's terminal cannot end it before the lifeline says the caller is gone.
+_WATCHDOG_SCRIPT = "trap '' INT HUP; read _; kill -KILL 0"
+
+
+def _start_watchdog(lifeline_fd: int) -> subprocess.Popen[bytes] | int:
+    """Start a tiny process in this child's group that kills the whole group once the lifeline reads end
+    of file (the parent died); its handle for `_stop_watchdog`. A process, not a thread: it works while
+    the target holds the GIL, and it outlives a child that is killed, so what the child started dies too.
+    It is /bin/sh, started without copying this process (vfork and exec, every other descriptor closed:
+    forking a process with torch loaded costs about 5 ms each way); a fork of this one where there is no shell."""
+    try:
+        watchdog: subprocess.Popen[bytes] | int = subprocess.Popen(
+            ["levers9-watchdog", "-c", _WATCHDOG_SCRIPT],
+            executable="/bin/sh",
+            stdin=lifeline_fd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    except OSError:
+        watchdog = fds.fork_child((lifeline_fd,), lambda: _watch_lifeline(lifeline_fd))
     fds.close(lifeline_fd)
-    return pid
+    return watchdog
 
 
 def _watch_lifeline(lifeline_fd: int) -> None:
+    """The forked watchdog's body: `_WATCHDOG_SCRIPT` in Python."""
     try:
         os.closerange(0, lifeline_fd)
         os.closerange(lifeline_fd + 1, 4096)
+        for signum in (signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         with contextlib.suppress(OSError):  # nothing is ever written: the read returns at end of file
             while os.read(lifeline_fd, 1):  # (a signal does not end it: Python retries reads on EINTR)
@@ -148,12 +169,16 @@ def _watch_lifeline(lifeline_fd: int) -> None:
         os._exit(0)
 
 
-def _stop_watchdog(pid: int) -> None:
+def _stop_watchdog(watchdog: subprocess.Popen[bytes] | int) -> None:
     """Kill and reap the watchdog of a child that is ending by itself: an orphaned watchdog would end
     as a zombie of PID 1, and a container's PID 1 is often a program that never reaps its orphans."""
     with contextlib.suppress(OSError):
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        if isinstance(watchdog, int):
+            os.kill(watchdog, signal.SIGKILL)
+            os.waitpid(watchdog, 0)
+        else:
+            watchdog.kill()
+            watchdog.wait()
 
 
 def _set_stdin(stdin_fd: int | None) -> None:

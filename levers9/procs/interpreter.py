@@ -34,9 +34,9 @@ def begin_forked() -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.seed()  # a nondeterministic seed for the CPU generator (and, lazily, the cards'), as at import
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()  # the legacy global generator, from the OS's entropy as at import
+    numpy_random = sys.modules.get("numpy.random")  # not imported yet: the child's import seeds it afresh
+    if numpy_random is not None:
+        numpy_random.seed()  # the legacy global generator, from the OS's entropy as at import
     atexit._clear()
     logging = sys.modules.get("logging")
     if logging is not None:
