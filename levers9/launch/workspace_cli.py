@@ -85,31 +85,32 @@ def _show(args: argparse.Namespace) -> int:
 
 @said_as("levers9", 1)
 def _multi_gpu(args: argparse.Namespace) -> int:
-    def tail(after: Settings) -> str:
-        return f"Per-job limit: {after.max_gpu_count} cards (this machine: {_cards_line()}). Saved in {after.path}."
-
     value = None if args.state is None else args.state == "on"
-    _show_or_set("multi_gpu", value, "Multi-GPU jobs", _on_off, tail)
-    return 0
+    return _show_or_set("multi_gpu", value, "Multi-GPU jobs", _on_off, _limit_and_path)
 
 
 @said_as("levers9", 1)
 def _max_gpu_count(args: argparse.Namespace) -> int:
-    def tail(after: Settings) -> str:
-        usable = after.multi_gpu or after.max_gpu_count == 1
-        return f"Saved in {after.path}." + ("" if usable else " Multi-GPU jobs are off: levers9 workspace multi-gpu on")
-
-    _show_or_set("max_gpu_count", args.count, "Max GPU count per job", str, tail)
-    return 0
+    return _show_or_set("max_gpu_count", args.count, "Max GPU count per job", str, _path_and_switch)
 
 
-def _show_or_set(key: str, value: Any, title: str, say: Callable[[Any], str], tail: Callable[[Settings], str]) -> None:
+def _limit_and_path(after: Settings) -> str:
+    return f"Per-job limit: {after.max_gpu_count} cards (this machine: {_cards_line()}). Saved in {after.path}."
+
+
+def _path_and_switch(after: Settings) -> str:
+    usable = after.multi_gpu or after.max_gpu_count == 1
+    return f"Saved in {after.path}." + ("" if usable else " Multi-GPU jobs are off: levers9 workspace multi-gpu on")
+
+
+def _show_or_set(key: str, value: Any, title: str, say: Callable[[Any], str], tail: Callable[[Settings], str]) -> int:
     """Print setting `key` as `title: VALUE (PATH).` when `value` is None; else save `value` and print the
     new and old values, that it takes effect on the next call, and `tail` of the saved settings."""
     if value is None:
         settings = load_settings()
         print(f"{title}: {say(getattr(settings, key))} ({settings.path}).")
-        return
+        return 0
     before, after = update_settings(**{key: value})
     print(f"{title}: {say(getattr(after, key))} (was {say(getattr(before, key))}). Takes effect on the next call. "
           f"{tail(after)}")  # fmt: skip
+    return 0
