@@ -192,6 +192,17 @@ class Run:
                     cell.state = lost or ("cancelled" if self.ended is not None else "interrupted")
         return [cells[i] for i in sorted(cells)]
 
+    def cell(self, index: int) -> CellState:
+        """Cell #`index` as cells() gives it; ConfigError naming the cells the run has if it has no such cell."""
+        cells = self.cells()
+        for cell in cells:
+            if cell.index == index:
+                return cell
+        raise ConfigError(
+            f"run {self.name_on_disk} has no cell #{index}; it has cells #0 to #{len(cells) - 1}. "
+            f"See them with: levers9 runs show {self.name_on_disk}"
+        )
+
     def counts(self) -> tuple[int, int, int]:
         """(done, failed, total)."""
         if self.newer:
