@@ -111,6 +111,11 @@ class CellState:
     error: str = ""
     reused: bool = False
 
+    @property
+    def took(self) -> float | None:
+        """Seconds from its (latest) start to its end; None unless both are known."""
+        return None if self.started is None or self.ended is None else self.ended - self.started
+
 
 @dataclasses.dataclass
 class Run:

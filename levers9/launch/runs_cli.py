@@ -108,7 +108,7 @@ def _show(args: argparse.Namespace) -> int:
           f"started {_when(run.started)}, {run.status}")  # fmt: skip
     rows = []
     for cell in cells:
-        took = "" if cell.started is None or cell.ended is None else say_duration(cell.ended - cell.started, tenths=True)
+        took = "" if cell.took is None else say_duration(cell.took, tenths=True)
         state = "done (reused)" if cell.reused else cell.state
         if cell.attempt > 1:
             state += f" (attempt {cell.attempt})"
