@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from levers9.distributed.hardware.gpu_types import known_types, parse_gpu_type, type_of_card
+from levers9.distributed.hardware.gpu_types import (
+    GPU_TYPES,
+    _key,
+    _word_key,
+    known_types,
+    parse_gpu_type,
+    type_of_card,
+)
 from levers9.errors import JobConfigError
 
 pytestmark = pytest.mark.fast
@@ -62,3 +69,14 @@ def test_unknown_types_get_a_did_you_mean_and_the_known_list(text: str, suggesti
 def test_empty_or_non_text_is_refused(text: object) -> None:
     with pytest.raises(JobConfigError, match="gpu="):
         parse_gpu_type(text)  # type: ignore[arg-type]
+
+
+def test_no_alias_is_a_spelling_the_lookup_already_reaches() -> None:
+    """A lookup ignores case, spaces, dashes and underscores; an alias that differs from its name (or from
+    another alias) only in those, words in the same order, changes no lookup, so the table keeps none."""
+    for row in GPU_TYPES:
+        seen = {(_key(row.name), _word_key(row.name))}
+        for alias in row.aliases:
+            assert parse_gpu_type(alias) == row.name
+            assert (_key(alias), _word_key(alias)) not in seen, (row.name, alias)
+            seen.add((_key(alias), _word_key(alias)))

@@ -79,27 +79,8 @@ class Events(Protocol):
     def output(self, cell: Cell, stream: str, text: str) -> None: ...  # a line with its "\n", or a piece of a long one
 
 
-class NoEvents:
-    """An Events that ignores everything."""
-
-    def waiting(self, cell: Cell, why: str) -> None:
-        pass
-
-    def started(self, cell: Cell, cards: str, attempt: int) -> None:
-        pass
-
-    def retrying(self, cell: Cell, attempt: int, reason: str) -> None:
-        pass
-
-    def finished(self, cell: Cell, ok: bool, error: BaseException | None = None) -> None:
-        pass
-
-    def output(self, cell: Cell, stream: str, text: str) -> None:
-        pass
-
-
 class TeeEvents:
-    """Passes every event to each of `targets`, in order."""
+    """Passes every event to each of `targets`, in order (with none, an Events that ignores everything)."""
 
     def __init__(self, *targets: Events) -> None:
         self.targets = targets
@@ -134,7 +115,7 @@ class Batch:
     cells: Sequence[Cell]
     folder: RunFolder  # made once, by the batch's RunRecord: the backend writes each attempt's logs there
     cancel: CancelToken = dataclasses.field(default_factory=CancelToken)
-    events: Events = dataclasses.field(default_factory=NoEvents)
+    events: Events = dataclasses.field(default_factory=TeeEvents)
     label: str = ""  # "train #3" is label + index; "" means the spec's name
 
     @property

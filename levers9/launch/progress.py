@@ -29,6 +29,7 @@ from rich.text import Text
 from levers9.errors import first_line
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
+from levers9.launch.run_reader import CellState
 from levers9.procs import echo
 from levers9.procs.labelled import LabelledOutput
 from levers9.procs.watch import cut_line
@@ -42,14 +43,10 @@ Mode = Literal["table", "lines", "off"]
 
 
 @dataclasses.dataclass
-class _CellView:
-    cell: Cell
-    args: str
-    state: str = "waiting"
-    card: str = ""
-    attempt: int = 0
-    since: float | None = None
-    took: float | None = None
+class _CellView(CellState):
+    """A cell's row in the live table: its state as the run record keeps it (started and ended on the
+    monotonic clock here), and the last line it printed, or why it waits, or its error."""
+
     last: str = ""
 
 
@@ -70,7 +67,7 @@ class Reporter:
         self.label = batch_label
         self.mode = mode
         self.stream_output = stream_output  # False: output lines only feed the table's last-output column
-        self._cells = {cell.index: _CellView(cell, cell.describe()) for cell in cells}
+        self._cells = {cell.index: _CellView(cell.index, cell.describe()) for cell in cells}
         self.total = len(cells)
         self.done = 0
         self.failed = 0
@@ -119,7 +116,7 @@ class Reporter:
     def started(self, cell: Cell, cards: str, attempt: int) -> None:
         with self._lock:
             view = self._cells[cell.index]  # every cell of the batch has its row
-            view.state, view.card, view.attempt, view.since = "running", cards, attempt, time.monotonic()
+            view.state, view.card, view.attempt, view.started = "running", cards, attempt, time.monotonic()
         self._change(cell, f"running on {_cards(cards)}" + (f" (attempt {attempt})" if attempt > 1 else ""))
 
     def retrying(self, cell: Cell, attempt: int, reason: str) -> None:
@@ -132,7 +129,7 @@ class Reporter:
         with self._lock:
             view = self._cells[cell.index]
             view.state = "done" if ok else "failed"
-            view.took = None if view.since is None else time.monotonic() - view.since
+            view.ended = time.monotonic()
             self.done += 1
             self.failed += not ok
             if error is not None:
@@ -190,12 +187,12 @@ class Reporter:
     def _row(self, view: _CellView, now: float) -> tuple[str, ...]:
         if view.took is not None:
             elapsed = f"{view.took:.1f}s"
-        elif view.since is not None and view.state in ("running", "retrying"):
-            elapsed = f"{now - view.since:.1f}s"
+        elif view.started is not None and view.state in ("running", "retrying"):
+            elapsed = f"{now - view.started:.1f}s"
         else:
             elapsed = ""
         state = view.state if view.attempt <= 1 else f"{view.state} (attempt {view.attempt})"
-        return (f"#{view.cell.index}", view.args, state, view.card, elapsed, view.last)
+        return (f"#{view.index}", view.args, state, view.card, elapsed, view.last)
 
     def _grouped_rows(self, table: Table, views: list[_CellView], now: float) -> None:
         for view in views:
@@ -207,7 +204,7 @@ class Reporter:
         if len(failed) > FAILED_ROWS:
             table.add_row("", f"... and {len(failed) - FAILED_ROWS} more failed", "failed", "", "", "")
         for state in ("waiting", "done", "reused"):
-            group = [v.cell.index for v in views if v.state == state]
+            group = [v.index for v in views if v.state == state]
             if group:
                 table.add_row(_span(group), f"{len(group)} cells", state, "", "", "")
 

@@ -111,6 +111,11 @@ class CellState:
     error: str = ""
     reused: bool = False
 
+    @property
+    def took(self) -> float | None:
+        """Seconds from its (latest) start to its end; None unless both are known."""
+        return None if self.started is None or self.ended is None else self.ended - self.started
+
 
 @dataclasses.dataclass
 class Run:
@@ -191,6 +196,17 @@ class Run:
                 if cell.state in ("waiting", "running", "retrying"):
                     cell.state = lost or ("cancelled" if self.ended is not None else "interrupted")
         return [cells[i] for i in sorted(cells)]
+
+    def cell(self, index: int) -> CellState:
+        """Cell #`index` as cells() gives it; ConfigError naming the cells the run has if it has no such cell."""
+        cells = self.cells()
+        for cell in cells:
+            if cell.index == index:
+                return cell
+        raise ConfigError(
+            f"run {self.name_on_disk} has no cell #{index}; it has cells #0 to #{len(cells) - 1}. "
+            f"See them with: levers9 runs show {self.name_on_disk}"
+        )
 
     def counts(self) -> tuple[int, int, int]:
         """(done, failed, total)."""

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from levers9.errors import ConfigError, Levers9Error
+from levers9.errors import Levers9Error
 from levers9.launch import run_reader, run_retention, slurm_collect
 from levers9.launch.cli_errors import said_as
 from levers9.launch.settings import runs_dir
@@ -108,7 +108,7 @@ def _show(args: argparse.Namespace) -> int:
           f"started {_when(run.started)}, {run.status}")  # fmt: skip
     rows = []
     for cell in cells:
-        took = "" if cell.started is None or cell.ended is None else say_duration(cell.ended - cell.started, tenths=True)
+        took = "" if cell.took is None else say_duration(cell.took, tenths=True)
         state = "done (reused)" if cell.reused else cell.state
         if cell.attempt > 1:
             state += f" (attempt {cell.attempt})"
@@ -124,16 +124,10 @@ def _show(args: argparse.Namespace) -> int:
 @said_as("levers9 runs: error", 2)
 def _logs(args: argparse.Namespace) -> int:
     run = run_reader.find_run(args.run)
-    cells = run.cells()
-    if not any(c.index == args.cell for c in cells):
-        raise ConfigError(
-            f"run {run.name_on_disk} has no cell #{args.cell}; it has cells #0 to #{len(cells) - 1}. "
-            f"See them with: levers9 runs show {run.name_on_disk}"
-        )
+    cell = run.cell(args.cell)
     attempts = run_reader.attempt_folders(run, args.cell)
     if not attempts and not args.follow:
-        state = next(c.state for c in cells if c.index == args.cell)
-        print(f"cell #{args.cell} has no output ({state})", file=sys.stderr)
+        print(f"cell #{args.cell} has no output ({cell.state})", file=sys.stderr)
         return 0
     for folder in attempts[:-1] if args.follow else attempts:
         _print_attempt(folder, len(attempts))

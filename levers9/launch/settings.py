@@ -22,6 +22,7 @@ import os
 import stat
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,17 +45,40 @@ DEFAULT_MULTI_GPU = False
 DEFAULT_MAX_GPU_COUNT = 8
 MAX_GPU_COUNT_LIMIT = 1024
 
-# The keys this file may hold: (table, key) -> a short description of the expected value.
-_KNOWN: dict[tuple[str, str], str] = {
-    ("workspace", "multi_gpu"): "true or false",
-    ("workspace", "name"): "a string",
-    ("limits", "max_gpu_count"): f"an integer from 1 to {MAX_GPU_COUNT_LIMIT}",
-    ("local", "simulate_gpus"): 'a string such as "RTXPro6000:4"',
-    ("slurm", "partition"): 'a string: #SBATCH --partition of backend="slurm" jobs',
-    ("slurm", "account"): 'a string: #SBATCH --account of backend="slurm" jobs',
-    ("slurm", "qos"): 'a string: #SBATCH --qos of backend="slurm" jobs',
-    ("slurm", "sbatch"): 'a string of more #SBATCH options, such as "--exclusive --constraint=a100"',
-}
+
+@dataclasses.dataclass(frozen=True)
+class _Key:
+    """A key this file may hold: what its value must be (said and checked) and the command that rewrites it."""
+
+    expected: str
+    valid: Callable[[Any], bool]
+    fix: str = ""  # also the fix for its table when the table is not a table
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_card_cap(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_GPU_COUNT_LIMIT
+
+
+# The keys this file may hold, by (table, key).
+_KNOWN: dict[tuple[str, str], _Key] = {
+    ("workspace", "multi_gpu"): _Key("true or false", _is_bool, "levers9 workspace multi-gpu on|off"),
+    ("workspace", "name"): _Key("a string", _is_str),
+    ("limits", "max_gpu_count"): _Key(f"an integer from 1 to {MAX_GPU_COUNT_LIMIT}", _is_card_cap,
+                                      "levers9 workspace max-gpu-count N"),
+    ("local", "simulate_gpus"): _Key('a string such as "RTXPro6000:4"', _is_str),
+    ("slurm", "partition"): _Key('a string: #SBATCH --partition of backend="slurm" jobs', _is_str),
+    ("slurm", "account"): _Key('a string: #SBATCH --account of backend="slurm" jobs', _is_str),
+    ("slurm", "qos"): _Key('a string: #SBATCH --qos of backend="slurm" jobs', _is_str),
+    ("slurm", "sbatch"): _Key('a string of more #SBATCH options, such as "--exclusive --constraint=a100"', _is_str),
+}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,13 +160,6 @@ CONFIG_FIX = (
     "~/.levers9-config), or XDG_CONFIG_HOME"
 )
 _MAX_BYTES = 1 << 20  # a settings file larger than this is not one levers9 wrote
-# (table, key) -> the command that rewrites it; a table's own entry is for a table that is not a table.
-_FIXES: dict[tuple[str, str], str] = {
-    ("workspace", ""): "levers9 workspace multi-gpu on|off",
-    ("workspace", "multi_gpu"): "levers9 workspace multi-gpu on|off",
-    ("limits", ""): "levers9 workspace max-gpu-count N",
-    ("limits", "max_gpu_count"): "levers9 workspace max-gpu-count N",
-}
 
 
 def load_settings(path: Path | None = None) -> Settings:
@@ -192,10 +209,9 @@ def _from_dict(data: dict[str, Any], path: Path, repairing: tuple[str, ...] = ()
             if table not in tables:
                 log.warning("%s: ignoring unknown top-level key %r", path, table)
             elif not any(t == table and k in repairing for t, k in _KNOWN):
-                fix = _FIXES.get((table, ""), f"edit {path}")
                 raise SettingsError(
                     f"{path}: {table} must be a table ([{table}] and its keys below it), got {body!r}. "
-                    f"Fix it with: {fix}"
+                    f"Fix it with: {_fix(path, table)}"
                 )
             continue
         for key, value in body.items():
@@ -211,24 +227,18 @@ def _from_dict(data: dict[str, Any], path: Path, repairing: tuple[str, ...] = ()
 
 
 def _check_value(path: Path, table: str, key: str, value: Any) -> Any:
-    ok = {
-        "multi_gpu": isinstance(value, bool),
-        "name": isinstance(value, str),
-        "max_gpu_count": isinstance(value, int)
-        and not isinstance(value, bool)
-        and 1 <= value <= MAX_GPU_COUNT_LIMIT,
-        "simulate_gpus": isinstance(value, str),
-        "partition": isinstance(value, str),
-        "account": isinstance(value, str),
-        "qos": isinstance(value, str),
-        "sbatch": isinstance(value, str),
-    }[key]
-    if not ok:
-        fix = _FIXES.get((table, key), f"edit {path}")
+    known = _KNOWN[(table, key)]
+    if not known.valid(value):
         raise SettingsError(
-            f"{path}: {table}.{key} must be {_KNOWN[(table, key)]}, got {value!r}. Fix it with: {fix}"
+            f"{path}: {table}.{key} must be {known.expected}, got {value!r}. Fix it with: {_fix(path, table, key)}"
         )
     return value
+
+
+def _fix(path: Path, table: str, key: str | None = None) -> str:
+    """The command that rewrites `table.key` (with no key: a key of `table`), else 'edit PATH'."""
+    fixes = [known.fix for (t, k), known in _KNOWN.items() if t == table and key in (None, k) and known.fix]
+    return fixes[0] if fixes else f"edit {path}"
 
 
 # A new file starts from this text, so it explains itself; an existing file keeps its own text.

@@ -27,6 +27,8 @@ KEYS = {
 }
 REQUEUE_SIGNAL_S = 60  # requeue=True: the early signal this many seconds before the time limit
 SETTING_KEYS = ("partition", "account", "qos", "sbatch")  # the workspace's [slurm] table
+# the keys whose value is a whole number >= 1 -> what the message says it must be
+_WHOLE_KEYS = {"requeue": "True or whole seconds >= 1", "max_running": "a whole number >= 1"}
 
 
 def check(value: Any, source: str = "slurm=") -> tuple[tuple[str, str], ...]:
@@ -51,16 +53,11 @@ def check(value: Any, source: str = "slurm=") -> tuple[tuple[str, str], ...]:
             if text:
                 out[key] = "1"
             continue
-        if key == "requeue":
-            if text is True:
-                text = REQUEUE_SIGNAL_S
+        if key == "requeue" and text is True:
+            text = REQUEUE_SIGNAL_S
+        if key in _WHOLE_KEYS:
             if isinstance(text, bool) or not isinstance(text, int) or text < 1:
-                raise JobConfigError(f"{source}['requeue'] must be True or whole seconds >= 1, got {text!r}.")
-            out[key] = str(text)
-            continue
-        if key == "max_running":
-            if isinstance(text, bool) or not isinstance(text, int) or text < 1:
-                raise JobConfigError(f"{source}['max_running'] must be a whole number >= 1, got {text!r}.")
+                raise JobConfigError(f"{source}[{key!r}] must be {_WHOLE_KEYS[key]}, got {text!r}.")
             out[key] = str(text)
             continue
         if not isinstance(text, str) or not text.strip():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from typing import Any
 
 from levers9.errors import Levers9Error
@@ -84,32 +85,32 @@ def _show(args: argparse.Namespace) -> int:
 
 @said_as("levers9", 1)
 def _multi_gpu(args: argparse.Namespace) -> int:
-    if args.state is None:
-        settings = load_settings()
-        print(f"Multi-GPU jobs: {_on_off(settings.multi_gpu)} ({settings.path}).")
-        return 0
-    before, after = update_settings(multi_gpu=args.state == "on")
-    print(
-        f"Multi-GPU jobs: {_on_off(after.multi_gpu)} (was {_on_off(before.multi_gpu)}). Takes effect on the next "
-        f"call. Per-job limit: {after.max_gpu_count} cards (this machine: {_cards_line()}). Saved in {after.path}."
-    )
-    return 0
+    value = None if args.state is None else args.state == "on"
+    return _show_or_set("multi_gpu", value, "Multi-GPU jobs", _on_off, _limit_and_path)
 
 
 @said_as("levers9", 1)
 def _max_gpu_count(args: argparse.Namespace) -> int:
-    if args.count is None:
-        settings: Settings = load_settings()
-        print(f"Max GPU count per job: {settings.max_gpu_count} ({settings.path}).")
+    return _show_or_set("max_gpu_count", args.count, "Max GPU count per job", str, _path_and_switch)
+
+
+def _limit_and_path(after: Settings) -> str:
+    return f"Per-job limit: {after.max_gpu_count} cards (this machine: {_cards_line()}). Saved in {after.path}."
+
+
+def _path_and_switch(after: Settings) -> str:
+    usable = after.multi_gpu or after.max_gpu_count == 1
+    return f"Saved in {after.path}." + ("" if usable else " Multi-GPU jobs are off: levers9 workspace multi-gpu on")
+
+
+def _show_or_set(key: str, value: Any, title: str, say: Callable[[Any], str], tail: Callable[[Settings], str]) -> int:
+    """Print setting `key` as `title: VALUE (PATH).` when `value` is None; else save `value` and print the
+    new and old values, that it takes effect on the next call, and `tail` of the saved settings."""
+    if value is None:
+        settings = load_settings()
+        print(f"{title}: {say(getattr(settings, key))} ({settings.path}).")
         return 0
-    before, after = update_settings(max_gpu_count=args.count)
-    switch = (
-        ""
-        if after.multi_gpu or after.max_gpu_count == 1
-        else " Multi-GPU jobs are off: levers9 workspace multi-gpu on"
-    )
-    print(
-        f"Max GPU count per job: {after.max_gpu_count} (was {before.max_gpu_count}). Takes effect on the next call. "
-        f"Saved in {after.path}.{switch}"
-    )
+    before, after = update_settings(**{key: value})
+    print(f"{title}: {say(getattr(after, key))} (was {say(getattr(before, key))}). Takes effect on the next call. "
+          f"{tail(after)}")  # fmt: skip
     return 0

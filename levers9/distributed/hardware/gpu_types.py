@@ -19,7 +19,7 @@ class GpuType:
     """One card type: its canonical name, other spellings users write, and how NVML names it."""
 
     name: str
-    aliases: tuple[str, ...]
+    aliases: tuple[str, ...]  # only spellings that case, spaces, dashes and underscores do not already reach
     nvml_pattern: str  # regular expression searched in the NVML name, case-insensitive
     min_memory_mib: int = 0  # for types told apart by memory (A100-40 / A100-80)
 
@@ -27,26 +27,26 @@ class GpuType:
 # Order matters: the first row whose pattern (and memory bound) matches names the card, so the more
 # specific rows (RTX PRO 6000 before RTX 6000 Ada, A100-80 before A100-40) come first.
 GPU_TYPES: tuple[GpuType, ...] = (
-    GpuType("RTXPro6000", ("RTX-PRO-6000", "RTXPRO6000", "RTX_PRO_6000", "RTX PRO 6000"), r"RTX PRO 6000"),
-    GpuType("RTXPro5000", ("RTX-PRO-5000", "RTX PRO 5000"), r"RTX PRO 5000"),
-    GpuType("RTXPro4500", ("RTX-PRO-4500", "RTX PRO 4500"), r"RTX PRO 4500"),
-    GpuType("RTXPro4000", ("RTX-PRO-4000", "RTX PRO 4000"), r"RTX PRO 4000"),
-    GpuType("RTX6000D", ("RTX-6000D",), r"RTX 6000D"),
-    GpuType("RTX6000Ada", ("RTX-6000-ADA", "RTX 6000 Ada"), r"RTX 6000 Ada"),
-    GpuType("RTX5880Ada", ("RTX-5880-ADA",), r"RTX 5880 Ada"),
+    GpuType("RTXPro6000", ("RTXPRO6000",), r"RTX PRO 6000"),
+    GpuType("RTXPro5000", (), r"RTX PRO 5000"),
+    GpuType("RTXPro4500", (), r"RTX PRO 4500"),
+    GpuType("RTXPro4000", (), r"RTX PRO 4000"),
+    GpuType("RTX6000D", (), r"RTX 6000D"),
+    GpuType("RTX6000Ada", (), r"RTX 6000 Ada"),
+    GpuType("RTX5880Ada", (), r"RTX 5880 Ada"),
     GpuType("A6000", ("RTXA6000", "RTX-A6000"), r"RTX A6000"),
-    GpuType("RTX5090", ("RTX-5090", "5090"), r"GeForce RTX 5090"),
-    GpuType("RTX5080", ("RTX-5080",), r"GeForce RTX 5080"),
-    GpuType("RTX4090", ("RTX-4090", "4090"), r"GeForce RTX 4090"),
-    GpuType("RTX4080", ("RTX-4080",), r"GeForce RTX 4080"),
-    GpuType("RTX3090", ("RTX-3090", "3090"), r"GeForce RTX 3090"),
+    GpuType("RTX5090", ("5090",), r"GeForce RTX 5090"),
+    GpuType("RTX5080", (), r"GeForce RTX 5080"),
+    GpuType("RTX4090", ("4090",), r"GeForce RTX 4090"),
+    GpuType("RTX4080", (), r"GeForce RTX 4080"),
+    GpuType("RTX3090", ("3090",), r"GeForce RTX 3090"),
     GpuType("GB200", (), r"\bGB200\b"),
     GpuType("B200", (), r"\bB200\b"),
     GpuType("H200", (), r"\bH200\b"),
     GpuType("H100", ("H100-80", "H100-80GB"), r"\bH100\b"),
     GpuType("GH200", (), r"\bGH200\b"),
-    GpuType("A100-80", ("A100-80GB", "A100_80"), r"\bA100\b", min_memory_mib=60_000),
-    GpuType("A100-40", ("A100-40GB", "A100_40", "A100"), r"\bA100\b"),
+    GpuType("A100-80", ("A100-80GB",), r"\bA100\b", min_memory_mib=60_000),
+    GpuType("A100-40", ("A100-40GB", "A100"), r"\bA100\b"),
     GpuType("L40S", (), r"\bL40S\b"),
     GpuType("L40", (), r"\bL40\b"),
     GpuType("L4", (), r"\bL4\b"),
