@@ -8,7 +8,9 @@ Each launcher starts the whole job as a fresh process (`python ...`, `levers9 ru
 `accelerate launch ...`), interleaved round by round so machine noise hits all of them alike; the table gives
 the median and the fastest whole-process wall time, and each one's ratio to torchrun's median; then the median
 CPU time (user + system, of the process and every process it waited for) and each one's wall and CPU time
-against the anchor's, a hand-written 2-rank job with nothing a launcher does (launch_anchor.py). With
+against the anchor's, a hand-written 2-rank job with nothing a launcher does (launch_anchor.py), and against
+the same anchor paying the garbage collection `import torch` leaves due, which the first few thousand objects
+any other code makes set off (launch_anchor.py --collect). With
 --long-line-mb, rank 0 also prints one line that long (the benchmark reads it all and checks its length),
 accelerate and the anchor are left out, and the table adds the launcher's peak memory (the largest RSS of any of its processes).
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -32,6 +35,8 @@ HERE = Path(__file__).resolve().parent
 JOB = str(HERE / "launch_job.py")
 ANCHOR = str(HERE / "launch_anchor.py")
 BIN = Path(sys.executable).parent
+ANCHOR_ROW = "hand-written anchor (one import torch, two forks, a TCPStore)"
+COLLECTED_ANCHOR_ROW = "hand-written anchor + the collection torch's import leaves due"
 
 
 def tool(name: str) -> str:
@@ -39,7 +44,8 @@ def tool(name: str) -> str:
 
 
 LAUNCHERS = {
-    "hand-written anchor (one import torch, two forks, a TCPStore)": [sys.executable, ANCHOR],
+    ANCHOR_ROW: [sys.executable, ANCHOR],
+    COLLECTED_ANCHOR_ROW: [sys.executable, ANCHOR, "--collect"],
     "levers9 distributed.run": [sys.executable, JOB, "levers9"],
     "levers9 run": [sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2", JOB, "plain"],
     "torchrun": [tool("torchrun"), "--nproc-per-node", "2", JOB, "plain"],
@@ -98,20 +104,24 @@ def main() -> None:
             peaks[name].append(rss)
             cpus[name].append(cpu)
     base = statistics.median(times["torchrun"]) if "torchrun" in times else float("nan")
-    anchor = next((name for name in times if name.startswith("hand-written")), None)
-    wall0 = statistics.median(times[anchor]) if anchor else float("nan")
-    cpu0 = statistics.median(cpus[anchor]) if anchor else float("nan")
+
+    def medians(name: str) -> tuple[float, float]:
+        """The median wall and CPU time of a row that ran, else NaNs."""
+        return (statistics.median(times[name]), statistics.median(cpus[name])) if name in times else (math.nan, math.nan)
+
+    wall0, cpu0 = medians(ANCHOR_ROW)
+    wall1, cpu1 = medians(COLLECTED_ANCHOR_ROW)
     what = f"rank 0 prints one {args.long_line_mb:g} MB line" if line_bytes else "one all_reduce"
     print(f"2-rank job, {what}, gloo on CPU; {args.repeats} runs each, interleaved; "
           f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
     print()
     print("| launcher | median wall time (s) | fastest (s) | vs torchrun | peak RSS (MiB) | median CPU time (s) "
-          "| wall vs anchor | CPU vs anchor |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| wall vs anchor | CPU vs anchor | wall vs anchor + collection | CPU vs anchor + collection |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, values in times.items():
         med, cpu = statistics.median(values), statistics.median(cpus[name])
         print(f"| {name} | {med:.2f} | {min(values):.2f} | {med / base:.2f}x | {max(peaks[name]):.0f} | {cpu:.2f} "
-              f"| {med / wall0:.2f}x | {cpu / cpu0:.2f}x |")
+              f"| {med / wall0:.2f}x | {cpu / cpu0:.2f}x | {med / wall1:.2f}x | {cpu / cpu1:.2f}x |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"times": times, "cpu": cpus, "peak_rss_mib": peaks, "line_bytes": line_bytes}, f, indent=1)
