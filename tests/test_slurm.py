@@ -184,7 +184,7 @@ def test_a_rank_on_the_second_node_raising_is_named(on_slurm: None) -> None:
 
 
 def test_a_rank_killed_by_a_signal_is_named(on_slurm: None) -> None:
-    with pytest.raises(JobCrashed, match=r"rank\(s\) 3 on l9node2 killed \(srun: Killed\)"):
+    with pytest.raises(JobCrashed, match=r"rank\(s\) 3 on l9node2 killed by SIGKILL \(srun: Killed\)"):
         job(slurmfns.fail_on_rank, gpu_count=4, backend="slurm").remote(3, "kill")
 
 

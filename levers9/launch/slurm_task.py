@@ -82,7 +82,10 @@ def _call(payload: dict[str, Any], job_dir: Path) -> Any:
     args, kwargs = unship(payload["arguments"])
     spec: JobSpec = payload["spec"]
     ids = [c for c in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if c.strip()] if spec.gpu_count else []
-    os.environ.update(spec.env)
+    # the job's environment as on the other backends (job_env: thread counts, the user's env=, the cards in
+    # PCI bus order, as SLURM numbers them); SLURM's cards, and none for a CPU job, which SLURM would leave
+    # seeing every card of its node
+    os.environ.update(job_process.job_env(spec, []), CUDA_VISIBLE_DEVICES=",".join(ids))
     attempt = int(payload["attempt"]) + int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     context = job_process.task_context(spec, payload["run_id"], int(payload["index"]), attempt, str(job_dir), ids)
     if int(payload["tasks"]) == 1:
