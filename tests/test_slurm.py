@@ -23,7 +23,7 @@ from levers9.cli import main as cli_main
 from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, WorkspacePolicyError
 from levers9.launch import job
 from levers9.launch.settings import update_settings
-from tests import slurm_cluster, slurmfns
+from tests import jobfns, slurm_cluster, slurmfns
 
 pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]  # one worker: the one cluster
 
@@ -236,6 +236,20 @@ def test_a_cancel_gives_the_job_its_stop_grace(on_slurm: None, env: dict[str, st
     reaper = f"{ROOT}/levers9/launch/slurm_reaper.py 30"  # the helper that kills after stop_grace=30
     assert wait_until(lambda: subprocess.run(["pgrep", "-f", reaper], capture_output=True).returncode == 1, 25), \
         "the helper that kills after stop_grace did not leave when the job ended"
+
+
+def test_a_stopped_map_starts_none_of_its_queued_cells(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
+    """Eight cells on four cards, stopped with four running: the four queued array elements are cancelled at once.
+    (They were left pending through the running cells' stop_grace, and started on the cards those freed.)"""
+    results = job(jobfns.quick_or_slow, gpu_count=1, backend="slurm", stop_grace=10, name="l9-queued").map(
+        [(str(tmp_path), i) for i in range(1, 9)]
+    )
+    try:
+        assert wait_until(lambda: len(list(tmp_path.glob("*.pid"))) == 4, 90), "four cells never ran at once"
+    finally:
+        results.close()
+    assert wait_until(lambda: not squeue("l9-queued", env), 60), squeue("l9-queued", env)
+    assert sorted(int(p.stem) for p in tmp_path.glob("*.pid")) == [1, 2, 3, 4]
 
 
 def test_a_crash_is_retried_as_a_new_job(on_slurm: None) -> None:
