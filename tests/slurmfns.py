@@ -114,19 +114,22 @@ def save_on_sigterm(folder: str, seconds_to_save: float) -> str:
     return "never stopped"
 
 
-def save_at_time_limit(folder: str) -> dict[str, Any]:
+def save_at_time_limit(folder: str, seconds_to_save: float = 0) -> dict[str, Any]:
     """A long training that saves on SIGTERM: the first run waits for the time limit (its `started` file says it
-    runs), saves its checkpoint when SIGTERM comes, and exits; a later run resumes from it and returns."""
+    runs), takes `seconds_to_save` to save its checkpoint when SIGTERM comes, and exits; a later run resumes from it
+    and returns (without a checkpoint: says so)."""
     from pathlib import Path
 
     from levers9 import current_job
 
     checkpoint = Path(folder) / "checkpoint"
     context = current_job()
-    if checkpoint.exists():
-        return {"attempt": None if context is None else context.attempt, "resumed": checkpoint.read_text()}
+    attempt = None if context is None else context.attempt
+    if checkpoint.exists() or (attempt or 1) > 1:
+        return {"attempt": attempt, "resumed": checkpoint.read_text() if checkpoint.exists() else "no checkpoint"}
 
     def on_term(_signum: int, _frame: Any) -> None:
+        time.sleep(seconds_to_save)
         checkpoint.write_text("saved at the time limit")
         os._exit(0)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from levers9.cli import main as cli_main
-from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, WorkspacePolicyError
+from levers9.errors import InfeasibleJobError, JobConfigError, JobCrashed, JobTimeout, WorkspacePolicyError
 from levers9.launch import job
 from levers9.launch.settings import update_settings
 from tests import jobfns, slurm_cluster, slurmfns
@@ -325,12 +325,19 @@ def test_a_requeued_job_resumes_from_its_checkpoint(on_slurm: None, env: dict[st
 
 
 def test_the_time_limit_requeues_the_job_which_resumes(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
-    """A 1-minute SLURM time limit, the early signal 30 s before it: the job is requeued, the function's SIGTERM
-    handler saves, and the next run (attempt 2, once the old run's credential expires: 20 s on this cluster)
-    resumes from that checkpoint. Takes about a minute."""
-    value = job(slurmfns.save_at_time_limit, backend="slurm",
-                slurm={"requeue": 30, "sbatch": "--time=1"}).remote(str(tmp_path))  # fmt: skip
+    """A 1-minute SLURM time limit, the early signal 45 s before it: the function's SIGTERM handler saves for 8 s,
+    within its stop_grace=30 (and longer than the cluster's KillWait of 5 s, all a requeue asked of SLURM at once
+    would leave it); then the job is requeued, and the next run (attempt 2, once the old run's credential expires:
+    20 s on this cluster) resumes from that checkpoint. Takes about a minute."""
+    value = job(slurmfns.save_at_time_limit, backend="slurm", stop_grace=30,
+                slurm={"requeue": 45, "sbatch": "--time=1"}).remote(str(tmp_path), 8)  # fmt: skip
     assert value == {"attempt": 2, "resumed": "saved at the time limit"}
+
+
+def test_an_early_signal_shorter_than_stop_grace_is_refused(on_slurm: None, env: dict[str, str]) -> None:
+    with pytest.raises(JobConfigError, match=r"requeue': 30}.* less than the job's stop_grace=60"):
+        job(slurmfns.square, backend="slurm", stop_grace=60, name="l9-early", slurm={"requeue": 30}).remote(1)
+    assert squeue("l9-early", env) == []
 
 
 def test_the_compat_contract_script_gives_the_same_numbers_under_srun(env: dict[str, str]) -> None:
