@@ -98,9 +98,17 @@ def test_job_script_without_srun_names_the_sbatch_line(env: dict[str, str], tmp_
     script = tmp_path / "job.sh"
     script.write_text(f"#!/bin/bash\n#SBATCH -N1 --ntasks-per-node=2\n{sys.executable} {RANKS}\n")
     out = tmp_path / "job.out"
-    done = subprocess.run(["sbatch", "--wait", "-o", str(out), str(script)], env=env, capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)  # fmt: skip
-    assert done.returncode != 0
+    done = subprocess.run(["sbatch", "--parsable", "-o", str(out), str(script)], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path, check=True)  # fmt: skip
+    job_id = done.stdout.strip().split(";")[0]
+
+    def state() -> str:
+        return subprocess.run(["squeue", "-h", "-j", job_id, "-t", "all", "-o", "%T"], env=env, capture_output=True,
+                              text=True, timeout=60).stdout.strip()  # fmt: skip
+
+    # the job's state, not `sbatch --wait`, which polls at 2 s and more (it took 10 s whatever the job took)
+    assert wait_until(lambda: state() in ("FAILED", "COMPLETED"), 120), state()
+    assert state() == "FAILED"
     text = out.read_text()
     assert "was not started by srun (no SLURM_STEP_ID)" in text
     assert f"`srun python {RANKS}`" in text and "`#SBATCH --ntasks-per-node=2`" in text
