@@ -342,6 +342,27 @@ def test_the_time_limit_requeues_the_job_which_resumes(on_slurm: None, env: dict
     assert value == {"attempt": 2, "resumed": "saved at the time limit"}
 
 
+def test_the_early_signal_gives_the_ranks_of_a_jobs_distributed_run_their_grace(
+    on_slurm: None, env: dict[str, str], tmp_path: Path
+) -> None:
+    """SLURM's early signal (sent at once here, with `scancel --signal=USR2` as SLURM sends it) to a job of 2 cards
+    whose function calls distributed.run: each rank's handler saves (for 2 s), the job is requeued, and its next
+    run (attempt 2) finds both checkpoints. (The ranks inherited the task's handler, and each started a stopper:
+    the second SIGTERM ended the job process while it gave its ranks their grace, and no rank saved.)"""
+
+    def signal_when_ready() -> None:
+        assert wait_until(lambda: len(list(tmp_path.glob("ready-*"))) == 2, 90)
+        job_id = squeue("l9-early-ranks", env)[0].split()[0]
+        subprocess.run(["scancel", "--signal=USR2", job_id], env=env, check=True, timeout=60)
+
+    helper = threading.Thread(target=signal_when_ready, daemon=True)
+    helper.start()
+    value = job(slurmfns.ranks_resume_after_requeue, gpu_count=2, backend="slurm", stop_grace=30, name="l9-early-ranks",
+                slurm={"requeue": 60}).remote(str(tmp_path))  # fmt: skip
+    helper.join(60)
+    assert value == {"attempt": 2, "saved": ["saved-0", "saved-1"]}
+
+
 def test_an_early_signal_shorter_than_stop_grace_is_refused(on_slurm: None, env: dict[str, str]) -> None:
     with pytest.raises(JobConfigError, match=r"requeue': 30}.* less than the job's stop_grace=60"):
         job(slurmfns.square, backend="slurm", stop_grace=60, name="l9-early", slurm={"requeue": 30}).remote(1)

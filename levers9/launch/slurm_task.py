@@ -55,7 +55,8 @@ def run_task(payload: dict[str, Any]) -> TaskReport:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if payload.get("requeue") and os.environ.get("SLURM_PROCID", "0") == "0":
         # SLURM's early signal before the time limit (--signal=USR2@N)
-        signal.signal(signal.SIGUSR2, functools.partial(_requeue, payload["folder"], payload["spec"].stop_grace))
+        requeue = functools.partial(_requeue, payload["folder"], payload["spec"].stop_grace, os.getpid())
+        signal.signal(signal.SIGUSR2, requeue)
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     job_dir = scratch_dir("slurm", int(payload["index"]), int(payload["attempt"]))
@@ -88,13 +89,17 @@ def requeue_teardown(folder: str) -> str:
     return f'if [ -e {marker} ]; then rm -f {marker}; scontrol requeue "$SLURM_JOB_ID" && sleep 60; fi'
 
 
-def _requeue(folder: str, grace: float, _signum: int, _frame: Any) -> None:
+def _requeue(folder: str, grace: float, task_pid: int, _signum: int, _frame: Any) -> None:
     """The time limit is near: stop the job's tasks as a cancel does, with the job's stop_grace (SIGTERM to every
     task now, a handler of the function's can save; SIGKILL after stop_grace to what still runs), and mark the job
     for its script's teardown to requeue once they have ended. Asked of SLURM at once, the requeue would give
     a handler the cluster's KillWait instead. The stopper ignores SIGTERM (it is in the job, which gets it too)
-    and kills only while the mark is its own: not a later run of the job."""
+    and kills only while the mark is its own: not a later run of the job. SLURM signals every process of the
+    task: the ranks distributed.run forked inherit this handler and do nothing (one stopper, one SIGTERM each:
+    a second one would end the job process while it gives its ranks their grace)."""
     job_id = os.environ.get("SLURM_JOB_ID", "")
+    if os.getpid() != task_pid or requeue_marker(folder, job_id).exists():
+        return
     print(f"levers9: SLURM job {job_id} {REQUEUE_WORDS}, to resume from its checkpoint", file=sys.stderr, flush=True)
     marker, token = requeue_marker(folder, job_id), uuid.uuid4().hex
     marker.write_text(token)
