@@ -363,6 +363,22 @@ def test_the_early_signal_gives_the_ranks_of_a_jobs_distributed_run_their_grace(
     assert value == {"attempt": 2, "saved": ["saved-0", "saved-1"]}
 
 
+def test_the_early_signal_leaves_a_job_that_did_not_ask_for_a_requeue_running(on_slurm: None, tmp_path: Path) -> None:
+    """submitit asks SLURM for its early signal in every job (--signal=USR2@60; a minute or two before the time
+    limit, so before the caller's timeout= can come). Without slurm={'requeue': ...} it changes nothing: the
+    function runs on. (submitit's handler raised UncompletedJobError in it.)"""
+    marker = tmp_path / "started"
+
+    def signal_when_started() -> None:
+        assert wait_until(marker.exists, 90)
+        subprocess.run(["scancel", "--signal=USR2", marker.read_text().split()[1]], check=True, timeout=60)
+
+    helper = threading.Thread(target=signal_when_started, daemon=True)
+    helper.start()
+    assert job(slurmfns.sleep_then, backend="slurm", timeout=100).remote(4, str(marker)) == "slept"
+    helper.join(60)
+
+
 def test_an_early_signal_shorter_than_stop_grace_is_refused(on_slurm: None, env: dict[str, str]) -> None:
     with pytest.raises(JobConfigError, match=r"requeue': 30}.* less than the job's stop_grace=60"):
         job(slurmfns.square, backend="slurm", stop_grace=60, name="l9-early", slurm={"requeue": 30}).remote(1)

@@ -57,6 +57,8 @@ def run_task(payload: dict[str, Any]) -> TaskReport:
         # SLURM's early signal before the time limit (--signal=USR2@N)
         requeue = functools.partial(_requeue, payload["folder"], payload["spec"].stop_grace, os.getpid())
         signal.signal(signal.SIGUSR2, requeue)
+    else:  # submitit asks every job for the early signal (#SBATCH --signal=USR2@N), and its handler would raise
+        signal.signal(signal.SIGUSR2, _early_signal_ignored)  # UncompletedJobError in the function, before timeout=
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     job_dir = scratch_dir("slurm", int(payload["index"]), int(payload["attempt"]))
@@ -74,6 +76,11 @@ def run_task(payload: dict[str, Any]) -> TaskReport:
         sys.stderr.flush()
         os._exit(0)  # no result file: what a handler's sys.exit() left is not this cell's outcome
     return report
+
+
+def _early_signal_ignored(_signum: int, _frame: Any) -> None:
+    """SLURM's early signal in a job that did not ask to be requeued (or a rank after 0's): nothing to do. The job
+    runs on to its timeout= (which the caller enforces before SLURM's time limit) or the time limit."""
 
 
 def requeue_marker(folder: str, job_id: str) -> Path:
