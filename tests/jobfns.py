@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ def report(tag: Any, seconds: float = 0.3) -> dict[str, Any]:
     return {
         "tag": tag,
         "cards": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),  # SLURM's test nodes share one host
         "order": os.environ.get("CUDA_DEVICE_ORDER"),
         "simulated": None if job is None else job.simulated,
         "gpu_count": None if job is None else str(job.gpu_count),

@@ -114,19 +114,22 @@ def save_on_sigterm(folder: str, seconds_to_save: float) -> str:
     return "never stopped"
 
 
-def save_at_time_limit(folder: str) -> dict[str, Any]:
+def save_at_time_limit(folder: str, seconds_to_save: float = 0) -> dict[str, Any]:
     """A long training that saves on SIGTERM: the first run waits for the time limit (its `started` file says it
-    runs), saves its checkpoint when SIGTERM comes, and exits; a later run resumes from it and returns."""
+    runs), takes `seconds_to_save` to save its checkpoint when SIGTERM comes, and exits; a later run resumes from it
+    and returns (without a checkpoint: says so)."""
     from pathlib import Path
 
     from levers9 import current_job
 
     checkpoint = Path(folder) / "checkpoint"
     context = current_job()
-    if checkpoint.exists():
-        return {"attempt": None if context is None else context.attempt, "resumed": checkpoint.read_text()}
+    attempt = None if context is None else context.attempt
+    if checkpoint.exists() or (attempt or 1) > 1:
+        return {"attempt": attempt, "resumed": checkpoint.read_text() if checkpoint.exists() else "no checkpoint"}
 
     def on_term(_signum: int, _frame: Any) -> None:
+        time.sleep(seconds_to_save)
         checkpoint.write_text("saved at the time limit")
         os._exit(0)
 
@@ -134,6 +137,32 @@ def save_at_time_limit(folder: str) -> dict[str, Any]:
     (Path(folder) / "started").write_text(os.environ.get("SLURM_JOB_ID", ""))
     time.sleep(300)
     return {"attempt": None, "resumed": "the time limit never came"}
+
+
+def ranks_resume_after_requeue(folder: str) -> dict[str, Any]:
+    """distributed.run on the job's cards; each rank writes `ready-<rank>`, waits, and saves `saved-<rank>` on SIGTERM
+    (after 2 s), then exits; in a later run, rank 0 returns the attempt and the checkpoints it found (none: at once)."""
+    from pathlib import Path
+
+    from levers9 import current_job
+
+    def one_rank() -> dict[str, Any]:
+        context = current_job()
+        saved = sorted(p.name for p in Path(folder).glob("saved-*"))
+        if saved or (context is not None and context.attempt > 1):
+            return {"attempt": None if context is None else context.attempt, "saved": saved}
+
+        def on_term(_signum: int, _frame: Any) -> None:
+            time.sleep(2)
+            (Path(folder) / f"saved-{dist.rank()}").write_text("saved")
+            raise SystemExit(0)
+
+        signal.signal(signal.SIGTERM, on_term)
+        (Path(folder) / f"ready-{dist.rank()}").write_text(str(os.getpid()))
+        time.sleep(300)
+        return {"attempt": None, "saved": "never stopped"}
+
+    return dist.run(one_rank)
 
 
 def crash_on_first_attempt() -> int:

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from levers9.cli import main as cli_main
-from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, WorkspacePolicyError
+from levers9.errors import InfeasibleJobError, JobConfigError, JobCrashed, JobTimeout, WorkspacePolicyError
 from levers9.launch import job
 from levers9.launch.settings import update_settings
-from tests import slurm_cluster, slurmfns
+from tests import jobfns, slurm_cluster, slurmfns
 
 pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]  # one worker: the one cluster
 
@@ -98,9 +98,17 @@ def test_job_script_without_srun_names_the_sbatch_line(env: dict[str, str], tmp_
     script = tmp_path / "job.sh"
     script.write_text(f"#!/bin/bash\n#SBATCH -N1 --ntasks-per-node=2\n{sys.executable} {RANKS}\n")
     out = tmp_path / "job.out"
-    done = subprocess.run(["sbatch", "--wait", "-o", str(out), str(script)], env=env, capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)  # fmt: skip
-    assert done.returncode != 0
+    done = subprocess.run(["sbatch", "--parsable", "-o", str(out), str(script)], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path, check=True)  # fmt: skip
+    job_id = done.stdout.strip().split(";")[0]
+
+    def state() -> str:
+        return subprocess.run(["squeue", "-h", "-j", job_id, "-t", "all", "-o", "%T"], env=env, capture_output=True,
+                              text=True, timeout=60).stdout.strip()  # fmt: skip
+
+    # the job's state, not `sbatch --wait`, which polls at 2 s and more (it took 10 s whatever the job took)
+    assert wait_until(lambda: state() in ("FAILED", "COMPLETED"), 120), state()
+    assert state() == "FAILED"
     text = out.read_text()
     assert "was not started by srun (no SLURM_STEP_ID)" in text
     assert f"`srun python {RANKS}`" in text and "`#SBATCH --ntasks-per-node=2`" in text
@@ -184,7 +192,7 @@ def test_a_rank_on_the_second_node_raising_is_named(on_slurm: None) -> None:
 
 
 def test_a_rank_killed_by_a_signal_is_named(on_slurm: None) -> None:
-    with pytest.raises(JobCrashed, match=r"rank\(s\) 3 on l9node2 killed \(srun: Killed\)"):
+    with pytest.raises(JobCrashed, match=r"rank\(s\) 3 on l9node2 killed by SIGKILL \(srun: Killed\)"):
         job(slurmfns.fail_on_rank, gpu_count=4, backend="slurm").remote(3, "kill")
 
 
@@ -236,6 +244,20 @@ def test_a_cancel_gives_the_job_its_stop_grace(on_slurm: None, env: dict[str, st
     reaper = f"{ROOT}/levers9/launch/slurm_reaper.py 30"  # the helper that kills after stop_grace=30
     assert wait_until(lambda: subprocess.run(["pgrep", "-f", reaper], capture_output=True).returncode == 1, 25), \
         "the helper that kills after stop_grace did not leave when the job ended"
+
+
+def test_a_stopped_map_starts_none_of_its_queued_cells(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
+    """Eight cells on four cards, stopped with four running: the four queued array elements are cancelled at once.
+    (They were left pending through the running cells' stop_grace, and started on the cards those freed.)"""
+    results = job(jobfns.quick_or_slow, gpu_count=1, backend="slurm", stop_grace=10, name="l9-queued").map(
+        [(str(tmp_path), i) for i in range(1, 9)]
+    )
+    try:
+        assert wait_until(lambda: len(list(tmp_path.glob("*.pid"))) == 4, 90), "four cells never ran at once"
+    finally:
+        results.close()
+    assert wait_until(lambda: not squeue("l9-queued", env), 60), squeue("l9-queued", env)
+    assert sorted(int(p.stem) for p in tmp_path.glob("*.pid")) == [1, 2, 3, 4]
 
 
 def test_a_crash_is_retried_as_a_new_job(on_slurm: None) -> None:
@@ -311,12 +333,56 @@ def test_a_requeued_job_resumes_from_its_checkpoint(on_slurm: None, env: dict[st
 
 
 def test_the_time_limit_requeues_the_job_which_resumes(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
-    """A 1-minute SLURM time limit, the early signal 30 s before it: the job is requeued, the function's SIGTERM
-    handler saves, and the next run (attempt 2, once the old run's credential expires: 20 s on this cluster)
-    resumes from that checkpoint. Takes about a minute."""
-    value = job(slurmfns.save_at_time_limit, backend="slurm",
-                slurm={"requeue": 30, "sbatch": "--time=1"}).remote(str(tmp_path))  # fmt: skip
+    """A 1-minute SLURM time limit, the early signal 45 s before it: the function's SIGTERM handler saves for 8 s,
+    within its stop_grace=30 (and longer than the cluster's KillWait of 5 s, all a requeue asked of SLURM at once
+    would leave it); then the job is requeued, and the next run (attempt 2, once the old run's credential expires:
+    20 s on this cluster) resumes from that checkpoint. Takes about a minute."""
+    value = job(slurmfns.save_at_time_limit, backend="slurm", stop_grace=30,
+                slurm={"requeue": 45, "sbatch": "--time=1"}).remote(str(tmp_path), 8)  # fmt: skip
     assert value == {"attempt": 2, "resumed": "saved at the time limit"}
+
+
+def test_the_early_signal_gives_the_ranks_of_a_jobs_distributed_run_their_grace(
+    on_slurm: None, env: dict[str, str], tmp_path: Path
+) -> None:
+    """SLURM's early signal (sent at once here, with `scancel --signal=USR2` as SLURM sends it) to a job of 2 cards
+    whose function calls distributed.run: each rank's handler saves (for 2 s), the job is requeued, and its next
+    run (attempt 2) finds both checkpoints. (The ranks inherited the task's handler, and each started a stopper:
+    the second SIGTERM ended the job process while it gave its ranks their grace, and no rank saved.)"""
+
+    def signal_when_ready() -> None:
+        assert wait_until(lambda: len(list(tmp_path.glob("ready-*"))) == 2, 90)
+        job_id = squeue("l9-early-ranks", env)[0].split()[0]
+        subprocess.run(["scancel", "--signal=USR2", job_id], env=env, check=True, timeout=60)
+
+    helper = threading.Thread(target=signal_when_ready, daemon=True)
+    helper.start()
+    value = job(slurmfns.ranks_resume_after_requeue, gpu_count=2, backend="slurm", stop_grace=30, name="l9-early-ranks",
+                slurm={"requeue": 60}).remote(str(tmp_path))  # fmt: skip
+    helper.join(60)
+    assert value == {"attempt": 2, "saved": ["saved-0", "saved-1"]}
+
+
+def test_the_early_signal_leaves_a_job_that_did_not_ask_for_a_requeue_running(on_slurm: None, tmp_path: Path) -> None:
+    """submitit asks SLURM for its early signal in every job (--signal=USR2@60; a minute or two before the time
+    limit, so before the caller's timeout= can come). Without slurm={'requeue': ...} it changes nothing: the
+    function runs on. (submitit's handler raised UncompletedJobError in it.)"""
+    marker = tmp_path / "started"
+
+    def signal_when_started() -> None:
+        assert wait_until(marker.exists, 90)
+        subprocess.run(["scancel", "--signal=USR2", marker.read_text().split()[1]], check=True, timeout=60)
+
+    helper = threading.Thread(target=signal_when_started, daemon=True)
+    helper.start()
+    assert job(slurmfns.sleep_then, backend="slurm", timeout=100).remote(4, str(marker)) == "slept"
+    helper.join(60)
+
+
+def test_an_early_signal_shorter_than_stop_grace_is_refused(on_slurm: None, env: dict[str, str]) -> None:
+    with pytest.raises(JobConfigError, match=r"requeue': 30}.* less than the job's stop_grace=60"):
+        job(slurmfns.square, backend="slurm", stop_grace=60, name="l9-early", slurm={"requeue": 30}).remote(1)
+    assert squeue("l9-early", env) == []
 
 
 def test_the_compat_contract_script_gives_the_same_numbers_under_srun(env: dict[str, str]) -> None:

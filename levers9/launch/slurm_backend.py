@@ -90,6 +90,14 @@ class Submitter:
     def __init__(self, batch: Batch, plan: SlurmPlan, options: dict[str, str], folder: Path, limit: int) -> None:
         self.batch, self.plan, self.folder, self.options = batch, plan, folder, options
         spec = batch.spec
+        if "requeue" in options and int(options["requeue"]) < spec.stop_grace:
+            raise JobConfigError(
+                f"slurm={{'requeue': {options['requeue']}}} asks for SLURM's early signal {options['requeue']} s before "
+                f"the time limit, less than the job's stop_grace={spec.stop_grace:g}: the tasks' grace to save would "
+                f"run past the limit, where SLURM kills the job and does not requeue it. Expected requeue >= "
+                f"stop_grace: raise 'requeue' (e.g. slurm={{'requeue': {math.ceil(spec.stop_grace) + 30}}}) or lower "
+                f"stop_grace=."
+            )
         params: dict[str, Any] = {
             "job_name": spec.name[:64],
             "nodes": plan.nodes,
@@ -100,6 +108,8 @@ class Submitter:
             "setup": ["export SUBMITIT_LOG_LEVEL=${SUBMITIT_LOG_LEVEL:-WARNING}"],  # the job's output is the user's
             "additional_parameters": slurm_options.sbatch_options(options.get("sbatch", ""), "the sbatch option"),
         }
+        if "requeue" in options:  # the early signal asks the job's tasks to stop; this line then requeues it
+            params["teardown"] = [slurm_task.requeue_teardown(str(folder))]
         if plan.cards:
             params["gres"] = plan.gres  # gpu:a100:4 when @job(gpu=...) names a type
         if spec.cpu is not None:
@@ -190,6 +200,7 @@ class SlurmCell:
             "restart": restart,  # restarts so far of this attempt of a job across nodes (max_restarts=): a new job each
             "tasks": self.submitter.plan.nodes * self.submitter.plan.tasks,
             "requeue": "requeue" in self.submitter.options,  # at the time limit's early signal (slurm_task.py)
+            "folder": str(self.submitter.folder),
         }
 
     def _on_done(self, future: Future[Any]) -> None:

@@ -170,6 +170,10 @@ class Tracker:
                                         or any(stream.offset for stream in self.streams)):
             self.started_at = time.monotonic()
             self.started.set()
+        if self.timed_out:  # stopped for timeout=: over once SLURM says the job ended, its tasks' stop_grace had
+            if states is not None and (state is None or self.state in ENDED):  # (as a local job's JobTimeout comes
+                self._end(None)  # once its process is gone: a SIGTERM handler's checkpoint is there, its cards free)
+            return
         reports = sorted(self._reports(), key=lambda r: r.rank)
         failed = [r for r in reports if r.failure is not None]
         roots = [r for r in failed if r.failure is not None and not r.failure.peer_loss]
@@ -190,7 +194,6 @@ class Tracker:
         if self.started_at is not None and timeout is not None and time.monotonic() - self.started_at > timeout:
             self.timed_out = True
             self.submitter.cancel(self.job_id)
-            self._end(None)
             return
         if states is not None and (state is None or self.state in ENDED):
             self.ended_polls += 1  # the result file is written before the task exits: one more look, then over
@@ -225,7 +228,7 @@ class Tracker:
                 self.logs[stream.stream].write((stream.prefix + line + "\n").encode())
                 self.tail.add(stream.prefix + line)
                 if self.submitter.batch.spec.stream_output:
-                    events.output(cell, stream.stream, stream.prefix + line)
+                    events.output(cell, stream.stream, stream.prefix + line + "\n")
 
     def _end(self, report: slurm_task.TaskReport | None) -> None:
         if report is not None and report.failure is not None:
@@ -252,9 +255,10 @@ class Tracker:
         if report is None and self.died is not None and not self.cell.stopped():
             node, tasks, how = self.died
             run.write_meta({**meta, "attempt": run.attempt, "killed_for": None, "died": how})
+            ended = f"killed by {SRUN_SIGNALS[how]}" if how in SRUN_SIGNALS else how.lower()
             raise JobCrashed(
-                f"{run.label}: rank(s) {tasks} on {node} {how.lower()} (srun: {how}) before returning; the other "
-                f"ranks lost them and SLURM job {self.job_id} was cancelled; {run.attempts}. A rank killed by a "
+                f"{run.label}: rank(s) {tasks} on {node} {ended} (srun: {how}) before returning; the other ranks "
+                f"lost them and SLURM job {self.job_id} was cancelled; {run.attempts}. A rank killed by a "
                 f"signal is most often the out-of-memory killer. Last output:\n{self.tail.last_output}\n{run.where}",
                 JobFailure(cell=self.cell.cell.index, pid=0, output_tail=self.tail.text, kind=FailureKind.CRASH),
                 kind=FailureKind.CRASH,
@@ -276,6 +280,8 @@ class Tracker:
         return outcomes.finish(run, outcome, self.tail, spec.timeout, meta, node)
 
 
+# srun's words for a task ended by a signal (the strsignal text of slurmstepd) -> the signal's name
+SRUN_SIGNALS = {"Killed": "SIGKILL", "Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Terminated": "SIGTERM"}
 _SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): (Killed|Segmentation fault|Aborted|Terminated|Exited with exit code \d+)")
 
 

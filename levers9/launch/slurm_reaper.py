@@ -5,7 +5,9 @@ its own session, reading lines from a pipe, so a stop outlives the caller that a
     python slurm_reaper.py GRACE     # GRACE: seconds between a job's SIGTERM and its kill (@job(stop_grace=))
 
 The caller writes "+ID" when it submits a job, "-ID" when the job is over, and "!ID" to stop it now. A stop
-is `scancel --signal=TERM ID` (every task of the job's steps gets SIGTERM: the user's handler can save), then
+is `scancel --state=PENDING ID` (what has not started never will: a pending element of a job array would
+otherwise start on the cards the stopped ones free during their grace), `scancel --signal=TERM ID` (every
+task of the job's steps gets SIGTERM: the user's handler can save), then
 after GRACE seconds `scancel ID` (SLURM's own SIGTERM, KillWait, SIGKILL) if squeue still shows it running. When the
 pipe closes (the caller ended, however it ended), every job still listed is stopped the same way; this
 process exits once the last stop is done. Run as a script, so it imports nothing of levers9's.
@@ -49,13 +51,15 @@ def kill_after(job_ids: list[str], grace: float) -> None:
 
 
 def stop(job_ids: list[str], grace: float) -> threading.Thread | None:
-    """SIGTERM to the jobs' tasks now, the kill after `grace` s (at once when grace is 0); the thread that
-    kills, which the process waits for before it exits."""
+    """The jobs (or array elements) still pending cancelled now, SIGTERM to the running ones' tasks, the kill
+    after `grace` s (all at once when grace is 0); the thread that kills, which the process waits for before it
+    exits."""
     if not job_ids:
         return None
     if grace <= 0:
         scancel(*job_ids)
         return None
+    scancel("--state=PENDING", *job_ids)  # first: one that starts after this is running, and gets the SIGTERM
     scancel("--signal=TERM", *job_ids)
     killer = threading.Thread(target=kill_after, args=(job_ids, grace))
     killer.start()

@@ -15,10 +15,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -46,32 +48,71 @@ class TaskReport:
 
 
 def run_task(payload: dict[str, Any]) -> TaskReport:
-    """Run this task's part of the cell in `payload` and report how it ended (never raises an Exception)."""
+    """Run this task's part of the cell in `payload` and report how it ended (never raises an Exception); a run
+    being requeued (at the time limit) ends without a report: the job's next run reports."""
     # submitit's worker ignores SIGTERM (it waits for a requeue); levers9's cancel is SIGTERM, then the kill after
     # stop_grace, as on a workstation: the default ends the task, and a handler the function installs can save
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if payload.get("requeue") and os.environ.get("SLURM_PROCID", "0") == "0":
-        signal.signal(signal.SIGUSR2, _requeue)  # SLURM's early signal before the time limit (--signal=USR2@N)
+        # SLURM's early signal before the time limit (--signal=USR2@N)
+        requeue = functools.partial(_requeue, payload["folder"], payload["spec"].stop_grace, os.getpid())
+        signal.signal(signal.SIGUSR2, requeue)
+    else:  # submitit asks every job for the early signal (#SBATCH --signal=USR2@N), and its handler would raise
+        signal.signal(signal.SIGUSR2, _early_signal_ignored)  # UncompletedJobError in the function, before timeout=
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     job_dir = scratch_dir("slurm", int(payload["index"]), int(payload["attempt"]))
     try:
         value = ship_value(_call(payload, job_dir), "the job's return value")
-        return TaskReport(rank, node, os.getpid(), value=value)
+        report = TaskReport(rank, node, os.getpid(), value=value)
     except SystemExit as exc:
-        return TaskReport(rank, node, os.getpid(), failure=capture(exc, exit_status(exc)))
+        report = TaskReport(rank, node, os.getpid(), failure=capture(exc, exit_status(exc)))
     except Exception as exc:
-        return TaskReport(rank, node, os.getpid(), failure=capture(exc))
+        report = TaskReport(rank, node, os.getpid(), failure=capture(exc))
     finally:
         remove_scratch_dir(job_dir)
+    if payload.get("requeue") and requeue_marker(payload["folder"], os.environ.get("SLURM_JOB_ID", "")).exists():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # no result file: what a handler's sys.exit() left is not this cell's outcome
+    return report
 
 
-def _requeue(_signum: int, _frame: Any) -> None:
-    """The time limit is near: ask SLURM to requeue this job. SLURM then sends SIGTERM to every task (a handler
-    of the function's can save within the cluster's KillWait) and starts the job again, as attempt n+1."""
+def _early_signal_ignored(_signum: int, _frame: Any) -> None:
+    """SLURM's early signal in a job that did not ask to be requeued (or a rank after 0's): nothing to do. The job
+    runs on to its timeout= (which the caller enforces before SLURM's time limit) or the time limit."""
+
+
+def requeue_marker(folder: str, job_id: str) -> Path:
+    """The file that says SLURM job `job_id` is to be requeued once its tasks have ended (its batch script's
+    teardown, `requeue_teardown`, requeues it and removes the file)."""
+    return Path(folder) / f"{job_id}_requeue"
+
+
+def requeue_teardown(folder: str) -> str:
+    """The line after the job script's srun that requeues the job when its early signal asked for it: the job
+    is still running then (its batch script is), so SLURM requeues it, and its next run starts as attempt n+1."""
+    marker = f'{shlex.quote(folder)}/"$SLURM_JOB_ID"_requeue'
+    return f'if [ -e {marker} ]; then rm -f {marker}; scontrol requeue "$SLURM_JOB_ID" && sleep 60; fi'
+
+
+def _requeue(folder: str, grace: float, task_pid: int, _signum: int, _frame: Any) -> None:
+    """The time limit is near: stop the job's tasks as a cancel does, with the job's stop_grace (SIGTERM to every
+    task now, a handler of the function's can save; SIGKILL after stop_grace to what still runs), and mark the job
+    for its script's teardown to requeue once they have ended. Asked of SLURM at once, the requeue would give
+    a handler the cluster's KillWait instead. The stopper ignores SIGTERM (it is in the job, which gets it too)
+    and kills only while the mark is its own: not a later run of the job. SLURM signals every process of the
+    task: the ranks distributed.run forked inherit this handler and do nothing (one stopper, one SIGTERM each:
+    a second one would end the job process while it gives its ranks their grace)."""
     job_id = os.environ.get("SLURM_JOB_ID", "")
+    if os.getpid() != task_pid or requeue_marker(folder, job_id).exists():
+        return
     print(f"levers9: SLURM job {job_id} {REQUEUE_WORDS}, to resume from its checkpoint", file=sys.stderr, flush=True)
-    subprocess.Popen(["scontrol", "requeue", job_id], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker, token = requeue_marker(folder, job_id), uuid.uuid4().hex
+    marker.write_text(token)
+    stopper = 'trap "" TERM; scancel --signal=TERM "$1"; sleep "$2"; [ "$(cat "$3" 2>/dev/null)" = "$4" ] && scancel --signal=KILL "$1"'
+    subprocess.Popen(["sh", "-c", stopper, "sh", job_id, f"{grace:g}", str(marker), token],
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
 
 def _call(payload: dict[str, Any], job_dir: Path) -> Any:
@@ -82,7 +123,10 @@ def _call(payload: dict[str, Any], job_dir: Path) -> Any:
     args, kwargs = unship(payload["arguments"])
     spec: JobSpec = payload["spec"]
     ids = [c for c in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if c.strip()] if spec.gpu_count else []
-    os.environ.update(spec.env)
+    # the job's environment as on the other backends (job_env: thread counts, the user's env=, the cards in
+    # PCI bus order, as SLURM numbers them); SLURM's cards, and none for a CPU job, which SLURM would leave
+    # seeing every card of its node
+    os.environ.update(job_process.job_env(spec, []), CUDA_VISIBLE_DEVICES=",".join(ids))
     attempt = int(payload["attempt"]) + int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     context = job_process.task_context(spec, payload["run_id"], int(payload["index"]), attempt, str(job_dir), ids)
     if int(payload["tasks"]) == 1:
