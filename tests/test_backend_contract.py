@@ -240,13 +240,16 @@ def test_timeout_kills_the_job_and_frees_its_cards(backend: str, cards: Cards, t
 def test_a_timeout_reaches_the_ranks_of_the_jobs_distributed_run_with_their_grace(
     backend: str, cards: Cards, tmp_path: Path, multi_gpu: None
 ) -> None:
-    """The job is stopped with SIGTERM on timeout; the distributed.run inside it passes it on, so each rank saves."""
-    # timeout=12: the ranks must have set their SIGTERM handler by then, which on a loaded machine took over 6 s.
+    """The job is stopped with SIGTERM on timeout; the distributed.run inside it passes it on, so each rank whose
+    handler was in place saves. A rank still starting when the timeout came (a loaded machine, a slow SLURM start)
+    had no handler yet and dies of the SIGTERM, as it would under any launcher: it is not counted."""
     fn = job(gpu=cards.type, gpu_count=2, timeout=12, backend=backend)(jobfns.ranks_that_save_on_sigterm)
     with pytest.raises(JobTimeout):
         fn.remote(str(tmp_path))
-    ready = sorted(p.name for p in tmp_path.glob("ready-*"))  # the ranks whose handler was in place
-    assert sorted(p.name for p in tmp_path.glob("saved-*")) == ["saved-0", "saved-1"], f"ranks ready: {ready}"
+    ready = {p.name.removeprefix("ready-") for p in tmp_path.glob("ready-*")}  # the ranks whose handler was in place
+    saved = {p.name.removeprefix("saved-") for p in tmp_path.glob("saved-*")}
+    assert ready, "no rank had its SIGTERM handler in place after 12 s: nothing was tested"
+    assert ready <= saved, f"ranks {sorted(ready - saved)} had their handler in place and did not save (saved: {sorted(saved)})"
     assert _wait_dead([int(p.read_text()) for p in tmp_path.glob("ready-*")], 5) == []
 
 
