@@ -31,8 +31,9 @@ MULTI_NODE_FIX = (
     "levers9 run starts every rank on this machine. To run across several machines today, start the script "
     "with torchrun on each node (`torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:PORT train.py`) "
     "or with srun under SLURM; levers9's helpers join the group those launchers make. Under SLURM, levers9 run "
-    "itself runs across nodes as one srun task per node: `srun --ntasks-per-node=1 levers9 run --nproc-per-node 8 "
-    "train.py`."
+    "itself runs across nodes as one srun task per node, with a secret of the job's own: `export "
+    "LEVERS9_GANG_SECRET=$(python -c 'import secrets; print(secrets.token_hex(16))')`, then "
+    "`srun --ntasks-per-node=1 levers9 run --nproc-per-node 8 train.py`."
 )
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "")
 

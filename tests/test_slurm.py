@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -41,6 +42,11 @@ def env(request: pytest.FixtureRequest) -> dict[str, str]:
 def srun(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """`srun ARGS`, its output as text; a hang fails the test at `timeout`."""
     return subprocess.run(["srun", *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def with_gang_secret(env: dict[str, str]) -> dict[str, str]:
+    """`env` with the LEVERS9_GANG_SECRET a job script exports before `srun levers9 run` across nodes."""
+    return {**env, "LEVERS9_GANG_SECRET": secrets.token_hex(16)}
 
 
 def ranks_seen(out: str) -> list[dict[str, object]]:
@@ -472,6 +478,7 @@ def test_srun_one_task_per_node_runs_torchrun_across_nodes(env: dict[str, str]) 
 
 
 def test_srun_one_task_per_node_runs_levers9_run_across_nodes(env: dict[str, str]) -> None:
+    env = with_gang_secret(env)
     done = srun(env, "-N2", "--ntasks-per-node=1", sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2",
                 str(RANKS))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -485,6 +492,7 @@ def test_srun_one_task_per_node_runs_levers9_run_across_nodes(env: dict[str, str
 
 def test_the_compat_contract_script_under_levers9_run_across_nodes(env: dict[str, str]) -> None:
     """compat_tests/contract_script.py: 2 nodes x 1 rank of `levers9 run` under srun, the numbers of 2 spawned ranks."""
+    env = with_gang_secret(env)
     script = str(ROOT / "compat_tests" / "contract_script.py")
     spawned = subprocess.run([sys.executable, script, "--mode", "run", "--nprocs", "2"], env=env, capture_output=True,
                              text=True, timeout=180)  # fmt: skip
@@ -501,6 +509,20 @@ def test_the_compat_contract_script_under_levers9_run_across_nodes(env: dict[str
     assert across["CONTRACT"] == lines(spawned.stdout)["CONTRACT"]
 
 
+def test_levers9_run_across_nodes_without_a_gang_secret_is_one_error(env: dict[str, str]) -> None:
+    """The store between the nodes unpickles what it reads: with no secret of the job's own, every task refuses."""
+    env = {k: v for k, v in env.items() if k != "LEVERS9_GANG_SECRET"}
+    done = srun(env, "-N2", "--ntasks-per-node=1", sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2",
+                str(RANKS), timeout=90)  # fmt: skip
+    assert done.returncode == 2
+    assert "levers9 run across 2 nodes under srun needs LEVERS9_GANG_SECRET" in done.stderr
+    assert "export LEVERS9_GANG_SECRET=$(python -c 'import secrets; print(secrets.token_hex(16))')" in done.stderr
+    assert "RANK {" not in done.stdout
+    short = srun({**env, "LEVERS9_GANG_SECRET": "abc"}, "-N2", "--ntasks-per-node=1", sys.executable, "-m", "levers9",
+                 "run", "--nproc-per-node", "2", str(RANKS), timeout=90)  # fmt: skip
+    assert short.returncode == 2 and "it has 3 character(s); expected at least 16" in short.stderr
+
+
 def test_levers9_run_twice_on_a_node_under_srun_is_one_error(env: dict[str, str]) -> None:
     done = srun(env, "-N2", "--ntasks-per-node=2", sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2",
                 str(RANKS), timeout=90)  # fmt: skip
@@ -510,6 +532,7 @@ def test_levers9_run_twice_on_a_node_under_srun_is_one_error(env: dict[str, str]
 
 
 def test_levers9_run_across_nodes_restarts_after_a_rank_on_node_2_is_killed(env: dict[str, str], tmp_path: Path) -> None:
+    env = with_gang_secret(env)
     done = srun(env, "-N2", "--ntasks-per-node=1", sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2",
                 "--max-restarts", "1", str(ROOT / "tests" / "scripts" / "slurm_restart.py"), str(tmp_path))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

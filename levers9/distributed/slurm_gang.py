@@ -10,9 +10,10 @@ control store (levers9/distributed/control_store.py) on its node's address at th
 levers9/distributed/nodes.py starts ranks 0..share-1 there, supervises every node, restarts
 (max_restarts) and raises the root failure; the task on node i serves node i's share with
 levers9/distributed/node_agent.py, as Ray's agents do. SLURM keeps no spare node, so a lost node is not
-replaced: the run fails naming it. The store's keys start with a secret the step's tasks agree on
-(LEVERS9_GANG_SECRET when the job script sets it; else one derived from the job and step ids and the uid,
-which another user who can read squeue could derive too: set LEVERS9_GANG_SECRET on shared clusters).
+replaced: the run fails naming it. The store listens on the cluster network and unpickles
+what it reads, so its keys start with a secret only the job's own tasks know: LEVERS9_GANG_SECRET, which
+the job script exports before srun. SLURM hands the tasks no secret of their own (anything derived from
+the job's ids and the uid, another user who reads squeue derives too), so without it the step is refused.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import hashlib
 import os
 import socket
 import time
@@ -40,6 +40,7 @@ T = TypeVar("T")
 LEAVE_QUIET_S = 3 * HEARTBEAT_EVERY_S  # no heartbeat for this long: the agents left
 LEAVE_WAIT_S = 10.0
 SECRET_VAR = "LEVERS9_GANG_SECRET"
+MIN_SECRET_CHARS = 16
 _RANK_VARS = ("SLURM_PROCID", "SLURM_LOCALID")  # what makes detect.py call this process a rank
 
 
@@ -86,6 +87,7 @@ def gang_of_step(env: Mapping[str, str], per_node: int) -> GangContext:
     node 0's control store address and port, this task's node index, the step's secret."""
     variable = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
     names = expand_nodelist(env.get(variable, ""), variable)
+    secret = _step_secret(env, len(names))
     addresses = []
     for name in names:
         check_resolves(name, variable)
@@ -93,10 +95,21 @@ def gang_of_step(env: Mapping[str, str], per_node: int) -> GangContext:
     node = _count(env, "SLURM_NODEID")
     port = env.get("MASTER_PORT", "")
     control_port = int(port) if port.isdigit() else slurm_env.master_port(env) or 29500
-    secret = env.get(SECRET_VAR) or hashlib.sha256(
-        f"levers9-slurm {env.get('SLURM_JOB_ID')} {env.get('SLURM_STEP_ID')} {os.getuid()}".encode()
-    ).hexdigest()[:32]
     return GangContext(addresses[0], control_port, tuple(addresses), (per_node,) * len(names), node, 0.0, secret)
+
+
+def _step_secret(env: Mapping[str, str], nodes: int) -> str:
+    """LEVERS9_GANG_SECRET; LauncherEnvError naming the line to add to the job script when it is unset or short."""
+    secret = env.get(SECRET_VAR, "")
+    if len(secret) < MIN_SECRET_CHARS:
+        seen = "it is unset" if SECRET_VAR not in env else f"it has {len(secret)} character(s)"
+        raise LauncherEnvError(
+            f"levers9 run across {nodes} nodes under srun needs {SECRET_VAR}, a secret only this job's tasks know "
+            f"({seen}; expected at least {MIN_SECRET_CHARS} characters): the store between the nodes listens on the "
+            f"cluster network and unpickles what it reads, and SLURM gives the tasks no secret of their own. Add to "
+            f"the job script, before srun: export {SECRET_VAR}=$(python -c 'import secrets; print(secrets.token_hex(16))')"
+        )
+    return secret
 
 
 @contextlib.contextmanager
