@@ -158,13 +158,13 @@ def public_objects() -> dict[int, str]:
     import levers9.distributed
     import levers9.errors as errors
     import levers9.launch
-    from levers9.launch.job import Completed
+    from levers9.launch.map_results import Completed
 
     names = {id(getattr(levers9, n)): f"levers9.{n}" for n in levers9.__all__ if n not in ("distributed", "launch", "__version__")}
     names |= {id(getattr(levers9.distributed, n)): f"levers9.distributed.{n}" for n in levers9.distributed.__all__}
     names |= {id(getattr(levers9.launch, n)): f"levers9.launch.{n}" for n in levers9.launch.__all__ if id(getattr(levers9.launch, n)) not in names}
     names |= {id(obj): f"levers9.errors.{n}" for n, obj in vars(errors).items() if isinstance(obj, type) and obj.__module__ == errors.__name__}
-    names[id(Completed)] = "levers9.launch.job.Completed"  # what .map(order="completed") yields
+    names[id(Completed)] = "levers9.launch.map_results.Completed"  # what .map(order="completed") yields
     return names
 
 

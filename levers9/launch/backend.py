@@ -1,6 +1,6 @@
 """The seam between the job layer and whatever runs jobs: one method, `submit(batch) -> futures`.
 
-job.py does everything that is the same for every backend (argument checks, the workspace cap and
+job_function.py does everything that is the same for every backend (argument checks, the workspace cap and
 switch, result ordering, cancellation when a map is left, progress, the run's record). A backend
 receives a Batch of already-checked cells with the run folder the record made (each attempt's logs
 and meta.json go there, what a full disk cost goes to its loss record), checks that its machines

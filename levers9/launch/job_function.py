@@ -35,9 +35,7 @@ from levers9.launch.backend import (
     new_run_id,
 )
 from levers9.launch.cells import Cell, check_cell, make_cells
-from levers9.launch.map_results import RECORD_WAIT, wait_done
-from levers9.launch.map_results import Completed as Completed  # re-exported: docs name it here
-from levers9.launch.map_results import MapResults as MapResults  # re-exported: it lived here
+from levers9.launch.map_results import RECORD_WAIT, Completed, MapResults, wait_done
 from levers9.launch.policy import check_policy
 from levers9.launch.progress import Mode, Reporter, choose_mode
 from levers9.launch.run_folder import RunRecord
