@@ -100,9 +100,9 @@ def test_a_thousand_cells_run_with_bounded_descriptors_and_threads(tmp_path: Pat
     # 4 lanes, each with at most a lease ticket or a running job (3 pipes, their write ends while it
     # starts, its watcher's wake pipe, a pidfd, a selector, 2 log files), plus the run's events file, its
     # claim and the 4 card locks: 4 * 12 + 6, all lanes starting at once. Measured peaks: 48 to 50 on an idle
-    # machine, 52 to 53 beside three busy loops, 56 once in CI's three test workers (a lane's next job
-    # starting before the last one's descriptors were all closed). Two more per lane leave room for that
-    # and still fail on a leak by cell count: one descriptor left by one cell in ten shows as 100.
+    # machine, 52 to 53 beside three busy loops, 56 once in CI's three test workers (which two were extra
+    # was not traced). Two more per lane leave room for such a moment and still fail on a leak by cell
+    # count: one descriptor left by one cell in ten shows as 100.
     assert grew["fds"] <= 4 * 14 + 6, report
     assert grew["threads"] <= 4 + 2, report  # 4 lanes and the sampler
 
