@@ -54,6 +54,7 @@ td.destroy_process_group()
 # test cluster the first node's name is not the machine's hostname, which c10d would otherwise compare.
 HAND_WRITTEN_TORCHRUN = """#!/bin/bash
 #SBATCH --nodes=2 --ntasks-per-node=1 --gres=gpu:2 --output={out}
+export TMPDIR={tmp}  # torchrun's agent leaves its torchelastic_* folder there
 export HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 srun bash -c 'h=$([ $SLURM_NODEID = 0 ] && echo true || echo false); exec {python} -m torch.distributed.run \
     --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint $HEAD:$((20000 + SLURM_JOB_ID % 9000)) \
@@ -122,7 +123,7 @@ def main() -> None:
         worker.write_text(TORCHRUN_WORKER)
         torchrun_script = Path(root) / "hand-torchrun.sh"
         torchrun_script.write_text(HAND_WRITTEN_TORCHRUN.format(out=f"{root}/hand-torchrun-%j.out", python=sys.executable,
-                                                                worker=worker))  # fmt: skip
+                                                                worker=worker, tmp=root))  # fmt: skip
 
         def hand_written(path: Path) -> None:
             """Submit the script and wait for rank 0's "sum" line in its output, read every 0.05 s (levers9's

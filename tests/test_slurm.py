@@ -460,9 +460,10 @@ def _per_node(seen: list[dict[str, object]]) -> dict[object, list[tuple[object, 
     return nodes
 
 
-def test_srun_one_task_per_node_runs_torchrun_across_nodes(env: dict[str, str]) -> None:
+def test_srun_one_task_per_node_runs_torchrun_across_nodes(env: dict[str, str], tmp_path: Path) -> None:
     """The field's recipe: srun starts torchrun once per node; c10d's rendezvous on the first node. (Two slurmd
     on one machine: the first node's name is not this machine's hostname, so its torchrun is told it hosts.)"""
+    env = {**env, "TMPDIR": str(tmp_path)}  # torchrun's agent leaves its torchelastic_* folder there
     launch = (f"h=$([ $SLURM_NODEID = 0 ] && echo true || echo false); exec {sys.executable} -m torch.distributed.run "
               f"--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint l9node1:$((20000 + SLURM_JOB_ID % 9000)) "
               f"--rdzv-conf is_host=$h --rdzv-id $SLURM_JOB_ID {RANKS}")  # fmt: skip
