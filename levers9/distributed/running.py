@@ -26,6 +26,7 @@ from levers9.distributed.self_timer import SelfTimer
 from levers9.distributed.stalls import flight_recorder
 from levers9.distributed.started_ranks import STOP_GRACE_S
 from levers9.errors import ConfigError
+from levers9.procs.held_heap import held_heap
 from levers9.retries import RetryPolicy, restart_policy
 from levers9.seconds import is_seconds
 
@@ -160,26 +161,32 @@ class RunOptions:
 
 def run_with(fn: Callable[..., Any], cfg: Any, options: RunOptions) -> Any:
     """`run(fn, cfg, ...)` with its keywords given as one value: the path (under a launcher, in place,
-    ranks started here, across nodes) is chosen here, and each is one function."""
+    ranks started here, across nodes) is chosen here, and each is one function. Until fn runs in this
+    process, or while this process only starts and watches ranks, its objects are held out of its
+    garbage collector (procs/held_heap.py)."""
     if not callable(fn):
         raise ConfigError(f"distributed.run needs a function to call on every rank; got {type(fn).__name__} {fn!r}.")
-    policy = options.check()
-    slurm_env.check_started_by_srun(os.environ)  # a job script's own process, where srun was meant
-    call = fn if cfg is None and _takes_no_arguments(fn) else functools.partial(fn, cfg)
-    info = world.launch_info()
-    if info.launcher != "single" or world.live_group() is not None:
-        return _run_under_launcher(call, info, options)
-    layout = plan_layout(options.nprocs, options.backend)
-    job = current_job()
-    if options.max_restarts is None and job is not None:
-        policy = dataclasses.replace(policy, max_retries=job.max_restarts)  # @job(max_restarts=...)
-    if layout.nprocs == 1 and not policy.max_retries and (job is None or job.gang is None):  # a restartable world of one runs as a started rank
-        return _run_in_place(call, layout, options)
-    if options.stall_timeout is None and job is not None:
-        options = dataclasses.replace(options, stall_timeout=job.stall_timeout)  # @job(stall_timeout=...)
-    if job is not None and job.gang is not None:  # a job holding cards on several Ray nodes (issue 25)
-        return _run_across_nodes(fn, cfg, call, layout, options, policy, job)
-    return _run_ranks_here(fn, cfg, call, layout, options, policy)
+    with contextlib.ExitStack() as held:
+        held.enter_context(held_heap())
+        policy = options.check()
+        slurm_env.check_started_by_srun(os.environ)  # a job script's own process, where srun was meant
+        call = fn if cfg is None and _takes_no_arguments(fn) else functools.partial(fn, cfg)
+        info = world.launch_info()
+        if info.launcher != "single" or world.live_group() is not None:
+            held.close()  # fn runs in this process, with its collector as the caller left it
+            return _run_under_launcher(call, info, options)
+        layout = plan_layout(options.nprocs, options.backend)
+        job = current_job()
+        if options.max_restarts is None and job is not None:
+            policy = dataclasses.replace(policy, max_retries=job.max_restarts)  # @job(max_restarts=...)
+        if layout.nprocs == 1 and not policy.max_retries and (job is None or job.gang is None):  # a restartable world of one runs as a started rank
+            held.close()
+            return _run_in_place(call, layout, options)
+        if options.stall_timeout is None and job is not None:
+            options = dataclasses.replace(options, stall_timeout=job.stall_timeout)  # @job(stall_timeout=...)
+        if job is not None and job.gang is not None:  # a job holding cards on several Ray nodes (issue 25)
+            return _run_across_nodes(fn, cfg, call, layout, options, policy, job)
+        return _run_ranks_here(fn, cfg, call, layout, options, policy)
 
 
 def _run_under_launcher(call: Callable[[], Any], info: detect.LaunchInfo, options: RunOptions) -> Any:

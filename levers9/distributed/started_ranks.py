@@ -28,6 +28,7 @@ from levers9.distributed.store_server import hosted_store
 from levers9.errors import ConfigError, NotShippableError, RankFailed, RunTimeout, StallError
 from levers9.procs import start
 from levers9.procs.failure import ship, unpicklable_part
+from levers9.procs.held_heap import held_heap
 from levers9.procs.outcome import Outcome, StopReason, root_cause
 from levers9.procs.watch import exit_on_terminate
 from levers9.retries import RetryPolicy
@@ -70,12 +71,13 @@ def start_attempts(ranks: StartedRanks, policy: RetryPolicy) -> Any:
 def start_like_mp_spawn(call: Callable[[int], Any], nprocs: int, asked_method: str | None, prefix_output: bool = False) -> Any:
     """`call(rank)` in `nprocs` ranks with torch.multiprocessing.spawn's meaning: the caller's environment (no
     launcher variables, no store, no group) and no restarts; rank 0's value, or the root failure raised."""
-    layout = plan_layout(nprocs, None)
-    method = start.choose(asked_method)
-    shipped = None if method.forks else shipped_call(call, None, call, method)
-    ranks = StartedRanks(call, shipped, layout, ranks_env(layout, (), as_torchrun=False), method, None, None, prefix_output, STOP_GRACE_S,
-                         make_group=False, torchrun_env=False, pass_rank=True)  # fmt: skip
-    return start_attempts(ranks, RetryPolicy())
+    with held_heap():  # this process only starts and watches the ranks
+        layout = plan_layout(nprocs, None)
+        method = start.choose(asked_method)
+        shipped = None if method.forks else shipped_call(call, None, call, method)
+        ranks = StartedRanks(call, shipped, layout, ranks_env(layout, (), as_torchrun=False), method, None, None, prefix_output,
+                             STOP_GRACE_S, make_group=False, torchrun_env=False, pass_rank=True)  # fmt: skip
+        return start_attempts(ranks, RetryPolicy())
 
 
 def shipped_call(fn: Callable[..., Any], cfg: Any, call: Callable[..., Any], method: start.StartMethod) -> bytes:

@@ -8,6 +8,7 @@ rendezvous handlers, the warning filters, the signal handlers, the root logger a
     torchrun --nproc-per-node 2 torch_state.py torchrun   # inside a torchrun worker that made its group
 """
 
+import gc
 import importlib
 import json
 import logging
@@ -55,6 +56,7 @@ def snapshot() -> dict[str, Any]:
         "root_logger": [logging.getLevelName(root.level), [type(h).__name__ for h in root.handlers]],
         "levers9_logger": [h for h in (type(h).__name__ for h in logging.getLogger("levers9").handlers)],
         "threads": sorted(t.name for t in threading.enumerate()),
+        "collector": [gc.isenabled(), list(gc.get_threshold()), gc.get_freeze_count()],
     }
 
 
