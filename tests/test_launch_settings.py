@@ -126,6 +126,8 @@ def test_cli_max_gpu_count_end_to_end() -> None:
     assert load_settings().max_gpu_count == 4
     bad = levers9("workspace", "max-gpu-count", "0")
     assert bad.returncode == 2 and "expected 1 to 1024 cards, got 0" in bad.stderr
+    not_a_number = levers9("workspace", "max-gpu-count", "four")
+    assert not_a_number.returncode == 2 and "expected 1 to 1024 cards, got four" in not_a_number.stderr
     shown = json.loads(levers9("workspace", "show", "--json").stdout)
     assert shown["max_gpu_count"] == 4 and shown["multi_gpu"] is False
 

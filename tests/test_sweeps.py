@@ -516,6 +516,11 @@ def test_retention_keeps_what_it_promises(monkeypatch: pytest.MonkeyPatch, capsy
         made.append(record.path.name)
     kept = sorted(p.name for p in runs_dir().iterdir())
     assert kept == ["000-live", *made[-5:]]  # the newest 5, and the run whose caller is alive
+    for bad in ("-1", "two"):  # a usage error that removes nothing
+        with pytest.raises(SystemExit) as exited:
+            _cli(capsys, "clean", "--keep", bad)
+        assert exited.value.code == 2 and f"expected a whole number of runs (0 or more), got {bad}" in capsys.readouterr().err
+    assert sorted(p.name for p in runs_dir().iterdir()) == kept
     status, out, _ = _cli(capsys, "clean", "--keep", "2")
     assert status == 0 and sorted(p.name for p in runs_dir().iterdir()) == ["000-live", *made[-2:]]
     assert run_retention.clean(older_than=3600, now=time.time() + 7200) == [runs_dir() / n for n in made[-2:]]

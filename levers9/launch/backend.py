@@ -85,25 +85,24 @@ class TeeEvents:
     def __init__(self, *targets: Events) -> None:
         self.targets = targets
 
-    def waiting(self, cell: Cell, why: str) -> None:
+    def _each(self, tell: Callable[[Events], None]) -> None:
         for target in self.targets:
-            target.waiting(cell, why)
+            tell(target)
+
+    def waiting(self, cell: Cell, why: str) -> None:
+        self._each(lambda target: target.waiting(cell, why))
 
     def started(self, cell: Cell, cards: str, attempt: int) -> None:
-        for target in self.targets:
-            target.started(cell, cards, attempt)
+        self._each(lambda target: target.started(cell, cards, attempt))
 
     def retrying(self, cell: Cell, attempt: int, reason: str) -> None:
-        for target in self.targets:
-            target.retrying(cell, attempt, reason)
+        self._each(lambda target: target.retrying(cell, attempt, reason))
 
     def finished(self, cell: Cell, ok: bool, error: BaseException | None = None) -> None:
-        for target in self.targets:
-            target.finished(cell, ok, error)
+        self._each(lambda target: target.finished(cell, ok, error))
 
     def output(self, cell: Cell, stream: str, text: str) -> None:
-        for target in self.targets:
-            target.output(cell, stream, text)
+        self._each(lambda target: target.output(cell, stream, text))
 
 
 @dataclasses.dataclass

@@ -1,5 +1,6 @@
-"""How the job layer's subcommands (`levers9 runs`, `workspace`, `ray`) end on a levers9 error: the
-error's own words (what was seen, what was expected, the fix) as one line on stderr, never a traceback."""
+"""How the job layer's subcommands (`levers9 runs`, `workspace`, `ray`) answer bad input: a levers9 error in
+its own words (what was seen, what was expected, the fix) as one line on stderr, never a traceback, and a
+bad whole-number argument in argparse's usage error."""
 
 from __future__ import annotations
 
@@ -28,3 +29,19 @@ def said_as(prefix: str, status: int) -> Callable[[Handler], Handler]:
         return run
 
     return wrap
+
+
+def whole_number(unit: str, low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse `type=` taking a whole number of `unit` from `low` to `high` (no upper bound when None)."""
+    expected = f"{low} to {high} {unit}" if high is not None else f"a whole number of {unit} ({low} or more)"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1  # not a number: said as out of range, with what was given
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return value
+
+    return parse

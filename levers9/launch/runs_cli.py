@@ -20,7 +20,7 @@ from typing import Any
 
 from levers9.errors import Levers9Error
 from levers9.launch import run_reader, run_retention, slurm_collect
-from levers9.launch.cli_errors import said_as
+from levers9.launch.cli_errors import said_as, whole_number
 from levers9.launch.settings import runs_dir
 from levers9.seconds import say_duration
 from levers9.state_files import read_private
@@ -46,7 +46,7 @@ def register(subparsers: Any) -> None:
     logs.set_defaults(handler=_logs)
     clean = sub.add_parser("clean", help="remove old run folders (never one whose caller still runs)")
     clean.add_argument("--older-than", type=_age, metavar="AGE", help="e.g. 90m, 12h, 7d, 2w")
-    clean.add_argument("--keep", type=_keep, metavar="N", help="keep the newest N runs")
+    clean.add_argument("--keep", type=whole_number("runs", 0), metavar="N", help="keep the newest N runs")
     clean.set_defaults(handler=_clean)
     slurm_collect.register(sub)  # `levers9 runs result`: a detached SLURM job's value (issue 42)
 
@@ -56,16 +56,6 @@ def _age(text: str) -> float:
     if match is None:
         raise argparse.ArgumentTypeError(f"expected a number and a unit (s, m, h, d, w) such as 7d, got {text!r}")
     return float(match.group(1)) * _UNITS[match.group(2)]
-
-
-def _keep(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number of runs (0 or more), got {text!r}")
-    return value
 
 
 def _say_skipped(skipped: Sequence[Levers9Error]) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from levers9.errors import Levers9Error
-from levers9.launch.cli_errors import said_as
+from levers9.launch.cli_errors import said_as, whole_number
 from levers9.launch.pool import local_pool
 from levers9.launch.settings import MAX_GPU_COUNT_LIMIT, Settings, load_settings, update_settings
 
@@ -34,18 +34,9 @@ def register(subparsers: Any) -> None:
     multi.add_argument("state", nargs="?", choices=["on", "off"], help="omit to print the current state")
     multi.set_defaults(handler=_multi_gpu)
     cap = sub.add_parser("max-gpu-count", help="read or set the most cards one job may ask for")
-    cap.add_argument("count", nargs="?", type=_count, help=f"1 to {MAX_GPU_COUNT_LIMIT}; omit to print it")
+    count = whole_number("cards", 1, MAX_GPU_COUNT_LIMIT)
+    cap.add_argument("count", nargs="?", type=count, help=f"1 to {MAX_GPU_COUNT_LIMIT}; omit to print it")
     cap.set_defaults(handler=_max_gpu_count)
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of cards, got {text!r}") from None
-    if not 1 <= value <= MAX_GPU_COUNT_LIMIT:
-        raise argparse.ArgumentTypeError(f"expected 1 to {MAX_GPU_COUNT_LIMIT} cards, got {value}")
-    return value
 
 
 def _on_off(value: bool) -> str:
