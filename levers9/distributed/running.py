@@ -166,6 +166,8 @@ def run_with(fn: Callable[..., Any], cfg: Any, options: RunOptions) -> Any:
     garbage collector (procs/held_heap.py)."""
     if not callable(fn):
         raise ConfigError(f"distributed.run needs a function to call on every rank; got {type(fn).__name__} {fn!r}.")
+    import torch  # noqa: F401 - every path needs it (levers9 run's caller had not imported it): held with the rest
+
     with contextlib.ExitStack() as held:
         held.enter_context(held_heap())
         policy = options.check()
