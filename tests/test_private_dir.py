@@ -145,3 +145,23 @@ def test_stall_boards_live_in_a_private_folder(monkeypatch: pytest.MonkeyPatch, 
         assert (root.st_uid, stat.S_IMODE(root.st_mode), stat.S_ISDIR(root.st_mode)) == (os.getuid(), 0o700, True)
     finally:
         folder.remove()
+
+
+def test_a_board_folder_makes_only_the_place_it_goes_in_and_looking_makes_none(
+    shared_tmp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, every run with timeout= made a private folder at every place a board may go (the state folder,
+    /dev/shm and the temp dir), and `levers9 stacks` made them only to look in them: an empty
+    /tmp/levers9-<uid> was left behind by runs whose boards were elsewhere."""
+    from levers9.distributed import stalls
+
+    state = tmp_path / "state"
+    monkeypatch.setenv("LEVERS9_STATE_DIR", str(state))
+    assert list(stalls.live_boards()) == [] and stalls.find_board(os.getpid()) is None
+    assert not state.exists()  # looking made nothing
+    folder = stalls.BoardFolder(2)
+    try:
+        assert folder.path.parent == state / "boards"
+        assert not (shared_tmp / f"levers9-{os.getuid()}").exists()  # the temp dir's place was not reached
+    finally:
+        folder.remove()

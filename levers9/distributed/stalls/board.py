@@ -25,7 +25,7 @@ from pathlib import Path
 from levers9.distributed.stalls.flight_recorder import RecorderStatus
 from levers9.distributed.stalls.sampler import fresh_states, request_samples, sample_fifo
 from levers9.errors import PrivateDirError
-from levers9.private_dir import private_dir
+from levers9.private_dir import check_private, private_dir
 from levers9.procs.watch import pid_alive
 
 _CALLS = struct.Struct("=QQdd24s")  # finished, in_collective, entered_at, last_finished_at, name
@@ -37,28 +37,38 @@ BOARD_DIR_PREFIX = "levers9-board-"
 
 
 def boards_root() -> Path:
-    """Where board folders live: `$LEVERS9_STATE_DIR/boards` when that is set, else our private levers9-<uid> folder
-    in /dev/shm (memory, never a slow disk), else in the temp dir."""
-    return board_roots()[0]
+    """Where a new board folder goes: `$LEVERS9_STATE_DIR/boards` when that is set, else our private levers9-<uid>
+    folder in /dev/shm (memory, never a slow disk), else in the temp dir; the first that is, or can be made, ours."""
+    return next(_usable_places())
 
 
 def board_roots() -> list[Path]:
-    """The places a board folder may go, best first; each is a private folder (created on first use). One
-    that cannot be made (a full or read-only state folder, another user's folder) is passed over."""
-    found: list[Path] = []
-    errors: list[str] = []
-    for base in _board_places():
+    """The places board folders of this user's runs are now, best first: folders of ours alone that exist (none
+    is made only to be looked in); another user's folder, or a symlink, at one of them is passed over."""
+    found = []
+    for place in _board_places():
+        with contextlib.suppress(PrivateDirError):
+            if check_private(place):
+                found.append(place)
+    return found
+
+
+def _usable_places() -> Iterator[Path]:
+    """Each place a board folder may go, best first, made a private folder only once it is reached; one that
+    cannot be (a full or read-only state folder, another user's folder) is passed over. PrivateDirError naming
+    every reason when none can be."""
+    places, errors = _board_places(), []
+    for place in places:
         try:
-            found.append(private_dir(base))
+            yield private_dir(place)
         except OSError as exc:  # another user's folder, a symlink, a full or read-only disk: try the next place
             errors.append(str(exc))
-    if not found:
+    if len(errors) == len(places):
         raise PrivateDirError(
             "distributed.run has nowhere private for its board folder (timeout=/stall_timeout= reports): "
             + " ".join(errors) + " Set LEVERS9_STATE_DIR to a folder of your own (e.g. export "
             "LEVERS9_STATE_DIR=~/.cache/levers9)."
         )
-    return found
 
 
 def _board_places() -> list[Path]:
@@ -103,7 +113,7 @@ class BoardFolder:
 
     def __init__(self, nprocs: int) -> None:
         self.nprocs = nprocs
-        self.path = self._make(board_roots())
+        self.path = self._make()
         board = self.path / "progress.bin"
         for rank in range(nprocs):
             try:
@@ -115,10 +125,10 @@ class BoardFolder:
         self._last_request = 0.0
         self.pids: list[int] = []  # the ranks' pids, by slot, once started
 
-    def _make(self, roots: list[Path]) -> Path:
-        """A fresh folder with an empty board in the first root with room for it (a full /dev/shm moves it on)."""
+    def _make(self) -> Path:
+        """A fresh folder with an empty board in the first place with room for it (a full /dev/shm moves it on)."""
         failures = []
-        for root in roots:
+        for root in _usable_places():
             remove_stale_runs(root)
             try:
                 path = Path(tempfile.mkdtemp(prefix=f"{BOARD_DIR_PREFIX}{os.getpid()}-", dir=root))
