@@ -9,31 +9,46 @@ import sys
 from levers9 import __version__
 from levers9.console_log import console_handler
 
-# Modules that each add one subcommand (and its options) to the parser.
-COMMAND_MODULES: tuple[str, ...] = (
-    "levers9.launch.workspace_cli",
-    "levers9.doctor",
-    "levers9.stacks_cli",
-    "levers9.launch.ray_cli",
-    "levers9.launch.runs_cli",
-    "levers9.run_cli",
-)
+# The module that adds each subcommand (and its options) to the parser, by the subcommand's name.
+COMMAND_MODULES: dict[str, str] = {
+    "workspace": "levers9.launch.workspace_cli",
+    "doctor": "levers9.doctor",
+    "stacks": "levers9.stacks_cli",
+    "ray": "levers9.launch.ray_cli",
+    "runs": "levers9.launch.runs_cli",
+    "run": "levers9.run_cli",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser, with every subcommand registered."""
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser for `argv`: with only the subcommand it names registered when it names one (so
+    `levers9 run` imports what `run` needs, not what `doctor` or `workspace` do, before its ranks start),
+    else with every subcommand (top-level help, an unknown command's error listing them all)."""
     parser = argparse.ArgumentParser(prog="levers9", description="Train on 1, 2, 4 or 8 cards.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     parser.add_argument("--version", action="version", version=f"levers9 {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    chosen = named_command(sys.argv[1:] if argv is None else argv)
+    for command, module in COMMAND_MODULES.items():
+        if chosen in (None, command):
+            importlib.import_module(module).register(sub)
     return parser
+
+
+def named_command(argv: list[str]) -> str | None:
+    """The subcommand `argv` names (its first word that is not an option: the top-level options take no
+    value), or None when it names none of them or asks for the top-level help first."""
+    for word in argv:
+        if word in ("-h", "--help"):
+            return None
+        if not word.startswith("-"):
+            return word if word in COMMAND_MODULES else None
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
         parser.print_help(sys.stderr)
