@@ -99,10 +99,10 @@ def test_a_thousand_cells_run_with_bounded_descriptors_and_threads(tmp_path: Pat
     grew = {what: report["peak"][what] - report["base"][what] for what in ("fds", "threads")}
     # 4 lanes, each with at most a lease ticket or a running job: its 3 pipes (both ends while it starts),
     # its watcher's wake pipe, a pidfd, a selector, 2 log files, and its card's lock in each lease folder
-    # (this caller's, and the fallback /tmp/levers9-<uid>/leases wherever an earlier run left one: two in
-    # CI, none on a fresh machine); plus the run's events file and its claim. Traced peaks: 48 to 53 with
-    # one lease folder, 54 to 56 with both; 56 is 4 lanes of 14 less those not yet opened. A descriptor
-    # left by one cell in ten would show as 100.
+    # (this caller's, and the fallback /tmp/levers9-<uid>/leases where an earlier run without a state
+    # folder left one, as on the machine where CI saw 56); plus the run's events file and its claim.
+    # Traced peaks: 48 to 53 with one lease folder, 54 to 56 with both; 56 is 4 lanes of 14 less those not
+    # yet opened. A descriptor left by one cell in ten would show as 100.
     assert grew["fds"] <= 4 * 14 + 2, report
     assert grew["threads"] <= 4 + 2, report  # 4 lanes and the sampler
 
