@@ -20,8 +20,9 @@ world of one.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from levers9.lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from levers9.distributed.helpers import PaddedShard, all_reduce_mean, barrier, device, print0, shard, wrap
@@ -60,22 +61,13 @@ __all__ = [
     "restart_count",
 ]
 
-# Each public name loads with its module on first use, not with the package: importing any module under
-# levers9.distributed (a SLURM or Ray task reading a card table, a job process) runs this file, and loading
-# run, run_script and spawn here put about 30 ms of modules on every such import.
-_HOME = {
-    **dict.fromkeys(("PaddedShard", "all_reduce_mean", "barrier", "device", "print0", "shard", "wrap"), "helpers"),
-    "spawn": "mpspawn",
-    "run": "running",
-    "run_script": "script",
+# Each public name loads with its module on first use, not with the package (levers9/lazy_names.py): loading
+# run, run_script and spawn here put about 30 ms of modules on every import of a module under it.
+__getattr__ = lazy_names(__name__, {
+    **dict.fromkeys(("PaddedShard", "all_reduce_mean", "barrier", "device", "print0", "shard", "wrap"), ".helpers"),
+    "spawn": ".mpspawn",
+    "run": ".running",
+    "run_script": ".script",
     **dict.fromkeys(("is_main", "launcher", "local_rank", "local_world_size", "node_rank", "rank", "restart_count",
-                     "world_size"), "world"),  # fmt: skip
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOME:
-        raise AttributeError(f"module 'levers9.distributed' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"levers9.distributed.{_HOME[name]}"), name)
-    globals()[name] = value
-    return value
+                     "world_size"), ".world"),  # fmt: skip
+})

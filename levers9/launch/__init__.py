@@ -5,8 +5,9 @@ from levers9.launch import job, Retries
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from levers9.lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from levers9.launch.job_function import JobFunction, job
@@ -16,21 +17,13 @@ if TYPE_CHECKING:
 
 __all__ = ["job", "Retries", "JobFunction", "MapResults", "JobSpec"]
 
-# Each public name loads with its module on first use, not with the package: a SLURM or Ray task imports
-# only the job-process side of levers9.launch, and `@job`'s module (backends, the live table, rich) would
-# add about 40 ms to every cell there.
-_HOME = {
-    "job": "levers9.launch.job_function",
-    "JobFunction": "levers9.launch.job_function",
-    "MapResults": "levers9.launch.map_results",
-    "JobSpec": "levers9.launch.spec",
+# Each public name loads with its module on first use, not with the package (levers9/lazy_names.py): a SLURM
+# or Ray task imports only the job-process side of levers9.launch, and `@job`'s module (backends, the live
+# table, rich) would add about 40 ms to every cell there.
+__getattr__ = lazy_names(__name__, {
+    "job": ".job_function",
+    "JobFunction": ".job_function",
+    "MapResults": ".map_results",
+    "JobSpec": ".spec",
     "Retries": "levers9.retries",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOME:
-        raise AttributeError(f"module 'levers9.launch' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOME[name]), name)
-    globals()[name] = value
-    return value
+})
