@@ -37,10 +37,10 @@ def whole_number(unit: str, low: int, high: int | None = None) -> Callable[[str]
 
     def parse(text: str) -> int:
         try:
-            value = int(text)
+            value: int | None = int(text)
         except ValueError:
-            value = low - 1  # not a number: said as out of range, with what was given
-        if value < low or (high is not None and value > high):
+            value = None  # not a whole number
+        if value is None or value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
         return value
 
