@@ -286,7 +286,7 @@ def test_an_exception_is_retried_only_when_asked(backend: str, cards: Cards, tmp
         by_default.remote(str(marker))
     assert marker.read_text() == "1"
     marker.unlink()
-    asked = job(gpu=cards.type, retries=Retries(1, initial_delay=0, on=("exception",)), backend=backend)(jobfns.raise_once)
+    asked = job(gpu=cards.type, retries=Retries(1, initial_delay=0, on=("exception", "comm", "stall")), backend=backend)(jobfns.raise_once)
     assert asked.remote(str(marker)) == "ok after 2 attempts"
 
 

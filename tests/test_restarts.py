@@ -151,7 +151,7 @@ def test_exhausted_restarts_list_every_root_cause_oldest_first(tmp_path: Path) -
 def test_exhausted_restarts_on_exceptions_keep_the_type_and_the_last_traceback(tmp_path: Path) -> None:
     with pytest.raises(restartfns.AttemptError, match="bad batch on attempt 1") as info:
         dist.run(restartfns.raise_on_rank_1_every_attempt, str(tmp_path), nprocs=2, max_restarts=1,
-                 restart_delay=0, restart_on=("exception",))  # fmt: skip
+                 restart_delay=0, restart_on=("exception", "exit"))  # fmt: skip
     notes = "\n".join(info.value.__notes__)
     assert "Traceback (most recent call last)" in notes and "in raise_on_rank_1_every_attempt" in notes
     assert "AttemptError: bad batch on attempt 1" in notes
