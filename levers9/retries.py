@@ -143,11 +143,7 @@ def _outside_levers9() -> int:
 def restart_policy(max_restarts: object, restart_on: object, restart_delay: object) -> RetryPolicy:
     """distributed.run's max_restarts= / restart_on= / restart_delay= (None: the default) as a policy;
     ConfigError on a bad one."""
-    if max_restarts is not None and (isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0):
-        raise ConfigError(
-            f"max_restarts={max_restarts!r}; expected a whole number >= 0 (how often every rank may be started "
-            f"again after a failure). Pass e.g. max_restarts=3, or 0 for none."
-        )
+    count = 0 if max_restarts is None else checked_max_restarts(max_restarts)
     words = DEFAULT_RESTART_ON if restart_on is None else _check_words(restart_on)
     delay = DEFAULT_RESTART_DELAY_S if restart_delay is None else restart_delay
     if not is_seconds(delay, zero_ok=True):
@@ -156,11 +152,21 @@ def restart_policy(max_restarts: object, restart_on: object, restart_delay: obje
             f"Pass e.g. restart_delay=5, or leave it unset for {DEFAULT_RESTART_DELAY_S:g} s."
         )
     return RetryPolicy(
-        max_retries=0 if max_restarts is None else max_restarts,
+        max_retries=count,
         on=words,
         kinds=kinds_of(words, "restart_on"),
         initial_delay=float(delay),
     )
+
+
+def checked_max_restarts(value: object, error: type[ConfigError] = ConfigError, also: str = "") -> int:
+    """`value` as a count of restarts (a whole number >= 0), else `error` saying so; `also` ends its message."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise error(
+            f"max_restarts={value!r}; expected a whole number >= 0 (how often every rank may be started "
+            f"again after a failure). Pass e.g. max_restarts=3, or 0 for none.{also}"
+        )
+    return value
 
 
 def _check_words(restart_on: object) -> tuple[str, ...]:

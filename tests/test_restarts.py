@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -255,7 +256,7 @@ def test_restart_count_reads_torchruns_variable(monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.fast
 @pytest.mark.parametrize("value", [-1, 1.5, True, "2"])
 def test_job_max_restarts_is_checked_at_decoration(value: Any) -> None:
-    with pytest.raises(JobConfigError, match="max_restarts must be a whole number >= 0.*retries= is the other knob"):
+    with pytest.raises(JobConfigError, match=rf"max_restarts={re.escape(repr(value))}; expected a whole number >= 0.*retries= is the other knob"):
         job(gpu="RTXPro6000", max_restarts=value)(restartfns.job_trains_with_checkpoints)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from levers9.distributed.hardware.gpu_types import parse_gpu_type
 from levers9.errors import JobConfigError
 from levers9.launch import slurm_options
-from levers9.retries import Retries, RetryPolicy
+from levers9.retries import Retries, RetryPolicy, checked_max_restarts
 from levers9.seconds import is_seconds
 
 ANY = "any"
@@ -89,7 +89,9 @@ def build_spec(
         stop_grace=_seconds("stop_grace", stop_grace) or 0.0,
         stream_output=bool(stream_output),
         stall_timeout=_seconds("stall_timeout", stall_timeout),
-        max_restarts=_max_restarts(max_restarts),
+        max_restarts=checked_max_restarts(
+            max_restarts, JobConfigError, " retries= is the other knob: it runs the whole job again."
+        ),
         slurm=slurm_options.check(slurm),
     )
 
@@ -163,16 +165,6 @@ def _seconds(name: str, value: Any) -> float | None:
             f"Use e.g. @job({name}={_EXAMPLE.get(name, 60)})."
         )
     return float(value)
-
-
-def _max_restarts(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise JobConfigError(
-            f"max_restarts must be a whole number >= 0 (how often distributed.run inside the job starts every "
-            f"rank again after a crash, a lost peer or a stall), got {value!r}. Use e.g. max_restarts=3; "
-            f"retries= is the other knob: it re-runs the whole job."
-        )
-    return value
 
 
 def _retries(value: Any) -> RetryPolicy:
