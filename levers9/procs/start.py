@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from levers9.errors import ConfigError
-from levers9.procs import child, echo, fds, oom
+from levers9.procs import child, fds, oom
 from levers9.procs.watch import Child
 
 START_VAR = "LEVERS9_START_METHOD"
@@ -67,12 +67,11 @@ class Stdio:
 
 
 def _terminal_of(stream: Any) -> int | None:
-    if not echo.isatty(stream):
-        return None
-    try:
-        return int(stream.fileno())
-    except Exception:
-        return None
+    """The descriptor of `stream` when it is a terminal; None otherwise (None, closed, or unable to say)."""
+    with contextlib.suppress(Exception):
+        if stream.isatty():
+            return int(stream.fileno())
+    return None
 
 
 def _is_open(fd: int) -> bool:
