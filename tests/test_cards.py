@@ -116,6 +116,10 @@ def test_no_nvml_or_no_driver_is_an_empty_inventory(monkeypatch: pytest.MonkeyPa
 def test_zero_cards(monkeypatch: pytest.MonkeyPatch) -> None:
     use_fake_pynvml(monkeypatch, machine())
     assert cards.visible_cards() == []
+    for env in ({}, {"CUDA_VISIBLE_DEVICES": ""}, {"CUDA_VISIBLE_DEVICES": "0"}):
+        inv = cards.inventory(env)
+        assert inv.cards == () and inv.error == "NVML reports no cards", env  # not "CUDA_VISIBLE_DEVICES hides..."
+        assert (inv.driver_version, inv.cuda_driver_version) == ("580.95.05", "13.0")
 
 
 @pytest.mark.procs

@@ -122,12 +122,6 @@ def inventory(env: Mapping[str, str] | None = None, *, refresh: bool = False) ->
     """Visible cards plus driver versions and the P2P / NVLink matrix between them (never raises)."""
     env = os.environ if env is None else env
     machine = _read_machine(refresh)
-    if not machine.cards:
-        return Inventory(
-            driver_version=machine.driver_version,
-            cuda_driver_version=machine.cuda_driver_version,
-            error=machine.error,
-        )
     chosen, note = _select(machine.cards, env)
     cards = tuple(dataclasses.replace(c, index=i) for i, c in enumerate(chosen))
     by_nvml = {c.nvml_index: c.index for c in cards}
@@ -164,7 +158,7 @@ def _select(all_cards: tuple[Card, ...], env: Mapping[str, str]) -> tuple[list[C
                 )
             break
         chosen.append(card)
-    note = None if chosen else f"CUDA_VISIBLE_DEVICES={spec!r} hides every card"
+    note = None if chosen or not ordered else f"CUDA_VISIBLE_DEVICES={spec!r} hides every card"
     return chosen, note
 
 
