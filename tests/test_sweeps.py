@@ -528,6 +528,20 @@ def test_retention_keeps_what_it_promises(monkeypatch: pytest.MonkeyPatch, capsy
     assert run_retention.clean(older_than=0, now=time.time() + 1) == [runs_dir() / "000-live"]
 
 
+@pytest.mark.fast
+@pytest.mark.timeout(60)
+def test_retention_dates_a_folder_it_cannot_read_by_its_modification_time() -> None:
+    record = run_folder.RunRecord("002-done", name="done", backend="local", func=jobfns.add, cells=[Cell(0, (1,), {})])
+    record.close()
+    broken = runs_dir() / "001-broken"
+    broken.mkdir(mode=0o700)
+    (broken / "run.json").write_text('{"format": 1, "sta')  # cut short by a crash
+    an_hour_ago = time.time() - 3600
+    os.utime(broken, (an_hour_ago, an_hour_ago))
+    assert run_retention.clean(older_than=60) == [broken]
+    assert [p.name for p in runs_dir().iterdir()] == ["002-done"]
+
+
 @pytest.mark.timeout(30)
 def test_a_run_folder_from_a_newer_levers9_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     folder = runs_dir() / "29990101-000000-future-abcdef"

@@ -243,15 +243,25 @@ def read_run(path: Path) -> Run:
     return Run(path, meta, newer=newer)
 
 
+def each_run_folder() -> Iterator[tuple[Path, Run | RunFormatError]]:
+    """Every run folder under runs_dir() (not those being made) with its run, or the RunFormatError
+    that says why it cannot be read."""
+    for path in run_folders():
+        try:
+            yield path, read_run(path)
+        except RunFormatError as exc:
+            yield path, exc
+
+
 def scan_runs() -> tuple[list[Run], list[RunFormatError]]:
     """Every readable run under runs_dir(), oldest first, and the errors of the folders passed over
     (each names its folder). Folders being made (hidden names) are left out."""
     runs, skipped = [], []
-    for path in run_folders():
-        try:
-            runs.append(read_run(path))
-        except RunFormatError as exc:
-            skipped.append(exc)
+    for _, found in each_run_folder():
+        if isinstance(found, Run):
+            runs.append(found)
+        else:
+            skipped.append(found)
     return sorted(runs, key=lambda r: (r.started, r.name_on_disk)), skipped
 
 

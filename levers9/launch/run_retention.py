@@ -11,8 +11,8 @@ import shutil
 import time
 from pathlib import Path
 
-from levers9.errors import ConfigError, RunFormatError
-from levers9.launch.run_reader import NEW_PREFIX, Run, mtime, read_run, run_folders
+from levers9.errors import ConfigError
+from levers9.launch.run_reader import NEW_PREFIX, Run, each_run_folder, mtime
 from levers9.launch.settings import runs_dir
 from levers9.procs.watch import pid_alive
 
@@ -40,11 +40,8 @@ def clean(*, keep: int | None = None, older_than: float | None = None, now: floa
     now = time.time() if now is None else now
     _remove_orphans()
     folders = []
-    for path in run_folders():
-        try:
-            run: Run | None = read_run(path)
-        except RunFormatError:
-            run = None
+    for path, found in each_run_folder():
+        run = found if isinstance(found, Run) else None
         folders.append((path, run.started if run is not None else mtime(path), run))
     folders.sort(key=lambda item: (item[1], item[0].name))
     doomed: list[tuple[Path, Run | None]] = []
