@@ -6,7 +6,10 @@ from __future__ import annotations
 import os
 import pwd
 import stat
+import subprocess
+import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -149,6 +152,33 @@ def test_stall_boards_live_in_a_private_folder(monkeypatch: pytest.MonkeyPatch, 
         folder.remove()
         if made_here and shm_root.exists():
             shm_root.rmdir()  # the machine's own place for boards: left as this test found it
+
+
+def test_a_board_that_cannot_be_mapped_leaves_no_folder_behind(tmp_path: Path) -> None:
+    """Out of descriptors with one left: the board file opens, but its map (a dup of that descriptor) cannot
+    be made. The error says what ran out and how to fix it, and the half-made board folder is removed."""
+    code = textwrap.dedent("""
+        import os, resource
+        from levers9.distributed import stalls
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+        held = []
+        try:
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            os.close(held.pop())  # exactly one descriptor free
+        try:
+            stalls.BoardFolder(2)
+        except OSError as exc:
+            print("refused:", exc)
+    """)
+    state = tmp_path / "state"
+    env = {**os.environ, "LEVERS9_STATE_DIR": str(state)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "refused:" in done.stdout and "could not open and map its board file" in done.stdout, done.stdout
+    assert "ulimit -n" in done.stdout
+    assert list((state / "boards").iterdir()) == []  # the folder it made is gone
 
 
 def test_a_board_folder_makes_only_the_place_it_goes_in_and_looking_makes_none(

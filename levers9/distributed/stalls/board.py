@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from levers9.distributed.stalls.flight_recorder import RecorderStatus
 from levers9.distributed.stalls.sampler import fresh_states, request_samples, sample_fifo
@@ -112,43 +113,23 @@ class BoardFolder:
     """The parent's side: creates the folder and the progress board, reads them, removes them."""
 
     def __init__(self, nprocs: int) -> None:
-        self.nprocs = nprocs
-        self.path = self._make()
+        self.path = _new_board_folder(nprocs)
         board = self.path / "progress.bin"
+        try:
+            self._file, self._map = _map_board(board, nprocs)
+        except OSError:  # no descriptor or memory left: the half-made folder (only the board) is not left behind,
+            with contextlib.suppress(OSError):  # removed by name, as listing it would need a descriptor
+                board.unlink()
+                self.path.rmdir()
+            raise
         for rank in range(nprocs):
             try:
                 os.mkfifo(sample_fifo(self.path, rank), 0o600)
             except OSError:  # a filesystem without FIFOs: no recorder samples, the Python-level counts remain
                 break
-        self._file = open(board, "r+b")  # noqa: SIM115 - closed in remove()
-        self._map = mmap.mmap(self._file.fileno(), _SLOT_SIZE * nprocs)
+        self.nprocs = nprocs
         self._last_request = 0.0
         self.pids: list[int] = []  # the ranks' pids, by slot, once started
-
-    def _make(self) -> Path:
-        """A fresh folder with an empty board in the first place with room for it (a full /dev/shm moves it on)."""
-        failures = []
-        for root in _usable_places():
-            remove_stale_runs(root)
-            try:
-                path = Path(tempfile.mkdtemp(prefix=f"{BOARD_DIR_PREFIX}{os.getpid()}-", dir=root))
-            except OSError as exc:  # a full or read-only state folder: the next root
-                failures.append(f"{root}: {exc.strerror or exc}")
-                continue
-            now = time.monotonic()
-            try:
-                with open(path / "progress.bin", "wb") as f:
-                    for _ in range(self.nprocs):
-                        f.write(_CALLS.pack(0, 0, 0.0, now, b"") + _RECORDER.pack(-1, -1, now, 0.0, b""))
-                return path
-            except OSError as exc:  # ENOSPC: a full or tiny /dev/shm
-                shutil.rmtree(path, ignore_errors=True)
-                failures.append(f"{root}: {exc.strerror or exc}")
-        raise OSError(
-            f"distributed.run could not write its board folder (for timeout=/stall_timeout= reports) in "
-            f"{'; '.join(failures)}. Expected a few hundred bytes free; free space there, or set LEVERS9_STATE_DIR "
-            f"to a folder of your own with room."
-        )
 
     def write_pids(self, parent: int, pids: list[int]) -> None:
         self.pids = list(pids)
@@ -177,6 +158,48 @@ class BoardFolder:
         self._map.close()
         self._file.close()
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _new_board_folder(nprocs: int) -> Path:
+    """A fresh folder with an empty board in the first place with room for it (a full /dev/shm moves it on)."""
+    failures = []
+    for root in _usable_places():
+        remove_stale_runs(root)
+        try:
+            path = Path(tempfile.mkdtemp(prefix=f"{BOARD_DIR_PREFIX}{os.getpid()}-", dir=root))
+        except OSError as exc:  # a full or read-only state folder: the next root
+            failures.append(f"{root}: {exc.strerror or exc}")
+            continue
+        now = time.monotonic()
+        try:
+            with open(path / "progress.bin", "wb") as f:
+                for _ in range(nprocs):
+                    f.write(_CALLS.pack(0, 0, 0.0, now, b"") + _RECORDER.pack(-1, -1, now, 0.0, b""))
+            return path
+        except OSError as exc:  # ENOSPC: a full or tiny /dev/shm
+            shutil.rmtree(path, ignore_errors=True)
+            failures.append(f"{root}: {exc.strerror or exc}")
+    raise OSError(
+        f"distributed.run could not write its board folder (for timeout=/stall_timeout= reports) in "
+        f"{'; '.join(failures)}. Expected a few hundred bytes free; free space there, or set LEVERS9_STATE_DIR "
+        f"to a folder of your own with room."
+    )
+
+
+def _map_board(board: Path, nprocs: int) -> tuple[BinaryIO, mmap.mmap]:
+    """The board file, open and mapped (kept open: BoardFolder.remove closes it); OSError saying what ran out."""
+    with contextlib.ExitStack() as opened:
+        try:
+            file = opened.enter_context(open(board, "r+b"))
+            board_map = mmap.mmap(file.fileno(), _SLOT_SIZE * nprocs)
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"distributed.run could not open and map its board file {board} ({exc.strerror or exc}). Expected "
+                f"a free file descriptor and a page of memory; close files or raise their limit (ulimit -n).",
+            ) from exc
+        opened.pop_all()
+        return file, board_map
 
 
 def remove_stale_runs(root: Path) -> None:
