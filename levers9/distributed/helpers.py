@@ -154,8 +154,10 @@ def barrier() -> None:
 def _ensure_group() -> None:
     """Under a launcher with several ranks and no group (helpers used without `distributed.run`): the quirks for
     the launcher's world applied, then the group made now; it is destroyed when the process exits."""
+    if world.live_group() is not None:  # the common case, checked first: every helper call comes here
+        return
     info = world.launch_info()
-    if world.live_group() is not None or info.world_size <= 1:
+    if info.world_size <= 1:
         return
     from levers9.distributed.hardware import quirks  # loads on use, not with levers9.distributed
 
