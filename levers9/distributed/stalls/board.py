@@ -117,8 +117,8 @@ class BoardFolder:
         board = self.path / "progress.bin"
         try:
             self._file, self._map = _map_board(board, nprocs)
-        except OSError:  # no descriptor or memory left: the half-made folder (only the board) is not left behind,
-            with contextlib.suppress(OSError):  # removed by name, as listing it would need a descriptor
+        except OSError:  # no descriptor or memory left: the half-made folder (the board alone) goes, by name,
+            with contextlib.suppress(OSError):  # since listing it would need a descriptor
                 board.unlink()
                 self.path.rmdir()
             raise
