@@ -263,7 +263,11 @@ def signals_the_parent_catches() -> list[int]:
 
 def save_on_sigterm(folder: str, name: Any) -> None:
     """Training that saves a checkpoint when told to stop, as a preemptible job does: on SIGTERM write
-    folder/saved-<name> and exit 0. Writes folder/ready-<name> (its pid) once the handler is in place."""
+    folder/saved-<name> and exit 0. Writes folder/ready-<name> (its pid) once the handler is in place.
+
+    It trains in steps, as a training loop does. Python runs a handler in the main thread, between two
+    of its instructions; when the kernel gives the SIGTERM to another thread (torch's gloo threads in a
+    rank), one long `time.sleep(120)` would keep the handler waiting for the whole two minutes."""
 
     def save(signum: int, frame: Any) -> None:
         write_atomically(Path(folder, f"saved-{name}"), str(signum))
@@ -271,7 +275,8 @@ def save_on_sigterm(folder: str, name: Any) -> None:
 
     signal.signal(signal.SIGTERM, save)
     write_atomically(Path(folder, f"ready-{name}"), str(os.getpid()))
-    time.sleep(120)
+    for _step in range(1200):
+        time.sleep(0.1)
 
 
 def ranks_that_save_on_sigterm(folder: str) -> None:
