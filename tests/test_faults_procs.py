@@ -250,15 +250,30 @@ def _start(watcher: Watcher, target: Callable[[], object]) -> Child:
     return watcher.add(start.start(target, method=method, shipped=None if method.forks else failure.ship(target)))
 
 
-def _group_leader_with_pid(pid: int) -> subprocess.Popen[bytes] | None:
+def _in_group(pgid: int) -> list[int]:
+    """The processes (zombies too) whose process group is `pgid`, from /proc."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid:
+                members.append(int(entry))
+    return members
+
+
+def _group_leader_with_pid(pid: int, tries: int = 5) -> subprocess.Popen[bytes] | None:
     """`sleep 120` leading a session (and process group) of its own, with pid `pid` (a free number); None
-    if another process on the machine took the number first."""
-    NEXT_PID.write_text(str(pid - 1))
-    proc = subprocess.Popen(["sleep", "120"], start_new_session=True)
-    if proc.pid == pid:
-        return proc
-    proc.kill()
-    proc.wait()
+    if another process on the machine took the number first in each of `tries` tries."""
+    for _ in range(tries):
+        NEXT_PID.write_text(str(pid - 1))
+        proc = subprocess.Popen(["sleep", "120"], start_new_session=True)
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
     return None
 
 
@@ -270,14 +285,19 @@ def test_stop_never_signals_the_group_that_took_the_pid_of_a_child_reaped_earlie
     watcher = Watcher(lambda child, stream, line: None)
     other: subprocess.Popen[bytes] | None = None
     try:
-        quick = _start(watcher, functools.partial(procfns.add, 1, 2))
         slow = _start(watcher, functools.partial(time.sleep, 600))
-        assert watcher.wait([quick], 30) and not slow.poll()
-        for _ in range(20):
+        for _ in range(10):  # another process on a busy machine may take the freed number first: a new child then
+            quick = _start(watcher, functools.partial(procfns.add, 1, 2))
+            assert watcher.wait([quick], 30) and not slow.poll()
+            # the number is free once nothing is left in the child's group (its watchdog, even as a zombie):
+            # the kernel keeps a number while any process has it as its pid, group or session
+            deadline = time.monotonic() + 30
+            while _in_group(quick.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
             other = _group_leader_with_pid(quick.pid)
             if other is not None:
                 break
-        assert other is not None, f"no process could be started with pid {quick.pid} in 20 tries"
+        assert other is not None, "no process could be started with the pid of a reaped child in 10 rounds of 5 tries"
         watcher.stop(0)
         assert slow.poll()  # stopped
         assert other.poll() is None, f"stop() killed pid {other.pid}'s group, once a reaped child's number"
