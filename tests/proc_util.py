@@ -1,4 +1,4 @@
-"""Reading the process table from /proc, to prove that nothing was left running."""
+"""Reading the process table from /proc (and the board folders), to prove that nothing was left running."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import os
 import platform
 import signal
 import time
+from pathlib import Path
+
+from levers9.distributed.stalls.board import BOARD_DIR_PREFIX, board_roots
 
 # The first line of a script a test sends Ctrl-C to: Python turns SIGINT into KeyboardInterrupt only when the
 # process did not inherit it ignored, and a background shell's job or a pytest-xdist worker passes it on ignored.
@@ -74,3 +77,8 @@ def is_torch_chatter(line: str | bytes) -> bool:
     """A line torch itself prints on some releases, whoever launched it (torch 2.8's gloo prints
     '[Gloo] Rank 0 is connected to 1 peer ranks. ...' once per group), so tests that count lines skip it."""
     return ("[Gloo] Rank " if isinstance(line, str) else b"[Gloo] Rank ") in line  # type: ignore[operator]
+
+
+def board_folders_of(pid: int) -> list[Path]:
+    """The board folders of runs whose caller is `pid`, at every place a board folder goes (looking makes none)."""
+    return [folder for root in board_roots() for folder in root.glob(f"{BOARD_DIR_PREFIX}{pid}-*")]

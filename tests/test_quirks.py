@@ -18,7 +18,6 @@ from levers9.distributed.hardware.nccl import NcclInfo
 from levers9.distributed.hardware.platform import Platform
 from levers9.distributed.hardware.quirk_rows import Match, Quirk
 from levers9.distributed.hardware.quirks import plan_quirks
-from levers9.distributed.stalls.board import BOARD_DIR_PREFIX, boards_root
 from levers9.errors import ConfigError, QuirkError
 from tests.fakes import build_fake_nccl, build_fake_nccl_wheel, use_fake_pynvml
 from tests.fakes.machines import (
@@ -33,6 +32,7 @@ from tests.fakes.machines import (
     RTX_PRO_6000_WS,
     machine,
 )
+from tests.proc_util import board_folders_of
 
 pytestmark = pytest.mark.fast
 
@@ -180,7 +180,7 @@ def test_run_refuses_an_unknown_disable_quirks_id_before_starting_anything() -> 
 
     with pytest.raises(ConfigError, match="'no-such-id'"):
         dist.run(rankfns.describe, None, nprocs=2, disable_quirks=("no-such-id",))
-    assert not list(boards_root().glob(f"{BOARD_DIR_PREFIX}{os.getpid()}-*")), "a board folder was made"
+    assert not board_folders_of(os.getpid()), "a board folder was made"
 
 
 # --- Q2 rtxpro6000-p2p --------------------------------------------------------------------------

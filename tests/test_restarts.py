@@ -20,7 +20,6 @@ import pytest
 
 from levers9 import distributed as dist
 from levers9 import job
-from levers9.distributed.stalls import board
 from levers9.errors import (
     ConfigError,
     JobConfigError,
@@ -33,6 +32,7 @@ from levers9.launch.settings import update_settings
 from tests import restartfns
 from tests.proc_util import (
     CTRL_C_HANDLER,
+    board_folders_of,
     children_of,
     left_behind,
     sigint_to_a_thread_that_is_not_main,
@@ -49,7 +49,7 @@ def nothing_left() -> Iterator[None]:
     before = set(children_of(os.getpid()))
     yield
     assert left_behind(before) == []
-    assert not list(board.boards_root().glob(f"{board.BOARD_DIR_PREFIX}{os.getpid()}-*")), "board folder left behind"
+    assert not board_folders_of(os.getpid()), "board folder left behind"
 
 
 def attempts_seen(folder: Path) -> dict[tuple[int, int], dict[str, Any]]:

@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 
 from levers9 import distributed as dist
-from levers9.distributed.stalls import board
 from levers9.errors import ConfigError, NotShippableError, RankCrashed, RankFailed, RunTimeout
 from tests import rankfns
-from tests.proc_util import CTRL_C_HANDLER, children_of, left_behind, wait_gone
+from tests.proc_util import CTRL_C_HANDLER, board_folders_of, children_of, left_behind, wait_gone
 
 pytestmark = pytest.mark.procs
 
@@ -30,7 +29,7 @@ def no_leftover_processes() -> Iterator[None]:
     before = set(children_of(os.getpid()))
     yield
     assert left_behind(before) == [], "distributed.run left child processes running"
-    assert not list(board.boards_root().glob(f"{board.BOARD_DIR_PREFIX}{os.getpid()}-*")), "board folder left behind"
+    assert not board_folders_of(os.getpid()), "board folder left behind"
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
@@ -299,12 +298,12 @@ def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path: Path) -> None:
 
 def test_ranks_exit_when_the_caller_is_killed_outright(tmp_path: Path) -> None:
     proc, pids = _start_driver(tmp_path, "600")  # timeout= gives the run a folder (for its report)
-    assert list(board.boards_root().glob(f"{board.BOARD_DIR_PREFIX}{proc.pid}-*"))
+    assert board_folders_of(proc.pid)
     proc.kill()
     proc.wait(timeout=10)
     assert wait_gone(pids, 5) == []
     dist.run(rankfns.describe, None, nprocs=2, timeout=600)  # the next such run clears what the killed caller could not
-    assert not list(board.boards_root().glob(f"{board.BOARD_DIR_PREFIX}{proc.pid}-*"))
+    assert not board_folders_of(proc.pid)
 
 
 def _listening_sockets_of(pids: set[int]) -> list[str]:

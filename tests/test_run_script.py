@@ -17,12 +17,11 @@ import pytest
 
 from levers9 import distributed as dist
 from levers9.cli import main as cli_main
-from levers9.distributed.stalls import board
 from levers9.errors import ConfigError, RankCrashed
 from levers9.launch import job
 from levers9.launch.settings import update_settings
 from tests import scriptfns
-from tests.proc_util import children_of, left_behind
+from tests.proc_util import board_folders_of, children_of, left_behind
 
 pytestmark = pytest.mark.launchers
 
@@ -36,7 +35,7 @@ def no_leftover_processes() -> Iterator[None]:
     before = set(children_of(os.getpid()))
     yield
     assert left_behind(before) == [], "a run left child processes running"
-    assert not list(board.boards_root().glob(f"{board.BOARD_DIR_PREFIX}{os.getpid()}-*")), "board folder left behind"
+    assert not board_folders_of(os.getpid()), "board folder left behind"
 
 
 def _env() -> dict[str, str]:

@@ -17,7 +17,7 @@ from levers9.distributed import stalls
 from levers9.distributed.stalls import board, flight_recorder, report
 from levers9.errors import StallError
 from tests import rankfns
-from tests.proc_util import children_of, left_behind
+from tests.proc_util import board_folders_of, children_of, left_behind
 
 pytestmark = pytest.mark.procs
 
@@ -34,7 +34,7 @@ def nothing_left() -> Iterator[None]:
     before = set(children_of(os.getpid()))
     yield
     assert left_behind(before) == []
-    assert not list(board.boards_root().glob(f"{board.BOARD_DIR_PREFIX}{os.getpid()}-*")), "board folder left behind"
+    assert not board_folders_of(os.getpid()), "board folder left behind"
 
 
 def _stall_report(fn: Callable[[Any], None], tmp_path: Path, stall_timeout: float = 2) -> str:

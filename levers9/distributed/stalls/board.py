@@ -37,12 +37,6 @@ QUIET_S = 1.0
 BOARD_DIR_PREFIX = "levers9-board-"
 
 
-def boards_root() -> Path:
-    """Where a new board folder goes: `$LEVERS9_STATE_DIR/boards` when that is set, else our private levers9-<uid>
-    folder in /dev/shm (memory, never a slow disk), else in the temp dir; the first that is, or can be made, ours."""
-    return next(_usable_places())
-
-
 def board_roots() -> list[Path]:
     """The places board folders of this user's runs are now, best first: folders of ours alone that exist (none
     is made only to be looked in); another user's folder, or a symlink, at one of them is passed over."""
