@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
@@ -82,3 +83,13 @@ def is_torch_chatter(line: str | bytes) -> bool:
 def board_folders_of(pid: int) -> list[Path]:
     """The board folders of runs whose caller is `pid`, at every place a board folder goes (looking makes none)."""
     return [folder for root in board_roots() for folder in root.glob(f"{BOARD_DIR_PREFIX}{pid}-*")]
+
+
+SHM_BOARDS = Path(f"/dev/shm/levers9-{os.getuid()}")  # where boards go when no state folder is set
+
+
+def remove_shm_boards_if_empty() -> None:
+    """Remove /dev/shm/levers9-<uid> once it is empty, so tests that sent a board there leave the machine as
+    it was, whichever of them (in several pytest workers) ends last."""
+    with contextlib.suppress(OSError):  # not there, or another test's board is in it now
+        SHM_BOARDS.rmdir()

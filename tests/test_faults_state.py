@@ -26,6 +26,7 @@ from levers9.errors import JobConfigError, PrivateDirError, SettingsError
 from levers9.launch import job, run_reader, run_retention
 from levers9.launch.settings import load_settings, runs_dir, settings_path
 from tests import ray_cluster
+from tests.proc_util import board_folders_of, remove_shm_boards_if_empty
 
 pytestmark = pytest.mark.procs
 
@@ -266,16 +267,13 @@ def test_a_read_only_state_folder_used_before_never_costs_a_cell_nor_a_timed_run
     assert list(fn.map(range(2), progress=False)) == [1, 2]  # leases, runs and boards made while it was writable
     assert dist.run(rankfns.describe, "ok", nprocs=2, timeout=60)["cfg"] == "ok"
     _read_only(disk)
-    shm_place = Path(f"/dev/shm/levers9-{os.getuid()}")  # where the timed run's board goes next
-    made_here = not shm_place.exists()
-    try:
+    try:  # the timed run's board goes to /dev/shm next
         with caplog.at_level(logging.WARNING, logger="levers9"):
             assert list(fn.map(range(4), progress=False)) == [1, 2, 3, 4]
             assert dist.run(rankfns.describe, "still", nprocs=2, timeout=60)["cfg"] == "still"
-        assert not shm_place.exists() or not [p for p in shm_place.iterdir() if str(os.getpid()) in p.name]
+        assert not board_folders_of(os.getpid()), "the timed run left its board folder"
     finally:
-        if made_here and shm_place.exists():
-            shm_place.rmdir()  # the machine's own place for boards: left as this test found it
+        remove_shm_boards_if_empty()
     said = _warnings(caplog)
     assert any("card lease folder" in line and "cannot be written (Read-only file system)" in line for line in said), said
 

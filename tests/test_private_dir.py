@@ -18,6 +18,7 @@ from levers9.errors import PrivateDirError
 from levers9.launch import job
 from levers9.private_dir import private_dir
 from tests import jobfns
+from tests.proc_util import remove_shm_boards_if_empty
 
 pytestmark = pytest.mark.procs
 
@@ -140,8 +141,6 @@ def test_stall_boards_live_in_a_private_folder(monkeypatch: pytest.MonkeyPatch, 
 
     if not state_dir:
         monkeypatch.delenv("LEVERS9_STATE_DIR")
-    shm_root = Path(f"/dev/shm/levers9-{os.getuid()}")
-    made_here = not shm_root.exists()
     folder = stalls.BoardFolder(2)
     try:
         root = os.lstat(folder.path.parent)
@@ -150,8 +149,7 @@ def test_stall_boards_live_in_a_private_folder(monkeypatch: pytest.MonkeyPatch, 
         assert (root.st_uid, stat.S_IMODE(root.st_mode), stat.S_ISDIR(root.st_mode)) == (os.getuid(), 0o700, True)
     finally:
         folder.remove()
-        if made_here and shm_root.exists():
-            shm_root.rmdir()  # the machine's own place for boards: left as this test found it
+        remove_shm_boards_if_empty()
 
 
 def test_a_board_that_cannot_be_mapped_leaves_no_folder_behind(tmp_path: Path) -> None:
