@@ -8,6 +8,7 @@ import os
 import platform
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from levers9.distributed.stalls.board import BOARD_DIR_PREFIX, board_roots
@@ -28,22 +29,26 @@ def sigint_to_a_thread_that_is_not_main(pid: int) -> None:
         "no thread besides the main one took the signal")
 
 
+def _processes() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/<pid>/stat after the name: state, ppid, pgrp, ...) for every process now."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:  # it ended meanwhile
+                continue
+            yield int(entry), stat.rsplit(")", 1)[1].split()
+
+
 def children_of(pid: int) -> list[int]:
     """Live (non-zombie) processes whose parent is `pid`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        state, ppid = fields[0], int(fields[1])
-        if ppid == pid and state != "Z":
-            found.append(int(entry))
-    return found
+    return [child for child, fields in _processes() if int(fields[1]) == pid and fields[0] != "Z"]
+
+
+def in_group(pgid: int) -> list[int]:
+    """The processes (zombies too) in process group `pgid`."""
+    return [member for member, fields in _processes() if int(fields[2]) == pgid]
 
 
 def alive(pid: int) -> bool:

@@ -23,7 +23,7 @@ from levers9.launch import job
 from levers9.procs import failure, start
 from levers9.procs.watch import Child, Watcher
 from tests import procfns
-from tests.proc_util import alive, children_of, is_torch_chatter, left_behind, wait_gone
+from tests.proc_util import alive, children_of, in_group, is_torch_chatter, left_behind, wait_gone
 
 pytestmark = pytest.mark.procs
 
@@ -250,20 +250,6 @@ def _start(watcher: Watcher, target: Callable[[], object]) -> Child:
     return watcher.add(start.start(target, method=method, shipped=None if method.forks else failure.ship(target)))
 
 
-def _in_group(pgid: int) -> list[int]:
-    """The processes (zombies too) whose process group is `pgid`, from /proc."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid:
-                members.append(int(entry))
-    return members
-
-
 def _group_leader_with_pid(pid: int, tries: int = 5) -> subprocess.Popen[bytes] | None:
     """`sleep 120` leading a session (and process group) of its own, with pid `pid` (a free number); None
     if another process on the machine took the number first in each of `tries` tries."""
@@ -292,7 +278,7 @@ def test_stop_never_signals_the_group_that_took_the_pid_of_a_child_reaped_earlie
             # the number is free once nothing is left in the child's group (its watchdog, even as a zombie):
             # the kernel keeps a number while any process has it as its pid, group or session
             deadline = time.monotonic() + 30
-            while _in_group(quick.pid) and time.monotonic() < deadline:
+            while in_group(quick.pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
             other = _group_leader_with_pid(quick.pid)
             if other is not None:
