@@ -18,6 +18,11 @@ import pytest
 CARDS = 4
 TYPE = "RTXPro6000"
 _state: dict[str, str] = {}
+# Ray runs its workers, and so the ranks a job forks there, at nice 15 by default. Beside the other pytest
+# workers' tests (at nice 0) on 2 cores they then get a small share of the CPU: a 100 MB line through a
+# two-node job made its test take 158 s instead of 28 with three busy loops beside it, and CI's 220 s limit failed once.
+# The test clusters run their workers at nice 0, as a dedicated node's only work would.
+WORKERS_AT_NICE_0 = {"worker_niceness": 0}
 
 # Token auth with the token in the environment (drivers that tests start inherit it), so Ray writes
 # no ~/.ray/auth_token. Set when this module is imported, at collection: Ray reads them once, when
@@ -46,6 +51,7 @@ def address(config: pytest.Config) -> str:
             log_to_driver=False,
             object_store_memory=200 * 2**20,
             _temp_dir=os.path.join(root, "r"),
+            _system_config=dict(WORKERS_AT_NICE_0),  # a copy: ray.init adds its own keys to the dict it is given
         )
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)

@@ -59,7 +59,7 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     try:
         made = Cluster(initialize_head=True, head_node_args=dict(
             node_ip_address=HEAD, include_dashboard=False, num_cpus=1, num_gpus=0, object_store_memory=100 * 2**20,
-            _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 3}))  # fmt: skip
+            _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 3, **ray_cluster.WORKERS_AT_NICE_0}))  # fmt: skip
         for address in NODES:
             made.add_node(node_ip_address=address, **NODE_ARGS)
         made.wait_for_nodes()
