@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A real two-node SLURM 22.05 cluster on this machine, for levers9's `slurm` tests and benchmarks.
 #
-#   compat_tests/slurm_cluster.sh start     # idempotent: a running cluster is left as it is
+#   compat_tests/slurm_cluster.sh start     # idempotent: a running cluster is left as it is ("already running")
 #   compat_tests/slurm_cluster.sh status    # the daemons, then `sinfo`; exit 1 when not running
 #   compat_tests/slurm_cluster.sh stop      # stops every daemon it started; the folder stays
 #   compat_tests/slurm_cluster.sh env       # prints `export SLURM_CONF=...` for `eval "$(...)"`
@@ -19,6 +19,8 @@
 # meet), added by start and removed by stop. The system munged, /etc/munge and /etc/slurm are not used.
 # AuthInfo's cred_expire=20 (SLURM's default 120): a requeued job starts again 20 s after it left its node,
 # where the old run's credential is revoked until then (started sooner there, it fails "credential revoked").
+# `start` and `stop` hold $DIR/lock while they run, so callers at the same time (several pytest workers) take
+# turns: the second `start` finds the daemons the first started, and no `stop` interleaves with a `start`.
 set -euo pipefail
 
 DIR="${LEVERS9_SLURM_DIR:-/tmp/levers9-slurm}"
@@ -33,12 +35,22 @@ CPUS_PER_NODE=8  # more than the machine has (config_overrides): a 200-cell map 
 
 die() { echo "slurm_cluster.sh: $*" >&2; exit 1; }
 
+take_lock() {
+    # $DIR sits at a predictable path: it must be a real folder of root's, never a link another user placed there
+    mkdir -p -m 0700 "$DIR"
+    [[ -d "$DIR" && ! -L "$DIR" && $(stat -c %u "$DIR") == 0 ]] \
+        || die "$DIR is not a folder owned by root (a link, or another user's); remove it or set LEVERS9_SLURM_DIR"
+    chmod 0700 "$DIR"
+    exec 9>>"$DIR/lock"
+    flock -w 200 9 || die "another start or stop has held $DIR/lock for 200 s; see $DIR/log/ and who holds it: fuser $DIR/lock"
+}
+
 pid_alive() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
 need_tools() {
     [[ $(id -u) == 0 ]] || die "must run as root (the daemons run as root); seen uid $(id -u)"
     local missing=()
-    for tool in slurmctld slurmd munged mungekey srun sinfo mknod; do
+    for tool in slurmctld slurmd munged mungekey srun sinfo mknod flock; do
         command -v "$tool" >/dev/null || missing+=("$tool")
     done
     ((${#missing[@]} == 0)) || die "${missing[*]} not found; install them with: apt-get install -y slurm-wlm munge"
@@ -62,8 +74,6 @@ remove_hosts() {
 }
 
 write_config() {
-    mkdir -p "$DIR"
-    chmod 0700 "$DIR"
     mkdir -p "$DIR/state" "$DIR/log" "$DIR/run" "$DIR/munge" "$DIR/dev"
     chmod 0700 "$DIR/munge"
     [[ -s "$DIR/munge/munge.key" ]] || mungekey --create --keyfile="$DIR/munge/munge.key" --force
@@ -127,6 +137,7 @@ EOF
 
 start() {
     need_tools
+    take_lock
     write_hosts
     if pid_alive "$DIR/run/slurmctld.pid" && all_slurmd_alive && pid_alive "$DIR/run/munged.pid"; then
         echo "slurm_cluster.sh: already running in $DIR"
@@ -135,12 +146,13 @@ start() {
     fi
     stop_daemons
     write_config
+    # the daemons never get the lock's descriptor (9>&-): one that kept it would hold the lock for its life
     munged --force --socket="$SOCKET" --key-file="$DIR/munge/munge.key" --pid-file="$DIR/run/munged.pid" \
-        --log-file="$DIR/log/munged.log" --seed-file="$DIR/munge/munged.seed"
-    slurmctld -f "$CONF" -i
+        --log-file="$DIR/log/munged.log" --seed-file="$DIR/munge/munged.seed" 9>&-
+    slurmctld -f "$CONF" -i 9>&-
     local n
     for n in "${NODES[@]}"; do
-        slurmd -f "$CONF" -N "$n"
+        slurmd -f "$CONF" -N "$n" 9>&-
     done
     wait_nodes_idle
     echo "slurm_cluster.sh: running in $DIR; use it with: export SLURM_CONF=$CONF"
@@ -196,6 +208,7 @@ stop_daemons() {
 }
 
 stop() {
+    if [[ -d "$DIR" ]]; then take_lock; fi
     stop_daemons
     remove_hosts
     echo "slurm_cluster.sh: stopped (state and logs kept in $DIR)"

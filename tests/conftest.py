@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import slurm_cluster
+
 # Variables that launchers, schedulers, GPUs or levers9 itself set; none may leak from one test to the next.
 LAUNCHER_PREFIXES = (
     "TORCHELASTIC_",
@@ -118,6 +120,18 @@ def mark_tiers(items: list[pytest.Item]) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     mark_tiers(items)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller fixes the run's id before it starts its workers (tests/slurm_cluster.py)."""
+    if not hasattr(config, "workerinput"):
+        slurm_cluster.run_id(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The controller, once every worker is done, stops the SLURM cluster if a process of this run started it."""
+    if not hasattr(config, "workerinput"):
+        slurm_cluster.stop_if_started_here(config)
 
 
 @pytest.hookimpl(optionalhook=True)
