@@ -196,11 +196,6 @@ stop_daemons() {
         fi
         rm -f "$pidfile"
     done
-    # a daemon of this cluster whose pid file a second, concurrent `start` overwrote (two pytest workers that
-    # each found it not running): found by the files it was started with
-    for pid in $(pgrep -f -- "--socket=$SOCKET" || true) $(pgrep -f -- "-f $CONF" || true); do
-        kill -9 "$pid" 2>/dev/null || true
-    done
     # a job step left behind (its slurmd killed first) holds a socket in this cluster's spool
     for pid in $(pgrep -x slurmstepd || true); do
         if ls -l "/proc/$pid/fd" 2>/dev/null | grep -qF "$DIR/"; then kill -9 "$pid" 2>/dev/null || true; fi

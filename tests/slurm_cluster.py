@@ -40,15 +40,16 @@ def run_id(config: pytest.Config) -> str:
     return str(config.option.testrunuid)
 
 
-def _owner_file() -> Path:
-    return Path(_run("env").stdout.strip().partition("=")[2]).parent / OWNER
+def _conf() -> Path:
+    """The cluster's slurm.conf (the script's `env`), in the cluster's folder."""
+    return Path(_run("env").stdout.strip().partition("=")[2])
 
 
 def stop_if_started_here(config: pytest.Config) -> None:
     """Stop the cluster if a process of this pytest run started it (called once, by the run's controller)."""
     if os.geteuid() != 0 or not shutil.which("slurmctld"):  # no cluster can have been started
         return
-    owner = _owner_file()
+    owner = _conf().with_name(OWNER)
     if owner.is_file() and owner.read_text() == run_id(config):
         _run("stop")
         owner.unlink()
@@ -69,14 +70,14 @@ def slurm_conf(config: pytest.Config) -> str:
         started = _run("start")  # under the script's lock: of workers asking at once, one starts it
         if started.returncode != 0:
             reason = f"compat_tests/slurm_cluster.sh start failed: {(started.stderr or started.stdout).strip()[-800:]}"
-        elif "already running" not in started.stdout:
-            _owner_file().write_text(run_id(config))
+        else:
+            conf = _state["conf"] = str(_conf())
+            if "already running" not in started.stdout:  # this process started it: the run owns it
+                Path(conf).with_name(OWNER).write_text(run_id(config))
     if reason is not None:
         _state["skip"] = f"SLURM tests skipped: {reason}"
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             reporter.write_line(_state["skip"], yellow=True)
         pytest.skip(_state["skip"])
-    conf = _run("env").stdout.strip().partition("=")[2]
-    _state["conf"] = conf
-    return conf
+    return _state["conf"]
