@@ -265,9 +265,11 @@ def save_on_sigterm(folder: str, name: Any) -> None:
     """Training that saves a checkpoint when told to stop, as a preemptible job does: on SIGTERM write
     folder/saved-<name> and exit 0. Writes folder/ready-<name> (its pid) once the handler is in place.
 
-    It trains in steps, as a training loop does. Python runs a handler in the main thread, between two
-    of its instructions; when the kernel gives the SIGTERM to another thread (torch's gloo threads in a
-    rank), one long `time.sleep(120)` would keep the handler waiting for the whole two minutes."""
+    It computes, as a training loop does (pure Python, and a torch op on the CPU where torch is imported),
+    never sleeping: a sleep is a system call that the signal interrupts, which runs Python's handler however
+    it was delivered, and so hides a handler that computing code would never run (CPython 3.13+ in a child
+    forked from a thread other than the main one: interpreter.relay_signals_to_main). Python runs a handler
+    in the main thread between two of its instructions, so the steps are short."""
 
     def save(signum: int, frame: Any) -> None:
         write_atomically(Path(folder, f"saved-{name}"), str(signum))
@@ -275,8 +277,19 @@ def save_on_sigterm(folder: str, name: Any) -> None:
 
     signal.signal(signal.SIGTERM, save)
     write_atomically(Path(folder, f"ready-{name}"), str(os.getpid()))
-    for _step in range(1200):
-        time.sleep(0.1)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        train_step()
+
+
+def train_step() -> None:
+    """About a millisecond of work, in Python and (where torch is imported) in a torch op on the CPU."""
+    total = 0
+    for i in range(5_000):
+        total += i * i
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.ones(32, 32) @ torch.ones(32, 32)
 
 
 def ranks_that_save_on_sigterm(folder: str) -> None:

@@ -2,10 +2,11 @@
 
 A fork copies the caller's whole state; a fresh interpreter (what torchrun and mp.spawn start) has its
 own. So right after the fork the child gets what a new process would have: unseeded random generators
-of its own (torch's and numpy's; CPython reseeds `random` itself after a fork), and no exit handlers
+of its own (torch's and numpy's; CPython reseeds `random` itself after a fork), no exit handlers
 of the caller's (they would act on the caller's resources from every child; a handler a module
 registers when it is imported, such as logging's, is registered again, as a new interpreter
-importing that module would). Code that seeds after that keeps its seeds exactly.
+importing that module would), and signal handlers that run while it computes (see
+`relay_signals_to_main`). Code that seeds after that keeps its seeds exactly.
 
 At the end, `shutdown` does what Py_FinalizeEx does before the process exits, in its order:
 `threading`'s exit hooks run (a ThreadPoolExecutor's tell its workers to stop) and the non-daemon
@@ -16,10 +17,14 @@ exception nothing caught (the default hook is not called: the parent reports tha
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import contextlib
+import ctypes
 import gc
 import io
+import os
+import signal
 import sys
 import threading
 import traceback
@@ -41,6 +46,45 @@ def begin_forked() -> None:
     logging = sys.modules.get("logging")
     if logging is not None:
         atexit.register(logging.shutdown)  # what `import logging` registers in a fresh interpreter
+    relay_signals_to_main()
+
+
+_wakeup_pipe: tuple[int, ...] = ()  # this process's relay pipe, once it has one
+
+
+def relay_signals_to_main() -> None:
+    """Make the Python signal handlers of a child forked from a thread other than the main one run while it
+    computes, as they do in a fresh interpreter (needed on CPython 3.13 and later; a no-op before).
+
+    From 3.13 on, CPython's C signal handler asks the interpreter's first thread state (`_PyRuntime.main_tstate`)
+    to run the Python handlers. After a fork from another thread (levers9 forks from its forker thread, start.py)
+    that state belongs to no living thread, so the child's main thread would run them only when a system call
+    returns EINTR: a rank that computes would never save its checkpoint. Here the C handler also writes the
+    signal's number to a pipe (`signal.set_wakeup_fd`); a thread of levers9's reads it and queues a call of
+    `PyErr_CheckSignals` for the main thread (`Py_AddPendingCall`, CPython's public C API), which that thread
+    makes the next time it takes the GIL: within the switch interval (5 ms) while it computes, as soon as a
+    torch op returns. The thread is started with `_thread`, so `threading.enumerate()` lists only the threads a
+    fresh interpreter has, and it is never joined. A rank that sets its own wakeup descriptor (asyncio's
+    `add_signal_handler` does) replaces this one (docs/limitations.md)."""
+    global _wakeup_pipe
+    if sys.version_info < (3, 13) or not getattr(sys, "_is_gil_enabled", lambda: True)():
+        return  # before 3.13 the handlers run from any thread's check; free-threaded builds: not supported
+    for end in _wakeup_pipe:  # a parent's (a job's rank): its relay thread is not in this process
+        with contextlib.suppress(OSError):
+            os.close(end)
+    _wakeup_pipe = read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)  # the C handler must never block on a full pipe
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    # Our own function objects: ctypes.pythonapi's attributes are shared with the code in this process
+    add_pending_call = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(("Py_AddPendingCall", ctypes.pythonapi))
+    check_signals = ctypes.cast(ctypes.pythonapi.PyErr_CheckSignals, ctypes.c_void_p)
+
+    def relay() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(read_end, 512):  # one byte per signal the C handler saw
+                add_pending_call(check_signals, None)  # -1 when 32 are queued already: one is enough
+
+    _thread.start_new_thread(relay, ())
 
 
 def mark_own_objects() -> None:
