@@ -94,3 +94,35 @@ def test_the_same_with_ranks_started_as_fresh_interpreters(tmp_path: Path) -> No
         env={"LEVERS9_START_METHOD": "spawn"},
     )
     assert "result {'threads': 2, 'same_on_every_rank': True}" in out
+
+
+@pytest.mark.timeout(150)
+def test_levers9s_own_forks_warn_nothing_and_leave_the_callers_warning_filters(tmp_path: Path) -> None:
+    """Python 3.12+ warns on every fork of a process with threads. levers9's forks come from its forker thread on
+    purpose, so a user who shows every DeprecationWarning (`-X dev`, pytest) must not see one per rank; the
+    caller's filters are what they were, and a fork of the caller's own still warns as Python says it should."""
+    script = tmp_path / "caller.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, threading, warnings
+        from levers9 import distributed as dist, job
+        from tests import workloadfns
+        before = list(warnings.filters)
+        dist.run(workloadfns.threaded_matmul, 1, nprocs=2, timeout=60)
+        job()(workloadfns.threaded_matmul).remote(1)
+        print("filters kept:", warnings.filters == before)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+        print("the caller's own fork warned:", any("fork()" in str(w.message) for w in seen))
+        """))
+    done = subprocess.run(
+        [sys.executable, "-X", "dev", "-W", "always::DeprecationWarning", str(script)], cwd=REPO, capture_output=True,
+        text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "filters kept: True" in done.stdout
+    assert "multi-threaded, use of fork()" not in done.stderr
+    assert f"the caller's own fork warned: {sys.version_info >= (3, 12)}" in done.stdout  # the forker thread is alive

@@ -14,8 +14,10 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterable
 
+_FORK_WARNING = r"This process \(pid=\d+\) is multi-threaded, use of fork\(\) may lead to deadlocks in the child"
 _lock = threading.Lock()
 # Process-wide, as descriptors are: those this layer opened, closed by any fork that is not their owner.
 _tracked: set[int] = set()
@@ -81,12 +83,18 @@ def close(fd: int) -> None:
 
 
 def fork_child(keep: Iterable[int], child: Callable[[], None]) -> int:
-    """Fork; in the child close every tracked descriptor not in `keep`, then run `child` (which must not return)."""
+    """Fork; in the child close every tracked descriptor not in `keep`, then run `child` (which must not return).
+
+    Python 3.12+ warns (DeprecationWarning) on every fork of a process with threads. levers9 forks from its own
+    forker thread on purpose, after making the fork safe (start.py), so that warning, and only it, is not
+    shown for these forks: the user's filters are restored as soon as `os.fork` returns."""
     global _keep_next
     with _lock:
         _keep_next = (threading.get_ident(), frozenset(keep))
         try:
-            pid = os.fork()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", _FORK_WARNING, DeprecationWarning)
+                pid = os.fork()
         finally:
             _keep_next = None
     if pid == 0:

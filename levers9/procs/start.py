@@ -33,10 +33,6 @@ from levers9.procs.watch import Child
 START_VAR = "LEVERS9_START_METHOD"
 T = TypeVar("T")
 
-# Python 3.12+ issues a DeprecationWarning on every fork of a process with threads; levers9 forks from its
-# own forker thread on purpose (see above). Python's default filters hide it (it is raised in levers9's code,
-# not __main__); levers9 installs no filter of its own, so a user's warning settings stay theirs.
-
 
 @dataclasses.dataclass(frozen=True)
 class StartMethod:
