@@ -83,11 +83,10 @@ def _state_on(monkeypatch: pytest.MonkeyPatch, disk: Path) -> Path:
 
 def _fill(folder: Path) -> None:
     """Fill the disk `folder` is on, with a file in it."""
-    with open(folder / "filler", "wb") as handle:
+    with open(folder / "filler", "wb", buffering=0) as handle:  # unbuffered: nothing left to fail again at close
         try:
             while True:
                 handle.write(b"\0" * 65536)
-                handle.flush()
         except OSError:
             pass
 

@@ -41,8 +41,11 @@ def test_a_collection_while_forked_ranks_live_copies_none_of_the_callers_heap(tm
 
 @pytest.mark.timeout(240)
 def test_a_callers_own_freeze_is_kept_as_it_was(tmp_path: Path) -> None:
+    """The caller's frozen objects stay frozen. Their count may drop by the few that were freed meanwhile (CPython
+    3.13+ frees 2 or 3 of them at the first warning filter change, which levers9's fork makes): none is unfrozen."""
     found = _caller(tmp_path, "--frozen")
-    assert found["frozen_before"] > 0 and found["frozen_after"] == found["frozen_before"], found
+    assert found["heap_still_frozen"], found
+    assert found["frozen_before"] > 0 and found["frozen_before"] - 16 <= found["frozen_after"] <= found["frozen_before"], found
 
 
 def _held_in_fn(cfg: object) -> int:

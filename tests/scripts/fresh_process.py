@@ -31,8 +31,12 @@ def record(out: str, seed: int | None = None, fail_rank: int | None = None) -> N
         torch.manual_seed(seed)
         numpy.random.seed(seed)
         random.seed(seed)
-    loader = DataLoader(list(range(4)), num_workers=1, worker_init_fn=None, collate_fn=lambda batch: batch)
-    loader_seed = next(iter(DataLoader([0], num_workers=1, collate_fn=lambda b: _worker_seed(0))))
+    # Workers by fork, as a script written for Linux before Python 3.14 gets them (3.14's default is forkserver,
+    # which cannot take a lambda under any launcher: docs/troubleshooting.md)
+    loader = DataLoader(list(range(4)), num_workers=1, worker_init_fn=None, collate_fn=lambda batch: batch,
+                        multiprocessing_context="fork")
+    loader_seed = next(iter(DataLoader([0], num_workers=1, collate_fn=lambda b: _worker_seed(0),
+                                       multiprocessing_context="fork")))
     del loader
     drawn = {
         "torch": torch.rand(3).tolist(),
