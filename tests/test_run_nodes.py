@@ -119,8 +119,9 @@ def test_two_launchers_give_torchruns_world_and_variables(form: str) -> None:
     mine, torchruns = ranks_seen(ours), ranks_seen(theirs)
     assert sorted(mine) == sorted(torchruns) == [0, 1, 2, 3]
     assert "NODE_RANK" not in ours[1].stdout  # every node's rank output is printed on node 0, named by its rank
-    # c10d numbers the nodes as they join, so which launcher is node 0 may differ; each rank's place may not
-    join_order = {"GROUP_RANK", "LOCAL_RANK"} if form == "c10d" else set()
+    # c10d numbers the nodes as they join, so which launcher is node 0 may differ (each rank's place may not), and
+    # torchrun's ranks get the hosting agent's host name where levers9's get the endpoint's address
+    join_order = {"GROUP_RANK", "LOCAL_RANK", "MASTER_ADDR"} if form == "c10d" else set()
     differ_by_design = {"MASTER_PORT", "TORCHELASTIC_RUN_ID"} | join_order  # levers9 binds a fresh port per attempt
     for rank in range(4):
         for name, value in torchruns[rank].items():
@@ -130,6 +131,7 @@ def test_two_launchers_give_torchruns_world_and_variables(form: str) -> None:
             assert rank == 2 * int(str(seen["GROUP_RANK"])) + int(str(seen["LOCAL_RANK"]))
     assert {(r["sum"], r["world"], r["elastic"]) for r in mine.values()} == {(10.0, 4, True)}
     assert {r["GROUP_RANK"] for r in mine.values()} == {"0", "1"}
+    assert {r["MASTER_ADDR"] for r in mine.values()} == {"127.0.0.1"}
 
 
 @pytest.mark.timeout(300)
