@@ -194,14 +194,42 @@ def test_a_missing_secret_is_one_error_on_every_node() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_launchers_of_different_runs_are_refused_by_name() -> None:
+@pytest.mark.parametrize("differs", ["rdzv-id", "secret"])
+def test_launchers_of_different_runs_never_meet(differs: str) -> None:
+    """A launcher of another run (another --rdzv-id), or of nobody's (another secret: it cannot read a key of the run's
+    store), is refused by name, and node 0 names the node that never joined; no rank starts on either."""
     port = free_port()
-    ended = launch_nodes(lambda i: [*_static(LEVERS9, port, "--rdzv-conf", "join_timeout=20")(i), *(
-        ["--rdzv-id", "other"] if i else []), SCRIPT], lambda i: SECRET)  # fmt: skip
-    assert ended[1].returncode == 2, ended[1].stderr[-3000:]
-    assert (f"node 0 at 127.0.0.1:{port} runs --rdzv-id none --nproc-per-node 2 --nnodes 2, but this launcher was "
-            f"started with --rdzv-id other") in ended[1].stderr
-    assert ended[0].returncode == 1 and "node 1 (not joined, ranks 2-3) never joined within 20 s" in ended[0].stderr
+    other = ["--rdzv-id", "other"] if differs == "rdzv-id" else []
+    theirs = {"LEVERS9_GANG_SECRET": secrets.token_hex(16)} if differs == "secret" else SECRET
+    ended = launch_nodes(lambda i: [*_static(LEVERS9, port, "--rdzv-conf", "join_timeout=10")(i), *(other if i else []),
+                                    SCRIPT], lambda i: theirs if i else SECRET)  # fmt: skip
+    if differs == "rdzv-id":
+        assert ended[1].returncode == 2, ended[1].stderr[-3000:]
+        assert (f"node 0 at 127.0.0.1:{port} runs --rdzv-id none --nproc-per-node 2 --nnodes 2, but this launcher was "
+                f"started with --rdzv-id other") in ended[1].stderr
+    else:
+        assert ended[1].returncode == 1, ended[1].stderr[-3000:]
+        assert f"something answers at 127.0.0.1:{port} (from 127.0.0.1), but no run with this LEVERS9_GANG_SECRET" in ended[1].stderr
+    assert ended[0].returncode == 1 and "node 1 (not joined, ranks 2-3) never joined within 10 s" in ended[0].stderr
+    assert not any("NODE_RANK" in e.stdout for e in ended)
+
+
+@pytest.mark.timeout(120)
+def test_only_a_run_across_nodes_listens_beyond_loopback_and_only_on_the_master_address() -> None:
+    """One machine: levers9 run listens on loopback alone. Across nodes: on --master-addr alone (never every address),
+    at --master-port and the ranks' store of each attempt."""
+    script = str(REPO / "tests" / "scripts" / "launcher_ports.py")
+    (one,) = launch_nodes(lambda i: [*LEVERS9, "--nproc-per-node", "2", script], lambda i: {}, nodes=1)
+    port = free_port()
+    across = launch_nodes(lambda i: [*_static(LEVERS9, port)(i), script], lambda i: SECRET)
+    seen = []
+    for ended in (one, across[0]):
+        assert ended.returncode == 0, ended.stderr[-3000:]
+        (line,) = [line for line in ended.stdout.splitlines() if line.startswith("LISTENS ")]
+        seen.append(json.loads(line.partition(" ")[2]))
+    alone, node0 = seen
+    assert alone and all(address.startswith("127.0.0.1:") for address in alone), alone
+    assert f"127.0.0.1:{port}" in node0 and all(address.startswith("127.0.0.1:") for address in node0), node0
 
 
 # ---- the options and PET_* variables, parsed as torchrun parses them (no process started) ----------------------
