@@ -138,12 +138,11 @@ def join(layout: NodeLayout, per_node: int, env: Mapping[str, str] = os.environ)
     else:
         store = _reach_node_zero(layout, address, secret, expected)
         node = layout.node_rank if layout.node_rank is not None else store.next_node()
-        if node == 0 or node >= layout.nodes:
+        if node >= layout.nodes:  # c10d: more launchers than nodes (static numbers are checked by layout_of)
             raise LauncherEnvError(
-                f"this launcher would be node {node} of --nnodes {layout.nodes}, but node 0 at {layout.host}:"
-                f"{layout.port} already hosts the run{' and every other node joined' if node else ''}. Expected one "
-                f"launcher per node: `{layout.command()}` with a different --node-rank on each, from 0 to "
-                f"{layout.nodes - 1} (c10d: as many launchers as --nnodes)."
+                f"this launcher joined {layout.host}:{layout.port} as node {node}, but the run has --nnodes "
+                f"{layout.nodes} and every node joined already. Expected one launcher per node, {layout.nodes} in all: "
+                f"stop this one, or start every launcher with --nnodes {node + 1}."
             )
         here = _address_towards(address, layout.port)
     addresses = tuple(address if i == 0 else here if i == node else NOT_JOINED for i in range(layout.nodes))
