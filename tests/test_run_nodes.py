@@ -51,10 +51,11 @@ class Ended:
 
 
 def launch_nodes(command_of: Callable[[int], list[str]], env_of: Callable[[int], dict[str, str]],
-                 nodes: int = 2, timeout: float = 240) -> list[Ended]:  # fmt: skip
+                 nodes: int = 2, timeout: float = 240,
+                 while_running: Callable[[list[subprocess.Popen[str]]], None] | None = None) -> list[Ended]:  # fmt: skip
     """Start node 0's .. node (nodes-1)'s launcher side by side, each in a process group of its own (whatever is left
     of a launcher that hangs is killed with it) and a $TMPDIR of the run's (torchrun's agent leaves folders there);
-    each one's outcome once all ended."""
+    `while_running(processes)` once all started; each one's outcome once all ended."""
     base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS" and not k.startswith("PET_")}
     base["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     ended: dict[int, Ended] = {}
@@ -71,15 +72,17 @@ def launch_nodes(command_of: Callable[[int], list[str]], env_of: Callable[[int],
         for waiter in waiters:
             waiter.start()
         try:
+            if while_running is not None:
+                while_running(processes)
             for waiter in waiters:
                 waiter.join(max(0.0, timeout))
         finally:
-            for process in processes:
-                if process.poll() is None:
-                    os.killpg(process.pid, signal.SIGKILL)
+            hung = [process.pid for process in processes if process.poll() is None]
+            for pid in hung:
+                os.killpg(pid, signal.SIGKILL)
             for waiter in waiters:
                 waiter.join()
-    assert len(ended) == nodes and all(e.returncode >= 0 for e in ended.values()), "a launcher hung and was killed"
+    assert not hung, f"launcher(s) {hung} hung and were killed"
     return [ended[i] for i in range(nodes)]
 
 
@@ -162,6 +165,29 @@ def test_max_restarts_after_a_rank_on_node_1_is_killed_resumes_from_the_checkpoi
         (0, 2, 4.0, "step 5"), (1, 2, 4.0, "step 5"), (2, 2, 4.0, "step 5"), (3, 2, 4.0, "step 5"),
     ]  # fmt: skip
     assert "rank 3" in ours[0].stderr and "SIGKILL" in ours[0].stderr  # the restart names what it cured
+
+
+@pytest.mark.timeout(240)
+def test_losing_node_0s_launcher_ends_node_1_naming_it(tmp_path: Path) -> None:
+    """Node 0's launcher is SIGKILLed while every rank computes: its ranks go with it (their lifeline), and node 1's
+    launcher stops its ranks and exits 1 naming node 0, within its heartbeat's limit."""
+    killed_at: list[float] = []
+
+    def kill_node_0(processes: list[subprocess.Popen[str]]) -> None:
+        deadline = time.monotonic() + 180
+        while len(list(tmp_path.glob("ready-*"))) < 4:  # every rank computes
+            assert time.monotonic() < deadline and all(p.poll() is None for p in processes), "the ranks never all started"
+            time.sleep(0.05)
+        processes[0].kill()
+        killed_at.append(time.monotonic())
+
+    port = free_port()
+    node0, node1 = launch_nodes(lambda i: [*_static(LEVERS9, port)(i), SCRIPT, "loop", str(tmp_path)], lambda i: SECRET,
+                                while_running=kill_node_0)  # fmt: skip
+    assert node0.returncode == -signal.SIGKILL
+    assert node1.returncode == 1, node1.stderr[-3000:]
+    assert "levers9 run: lost node 0 (127.0.0.1), whose launcher hosts the run's store" in node1.stderr, node1.stderr
+    assert node1.at - killed_at[0] < 30, "node 1 outlived node 0 by more than its heartbeat's limit and a stop"
 
 
 @pytest.mark.timeout(120)

@@ -129,11 +129,20 @@ def serve(gang: GangContext, address: str, job: JobContext, base_env: dict[str, 
             _serve_attempt(store, beat, n, request, gang, address, job, base_env)
             n += 1
     except Exception:
-        if not beat.gone.is_set():
-            raise
-        return "lost"
+        if beat.gone.is_set() or not _answers(store):  # the store went away mid-attempt, before the heartbeat saw it
+            return "lost"
+        raise
     finally:
         beat.stop()
+
+
+def _answers(store: ControlStore) -> bool:
+    """True while node 0's store still answers this agent."""
+    try:
+        store.ended()
+        return True
+    except Exception:
+        return False
 
 
 def _serve_attempt(store: ControlStore, beat: _Heartbeat, n: int, request: StartRequest, gang: GangContext, address: str,

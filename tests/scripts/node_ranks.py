@@ -1,6 +1,7 @@
 """One rank of a run across nodes (two launchers with --nnodes 2, as torchrun's or levers9 run's): prints one JSON
 line with torchrun's variables, whether torch sees an elastic launch, and the all_reduce of rank+1 (10 on 4 ranks).
-With argv[1] == "raise", global rank 2 (node 1's first) raises after a few steps while the others compute."""
+With argv[1] == "raise", global rank 2 (node 1's first) raises after a few steps while the others compute; with
+"loop DIR", every rank writes DIR/ready-<rank> after its first step and computes until it is stopped."""
 
 import json
 import os
@@ -23,6 +24,11 @@ if __name__ == "__main__":
             td.all_reduce(torch.ones(1))
             if rank == 2 and step == 3:
                 raise ValueError("rank 2 could not read its shard")
+    if sys.argv[1:2] == ["loop"]:
+        td.all_reduce(torch.ones(1))
+        open(os.path.join(sys.argv[2], f"ready-{rank}"), "w").close()
+        while True:
+            td.all_reduce(torch.ones(1))
     total = torch.tensor([float(rank + 1)])
     td.all_reduce(total)
     seen = {name: os.environ.get(name) for name in NAMES}
