@@ -16,7 +16,8 @@ from levers9 import runtime
 
 @dataclasses.dataclass(frozen=True)
 class GangContext:
-    """A job that holds cards on several Ray nodes (issue 25): where its control store is, and each node's share.
+    """A job that holds cards on several Ray nodes (issue 25), or `levers9 run` across nodes (srun's one task per
+    node, torchrun's --nnodes): where its control store is, and each node's share.
 
     The job process runs on node 0; `distributed.run` there starts ranks 0..shares[0]-1 and asks the
     levers9 agent on each other node (through the control store node 0's Ray task hosts) to start its
@@ -31,6 +32,9 @@ class GangContext:
     # Starts every key of the control store and of the ranks' group: the stores listen on the cluster
     # network, and only the job's own processes, handed this value by Ray, can name (so set) a key they read.
     secret: str = ""
+    join_within: float = 120.0  # seconds node 0 waits for every other node's agent to join (then names the missing)
+    # What to look at when a node's agent never joined or went silent: how that node's agent is started.
+    check_node: str = "check that node in `ray status` and its Ray logs (the agent is a Ray task named levers9-agent)"
 
     @property
     def world_size(self) -> int:

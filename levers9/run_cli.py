@@ -1,9 +1,11 @@
-"""`levers9 run`: torchrun --standalone on one machine, on distributed.run's ranks.
+"""`levers9 run`: torchrun on distributed.run's ranks, on one machine or on each of several.
 
     levers9 run [--nproc-per-node N|gpu|cpu|auto] [-m | --no-python] SCRIPT_OR_MODULE [args...]
+    levers9 run --nnodes 2 --node-rank 0|1 --master-addr HOST --master-port P ... SCRIPT   # on each node
 
-torchrun's single-node spellings are accepted (both `--nproc-per-node` and `--nproc_per_node`);
-options that only make sense across machines are refused with how to run across several today.
+torchrun's spellings are accepted (both `--nproc-per-node` and `--nproc_per_node`), and each option's PET_
+variable as torchrun reads it (torchrun_env.py). Across nodes (--nnodes, or srun with one task per node) this
+launcher is one node of the run: distributed/torchrun_nodes.py and distributed/slurm_gang.py.
 The exit status is torchrun's: 0 when every rank succeeded, 1 when any rank failed (an exception,
 sys.exit(N), a signal, a timeout or stall) and when levers9 run itself got SIGTERM or SIGHUP and stopped
 every rank (each given its SIGTERM and grace period first), 2 for a bad command line (nothing was
@@ -21,19 +23,19 @@ import sys
 from typing import Any
 
 from levers9 import distributed as dist
+from levers9 import torchrun_env
 from levers9.distributed import script as scripts
-from levers9.distributed import slurm_gang
+from levers9.distributed import slurm_gang, torchrun_nodes
 from levers9.errors import ConfigError, LauncherEnvError, RankFailed, signal_name
 
 log = logging.getLogger("levers9.run")
 
 MULTI_NODE_FIX = (
-    "levers9 run starts every rank on this machine. To run across several machines today, start the script "
-    "with torchrun on each node (`torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:PORT train.py`) "
-    "or with srun under SLURM; levers9's helpers join the group those launchers make. Under SLURM, levers9 run "
-    "itself runs across nodes as one srun task per node, with a secret of the job's own: `export "
-    "LEVERS9_GANG_SECRET=$(python -c 'import secrets; print(secrets.token_hex(16))')`, then "
-    "`srun --ntasks-per-node=1 levers9 run --nproc-per-node 8 train.py`."
+    "With --nnodes 1, levers9 run starts every rank on this machine. To run across several machines, start it on "
+    "each node as torchrun: `levers9 run --nnodes 2 --node-rank <i> --master-addr <node 0's address> --master-port "
+    "29500 --nproc-per-node 8 train.py` (or --rdzv-backend c10d --rdzv-endpoint HOST:PORT), with the same secret "
+    "on every node: `export LEVERS9_GANG_SECRET=$(python -c 'import secrets; print(secrets.token_hex(16))')`; under "
+    "SLURM, `srun --ntasks-per-node=1 levers9 run --nproc-per-node 8 train.py` with that secret exported."
 )
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "")
 
@@ -68,13 +70,18 @@ def register(sub: Any) -> None:
     same.add_argument(*_both("no-python"), dest="no_python", action="store_true",
                       help="SCRIPT is a program, run without python")
     same.add_argument("--standalone", action="store_true", help="accepted: levers9 run is always standalone")
-    same.add_argument("--nnodes", default="1", help="1 (or 1:1) only")
-    same.add_argument(*_both("node-rank"), dest="node_rank", default="0", help="0 only")
-    same.add_argument(*_both("master-addr"), dest="master_addr", default=None, help="this machine only (ignored)")
+    same.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                      help="nodes, each running levers9 run (MIN:MAX waits for MAX: levers9 does not resize)")
+    same.add_argument(*_both("node-rank"), dest="node_rank", default="0", help="this node's number (static rendezvous)")
+    same.add_argument(*_both("master-addr"), dest="master_addr", default=None,
+                      help="across nodes: node 0's address (default 127.0.0.1)")
     same.add_argument(*_both("master-port"), dest="master_port", default=None,
-                      help="ignored: the rendezvous store binds a free loopback port, so nothing collides")
-    for name in ("rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf"):
-        same.add_argument(*_both(name), dest=name.replace("-", "_"), default=None, help="this machine only")
+                      help="across nodes: node 0's port for levers9's store (default 29500); on one machine "
+                           "ignored: the store binds a free loopback port, so nothing collides")
+    for name, say in (("rdzv-backend", "static (default) or c10d"), ("rdzv-endpoint", "c10d: HOST[:PORT] of the host"),
+                      ("rdzv-id", "the run's id, the same on every node"),
+                      ("rdzv-conf", "join_timeout=SECONDS (default 600), is_host=0|1")):  # fmt: skip
+        same.add_argument(*_both(name), dest=name.replace("-", "_"), default=None, help=say)
     same.add_argument(*_both("max-restarts"), dest="max_restarts", type=int, default=0,
                       help="start every rank again after a crash, lost peer or stall, up to N times")
     same.add_argument(*_both("start-method"), dest="start_method", choices=("spawn", "fork", "forkserver"),
@@ -105,6 +112,7 @@ def register(sub: Any) -> None:
     parser.add_argument("script", metavar="SCRIPT_OR_MODULE", help="the training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     parser.set_defaults(handler=main)
+    torchrun_env.read_pet_variables(parser, os.environ)  # each torchrun option's PET_ variable, as torchrun reads it
 
 
 def _refuse_multi_node(args: argparse.Namespace) -> None:
@@ -144,10 +152,12 @@ def _slurm_step_across_nodes() -> bool:
 def main(args: argparse.Namespace) -> int:
     """Run the script on every rank; the exit status follows torchrun's rules."""
     try:
+        torchrun_env.check(args)
+        layout = torchrun_nodes.layout_of(args)  # None for one node
         across_nodes = _slurm_step_across_nodes()
-        if not across_nodes:
+        if layout is None and not across_nodes:
             _refuse_multi_node(args)
-        if args.master_port is not None:
+        if args.master_port is not None and layout is None:
             log.info("--master-port %s ignored: the rendezvous store binds a free loopback port", args.master_port)
         target = scripts.prepare(
             args.script,
@@ -161,14 +171,17 @@ def main(args: argparse.Namespace) -> int:
         count, backend = scripts.resolve_nprocs(args.nproc_per_node, None, flag="--nproc-per-node")
         target = scripts.with_log_folder(target, "levers9 run")
         scripts.say_one_thread_each(count)
-        gang = None
-        if across_nodes:  # srun with one task per node: this task starts its node's share (slurm_gang.py)
+        place = None
+        if layout is not None:  # --nnodes N (or PET_NNODES): this launcher is one node of N (torchrun_nodes.py)
+            place = torchrun_nodes.join(layout, count)
+        elif across_nodes:  # srun with one task per node: this task starts its node's share (slurm_gang.py)
             gang = slurm_gang.gang_of_step(os.environ, count)
+            place = torchrun_nodes.NodePlace(gang, slurm_gang.launcher_job(gang))
         call = functools.partial(
             dist.run,
             scripts.run_script_target,
             target,
-            nprocs=count if gang is None else gang.world_size,
+            nprocs=count if place is None else place.gang.world_size,
             backend=backend,
             timeout=args.timeout,
             stall_timeout=args.stall_timeout,
@@ -179,10 +192,10 @@ def main(args: argparse.Namespace) -> int:
             restart_delay=args.restart_delay,
             init_group=False,  # the script makes its own group, as under torchrun
         )
-        if gang is None:
+        if place is None:
             call()
         else:
-            slurm_gang.run_as_node(gang, slurm_gang.launcher_job(gang), {}, call)
+            slurm_gang.run_as_node(place.gang, place.job, {}, call, place.server)
     except (ConfigError, LauncherEnvError) as exc:
         if scripts.failure_of(exc) is not None:  # raised on a rank (e.g. init_process_group's world_size)
             return _report_failure(exc)

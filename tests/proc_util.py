@@ -7,6 +7,7 @@ import ctypes
 import os
 import platform
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,6 +78,13 @@ def left_behind(before: set[int], seconds: float = 5.0) -> list[int]:
     of the answer, so only what the test itself started counts.
     """
     return wait_gone([p for p in children_of(os.getpid()) if p not in before], seconds)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (for a launcher that must be told one, as torchrun's --master-port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def is_torch_chatter(line: str | bytes) -> bool:

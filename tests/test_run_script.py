@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import stat
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from levers9.errors import ConfigError, RankCrashed
 from levers9.launch import job
 from levers9.launch.settings import update_settings
 from tests import scriptfns
-from tests.proc_util import board_folders_of, children_of, left_behind
+from tests.proc_util import board_folders_of, children_of, free_port, left_behind
 
 pytestmark = pytest.mark.launchers
 
@@ -237,7 +236,8 @@ def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     (["--nproc-per-node", "0", "SCRIPT"], ["--nproc-per-node=0", "expected a whole number", "e.g."]),
     (["--nproc-per-node", "abc", "SCRIPT"], ["--nproc-per-node='abc'", "gpu, cpu, auto", "e.g."]),
     (["--nproc-per-node", "gpu", "SCRIPT"], ["sees no CUDA card", "Expected at least one card", "--nproc-per-node=cpu"]),
-    (["--nnodes", "2", "SCRIPT"], ["--nnodes 2", "torchrun", "srun"]),
+    (["--nnodes", "2", "SCRIPT"], ["--nnodes 2", "needs LEVERS9_GANG_SECRET", "export LEVERS9_GANG_SECRET="]),
+    (["--node-rank", "1", "SCRIPT"], ["--node-rank 1", "--nnodes 2 --node-rank <i>", "srun"]),
     (["--master-addr", "10.0.0.7", "SCRIPT"], ["10.0.0.7", "another machine", "torchrun"]),
 ])
 def test_bad_command_lines(capsys: pytest.CaptureFixture[str], argv: list[str], needles: list[str]) -> None:
@@ -340,17 +340,11 @@ def test_run_script_gpu_word_counts_the_jobs_simulated_cards(two_simulated_cards
     assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(120)
 def test_spawn_runs_the_ddp_tutorials_mp_spawn_worker(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    dist.spawn(scriptfns.tutorial_worker, args=(2, _free_port(), str(out)), nprocs=2)
+    dist.spawn(scriptfns.tutorial_worker, args=(2, free_port(), str(out)), nprocs=2)
     assert sorted(p.read_text() for p in out.iterdir()) == ["1.0", "1.0"]
 
 

@@ -10,7 +10,8 @@ torch `Store` methods used here (set, get, check, add, delete_key); `get` is onl
     attempts             how many attempts node 0 started (each distributed.run call and restart is one)
     a<n>/start           attempt n's StartRequest                a<n>/stop     stop attempt n's ranks now
     a<n>/fail/<i>        node i's first failure (a Report)      a<n>/done/<i> node i's ranks all returned
-    a<n>/stopped/<i>     node i's ranks of attempt n are gone   end           the job is over: agents exit
+    a<n>/stopped/<i>     node i's ranks of attempt n are gone   end           the job is over: agents exit (value:
+                                                                              "ok", or "failed" when node 0 raised)
     a<n>/out/<i>/count   batches of node i's rank output        a<n>/out/<i>/<seq>  one batch of pieces (node 0 prints, deletes)
     lost/<i>             node 0 declared node i lost (its agent is cancelled without waiting)
     replace/<i>          node 0 asks node 0's Ray task for a new agent for lost node i (value: the attempt it starts at)
@@ -20,6 +21,8 @@ torch `Store` methods used here (set, get, check, add, delete_key); `get` is onl
     a<n>/confirm         node 0 asks every node for a Quiet on fresh samples (value: the round)
     a<n>/confirmed/<i>/<round>  node i's answer           a<n>/where    node 0 asks where every rank is
     a<n>/where/<i>       node i's answer: its ranks' collectives and stacks, named by global rank and node
+    rendezvous           `levers9 run --nnodes` (torchrun_nodes.py): the host's run id, ranks per node, node count
+    rendezvous/joined    how many launchers took a node number by c10d rendezvous (each takes the next one)
 """
 
 from __future__ import annotations
@@ -171,11 +174,28 @@ class ControlStore:
     def generation(self, node: int) -> int:
         return int(self.store.add(f"gen/{node}", 0))
 
-    def end(self) -> None:
-        self.store.set("end", "1")
+    def end(self, failed: bool = False) -> None:
+        self.store.set("end", "failed" if failed else "ok")
 
     def ended(self) -> bool:
         return self._flag("end")
+
+    def ended_failed(self) -> bool:
+        """True once node 0 ended the job because its run raised (a rank failed, a node was lost, ...)."""
+        return self._text("end") == "failed"
+
+    # ---- `levers9 run --nnodes`: the launchers meet (levers9/distributed/torchrun_nodes.py)
+
+    def open_rendezvous(self, layout: tuple[str, int, int]) -> None:
+        """The host says what every launcher must agree on: (run id, ranks per node, nodes)."""
+        self.store.set("rendezvous", ship(layout))
+
+    def rendezvous(self) -> tuple[str, int, int] | None:
+        return self._value("rendezvous")
+
+    def next_node(self) -> int:
+        """The node number of a launcher joining by c10d rendezvous: 1, 2, ... in the order they join (the host is 0)."""
+        return int(self.store.add("rendezvous/joined", 1))
 
     # ---- one attempt: start, output, outcome, stop
 

@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Literal
 
 from levers9.context import GangContext, JobContext
 from levers9.distributed import stalls
@@ -34,6 +35,8 @@ from levers9.distributed.rank_set import RankSet, Share, rank_vars
 from levers9.procs import start
 from levers9.procs.failure import unship
 from levers9.procs.outcome import StopReason, root_cause
+
+AgentEnd = Literal["ok", "failed", "lost", "replaced"]
 
 
 class _OutputSender:
@@ -101,12 +104,13 @@ class _Heartbeat:
 
 
 def serve(gang: GangContext, address: str, job: JobContext, base_env: dict[str, str], generation: int = 1,
-          first_attempt: int = 0) -> None:  # fmt: skip
+          first_attempt: int = 0) -> AgentEnd:  # fmt: skip
     """Node `gang.node_index`'s agent: join, then run each attempt's share of ranks until the job ends.
 
     `base_env` is what every rank of this node gets under the request's variables (its cards, the job's env=).
     A replacement agent starts at attempt `first_attempt`; an agent whose `generation` is no longer the node's
-    newest (it was replaced) exits instead of starting another attempt."""
+    newest (it was replaced) exits instead of starting another attempt. Returns how the job ended for this node:
+    "ok" or "failed" as node 0 said, "lost" when node 0's store stopped answering first, "replaced"."""
     node = gang.node_index
     store = control_client(gang)
     beat = _Heartbeat(gang, node)
@@ -115,16 +119,30 @@ def serve(gang: GangContext, address: str, job: JobContext, base_env: dict[str, 
         n = first_attempt
         while True:
             while (request := store.start_request(n)) is None:
-                if beat.gone.is_set() or store.ended() or store.generation(node) != generation:
-                    return
+                if beat.gone.is_set():
+                    return "lost"
+                if store.ended():
+                    return "failed" if store.ended_failed() else "ok"
+                if store.generation(node) != generation:
+                    return "replaced"
                 time.sleep(0.05)
             _serve_attempt(store, beat, n, request, gang, address, job, base_env)
             n += 1
     except Exception:
-        if not beat.gone.is_set():
-            raise
+        if beat.gone.is_set() or not _answers(store):  # the store went away mid-attempt, before the heartbeat saw it
+            return "lost"
+        raise
     finally:
         beat.stop()
+
+
+def _answers(store: ControlStore) -> bool:
+    """True while node 0's store still answers this agent."""
+    try:
+        store.ended()
+        return True
+    except Exception:
+        return False
 
 
 def _serve_attempt(store: ControlStore, beat: _Heartbeat, n: int, request: StartRequest, gang: GangContext, address: str,

@@ -49,7 +49,6 @@ T = TypeVar("T")
 
 HEARTBEAT_EVERY_S = 0.5  # an agent bumps its counter this often
 LOST_AFTER_S = 5.0  # a counter that did not move for this long: the node is lost
-JOIN_TIMEOUT_S = 120.0  # agents that have not joined by then are named
 POLL_EVERY_S = 0.1  # node 0 reads the control store this often
 # node 0 waits longer: an agent's report of an earlier failure is on its way (its window, then node 0's poll)
 ACROSS_NODES_WINDOW_S = ROOT_CAUSE_WINDOW_S + 2 * POLL_EVERY_S + 0.15
@@ -184,21 +183,25 @@ class _NodeZero:
         return f"node {node} ({self.gang.addresses[node]}, ranks {_span(self._ranks_of(node))})"
 
     def wait_for_agents(self) -> None:
-        """Return once every agent has joined; NodeLost naming the ones that never did after JOIN_TIMEOUT_S."""
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        """Return once every agent has joined (the gang then names each node by the address it joined from);
+        NodeLost naming the ones that never did after the gang's join_within seconds."""
+        deadline = time.monotonic() + self.gang.join_within
         while True:
             missing = [i for i in self.agents if self.control.joined(i) is None]
             if not missing:
-                return
+                break
             if time.monotonic() >= deadline:
                 names = "; ".join(self._name(i) for i in missing)
                 raise NodeLost(
                     f"distributed.run across {self.gang.describe()}: the levers9 agent of {names} never joined within "
-                    f"{JOIN_TIMEOUT_S:g} s. Expected every node's agent to start; check that node in `ray status` and "
-                    f"its Ray logs (the agent is a Ray task named levers9-agent), or ask for a gpu_count one node holds.",
+                    f"{self.gang.join_within:g} s. Expected every node's agent to start; {self.gang.check_node}.",
                     self.gang.addresses[missing[0]], self._ranks_of(missing[0]),
                 )
             time.sleep(POLL_EVERY_S)
+        for i in self.agents:
+            address = self.control.joined(i)
+            if address is not None and address != self.gang.addresses[i]:
+                self._moved(i, address)
 
     def attempt(self, attempt_env: dict[str, str]) -> Any:
         n = self.control.next_attempt()  # counted in the store: a job may call distributed.run again
@@ -246,7 +249,7 @@ class _NodeZero:
         return NodeLost(
             f"distributed.run across {self.gang.describe()}: lost {self._name(node)}: {why}. Every rank on the other "
             f"node(s) was stopped. Expected every node to answer levers9's heartbeat (every {HEARTBEAT_EVERY_S:g} s); "
-            f"check that node (`ray status`, its kernel log for the OOM killer), then run again.",
+            f"{self.gang.check_node}, and its kernel log for the OOM killer; then run again.",
             self.gang.addresses[node], self._ranks_of(node), kind,
         )
 

@@ -25,7 +25,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from levers9 import runtime
 from levers9.context import GangContext, JobContext
@@ -34,7 +34,7 @@ from levers9.distributed.control_store import ControlStore
 from levers9.distributed.detect import expand_nodelist
 from levers9.distributed.master_host import check_resolves
 from levers9.distributed.nodes import HEARTBEAT_EVERY_S
-from levers9.errors import LauncherEnvError
+from levers9.errors import LauncherEnvError, NodeLost, RankFailed
 
 T = TypeVar("T")
 LEAVE_QUIET_S = 3 * HEARTBEAT_EVERY_S  # no heartbeat for this long: the agents left
@@ -87,7 +87,8 @@ def gang_of_step(env: Mapping[str, str], per_node: int) -> GangContext:
     node 0's control store address and port, this task's node index, the step's secret."""
     variable = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
     names = expand_nodelist(env.get(variable, ""), variable)
-    secret = _step_secret(env, len(names))
+    secret = gang_secret(env, f"levers9 run across {len(names)} nodes under srun", "SLURM gives the tasks no secret "
+                         "of their own", "Add to the job script, before srun")  # fmt: skip
     addresses = []
     for name in names:
         check_resolves(name, variable)
@@ -95,43 +96,55 @@ def gang_of_step(env: Mapping[str, str], per_node: int) -> GangContext:
     node = _count(env, "SLURM_NODEID")
     port = env.get("MASTER_PORT", "")
     control_port = int(port) if port.isdigit() else slurm_env.master_port(env) or 29500
-    return GangContext(addresses[0], control_port, tuple(addresses), (per_node,) * len(names), node, 0.0, secret)
+    return GangContext(addresses[0], control_port, tuple(addresses), (per_node,) * len(names), node, 0.0, secret,
+                       check_node="check that node's srun task (its output, `sacct -j <job>`)")  # fmt: skip
 
 
-def _step_secret(env: Mapping[str, str], nodes: int) -> str:
-    """LEVERS9_GANG_SECRET; LauncherEnvError naming the line to add to the job script when it is unset or short."""
+def gang_secret(env: Mapping[str, str], what: str, why_needed: str, where: str) -> str:
+    """LEVERS9_GANG_SECRET; LauncherEnvError naming the line to add (`where` says where) when it is unset or short.
+    `what` names the run ("levers9 run across 2 nodes under srun"), `why_needed` why the launcher has no secret of
+    its own."""
     secret = env.get(SECRET_VAR, "")
     if len(secret) < MIN_SECRET_CHARS:
         seen = "it is unset" if SECRET_VAR not in env else f"it has {len(secret)} character(s)"
         raise LauncherEnvError(
-            f"levers9 run across {nodes} nodes under srun needs {SECRET_VAR}, a secret only this job's tasks know "
-            f"({seen}; expected at least {MIN_SECRET_CHARS} characters): the store between the nodes listens on the "
-            f"cluster network and unpickles what it reads, and SLURM gives the tasks no secret of their own. Add to "
-            f"the job script, before srun: export {SECRET_VAR}=$(python -c 'import secrets; print(secrets.token_hex(16))')"
+            f"{what} needs {SECRET_VAR}, a secret only this job's launchers know ({seen}; expected at least "
+            f"{MIN_SECRET_CHARS} characters): the store between the nodes listens on the network and unpickles what "
+            f"it reads, and {why_needed}. {where}: export {SECRET_VAR}=$(python -c 'import secrets; "
+            f"print(secrets.token_hex(16))')"
         )
     return secret
 
 
-@contextlib.contextmanager
-def _hosted_control(gang: GangContext) -> Iterator[None]:
-    """The step's control store, served by this process (node 0) on the gang's address and port."""
+def _listen_for_step(gang: GangContext) -> Any:
+    """A TCPStore server for the step's control store on the gang's address and port (node 0)."""
     import torch.distributed as td
 
     try:
-        server = td.TCPStore(gang.control_addr, gang.control_port, None, True, datetime.timedelta(seconds=60),
-                             wait_for_workers=False)  # fmt: skip
+        return td.TCPStore(gang.control_addr, gang.control_port, None, True, datetime.timedelta(seconds=60),
+                           wait_for_workers=False)  # fmt: skip
     except (RuntimeError, OSError) as exc:
         raise LauncherEnvError(
             f"node 0 could not listen on {gang.control_addr}:{gang.control_port} for the levers9 store of this srun "
             f"step ({type(exc).__name__}: {exc}). Expected that port free on the first node: export MASTER_PORT="
             f"<a free port> in the job script before srun (every node's task reads it)."
         ) from exc
+
+
+@contextlib.contextmanager
+def _hosted_control(gang: GangContext, server: Any) -> Iterator[None]:
+    """The job's control store, served by this process (node 0) through `server`; at the end, the agents are told
+    whether the run failed and given time to leave."""
     store = ControlStore.under_secret(server, gang.secret)
+    failed = False
     try:
         yield
+    except BaseException:
+        failed = True
+        raise
     finally:
         with contextlib.suppress(Exception):
-            store.end()
+            store.end(failed)
             _wait_for_agents_to_leave(store, len(gang.shares))
         del store, server
 
@@ -151,26 +164,41 @@ def _wait_for_agents_to_leave(store: ControlStore, nodes: int) -> None:
             return
 
 
-def launcher_job(gang: GangContext, env: Mapping[str, str] = os.environ) -> JobContext:
-    """The JobContext a launcher task (`levers9 run` under srun) runs its node under: SLURM job <id>'s step,
-    its node's cards (CUDA_VISIBLE_DEVICES as SLURM set it)."""
+def launcher_job(gang: GangContext, env: Mapping[str, str] = os.environ, run_id: str | None = None) -> JobContext:
+    """The JobContext a launcher (`levers9 run` under srun, or with --nnodes) runs its node under: SLURM job <id>'s
+    step unless `run_id` names the run, its node's cards (CUDA_VISIBLE_DEVICES as the launcher found it)."""
     cards = [c for c in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if c.strip()]
-    job_id = f"slurm-{env.get('SLURM_JOB_ID', '?')}.{env.get('SLURM_STEP_ID', '?')}"
+    job_id = run_id or f"slurm-{env.get('SLURM_JOB_ID', '?')}.{env.get('SLURM_STEP_ID', '?')}"
     return JobContext(run_id=job_id, cell_index=0, attempt=1, job_dir="", gpu_count=len(cards), gang=gang)
 
 
-def run_as_node(gang: GangContext, job: JobContext, base_env: dict[str, str], node_zero: Callable[[], T]) -> T | None:
-    """This task's part of the step: on node 0, `node_zero()` (which calls distributed.run) under `job` with the
-    gang, the control store hosted here; on node i, serve node i's share until node 0 ends the run (None)."""
+def run_as_node(gang: GangContext, job: JobContext, base_env: dict[str, str], node_zero: Callable[[], T],
+                server: Any = None) -> T | None:  # fmt: skip
+    """This launcher's part of the run: on node 0, `node_zero()` (which calls distributed.run) under `job` with the
+    gang, the control store hosted here (through `server` when the caller already listens, else on the gang's
+    address and port); on node i, serve node i's share until node 0 ends the run (None), or raise when node 0's run
+    failed (RankFailed: node 0 printed the root failure) or node 0 went away first (NodeLost)."""
     from levers9.distributed import node_agent
 
     not_a_rank()
     job = dataclasses.replace(job, gang=gang)
     if gang.node_index == 0:
         runtime.begin(runtime.Runtime(job=job))
-        with _hosted_control(gang):
+        with _hosted_control(gang, _listen_for_step(gang) if server is None else server):
             return node_zero()
-    # generation 0: node 0 never launches a replacement (SLURM keeps no spare), so no generation is ever counted
-    node_agent.serve(gang, gang.addresses[gang.node_index], job, base_env, generation=0)
+    # generation 0: node 0 never launches a replacement (no spare node), so no generation is ever counted
+    end = node_agent.serve(gang, gang.addresses[gang.node_index], job, base_env, generation=0)
+    zero = f"node 0 ({gang.addresses[0]})"
+    if end == "failed":
+        raise RankFailed(
+            f"levers9 run: the run across {len(gang.shares)} nodes failed; {zero} printed the failing rank and its "
+            f"traceback, and every rank on every node was stopped. Expected every rank to succeed; see {zero}'s output."
+        )
+    if end == "lost":
+        raise NodeLost(
+            f"levers9 run: lost {zero}, whose launcher hosts the run's store at {gang.control_addr}:{gang.control_port}, "
+            f"before the run ended; every rank on node {gang.node_index} was stopped. Expected node 0's launcher to run "
+            f"until the end; see its output (and its kernel log for the OOM killer).",
+            gang.addresses[0], tuple(range(gang.shares[0])),
+        )  # fmt: skip
     return None
-

@@ -1,5 +1,6 @@
 """A torch TCPStore served by this process, on a port it bound itself: the ranks' rendezvous store of one attempt
-(on loopback, or on node 0's address across nodes) and the control store of a job across nodes (launch/ray_gang.py)."""
+(on loopback, or on node 0's address across nodes) and the control store of a job across nodes (launch/ray_gang.py,
+distributed/torchrun_nodes.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ from collections.abc import Iterator
 from typing import Any
 
 
-def serve_store(host: str) -> tuple[Any, int]:
-    """(the store, its port): a TCPStore server on `host`, on a port bound here first (port 0: nothing collides),
-    so no other process can take the port between choosing and listening. It serves while the store object lives."""
+def serve_store(host: str, port: int = 0) -> tuple[Any, int]:
+    """(the store, its port): a TCPStore server listening on `host` alone, on `port` (0: one the kernel picks, so
+    nothing collides), bound here first so no other process can take the port between choosing and listening.
+    OSError when `host` is not this machine's or `port` is taken. It serves while the store object lives."""
     import torch.distributed as td
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind((host, 0))
+        if port:  # a port named in advance (a run across nodes): free again at once after the last run on it
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
         listener.listen(128)
         port = listener.getsockname()[1]
         store = td.TCPStore(host, port, None, True, datetime.timedelta(seconds=60),
