@@ -236,3 +236,22 @@ def leaves_an_executor_open() -> str:
     assert pool.submit(sum, [1, 2]).result() == 3
     globals()["_pool"] = pool
     return "returned"
+
+
+def redraws_a_progress_line(gate: str) -> None:
+    """Each rank redraws a progress line with "\\r", as tqdm does, in three steps: each step's redraw carries the
+    time it was written (time.monotonic(), one clock for every process here) and waits for the file
+    `gate`.<rank>.<step>, which the test makes once it read that redraw from the launcher's output; then the line
+    ends. A redraw held back until its line ends is read only once the rank stops waiting, after 20 s."""
+    import sys
+    import time
+
+    rank = os.environ["RANK"] if "RANK" in os.environ else "0"
+    for step in range(3):
+        sys.stdout.write(f"\rrank {rank} step {step}/3 at {time.monotonic():.6f} ")
+        sys.stdout.flush()
+        end = time.monotonic() + 20
+        while not os.path.exists(f"{gate}.{rank}.{step}") and time.monotonic() < end:
+            time.sleep(0.005)
+    sys.stdout.write("done\n")
+    sys.stdout.flush()

@@ -9,6 +9,7 @@ import fcntl
 import json
 import os
 import pty
+import re
 import select
 import struct
 import subprocess
@@ -207,6 +208,68 @@ def test_ranks_see_the_callers_terminal_and_rank_0_reads_its_stdin(launcher: str
     assert b"\rstep 2/3" in screen, "a redraw did not reach the screen before its line ended"
     assert b"raw \xff\xfe bytes" in screen, "bytes that are not UTF-8 were changed on their way"
     assert b"hello 'world'" in screen, "rank 0 could not read what was typed"
+
+
+REDRAWS_CALLER = """
+import sys
+from levers9 import distributed as dist
+from tests import scriptfns
+dist.run(scriptfns.redraws_a_progress_line, sys.argv[1], nprocs=2, backend="gloo")
+"""
+
+
+def redraws_through_a_pipe(argv: list[str], gate: Path, seconds: float = 120) -> tuple[dict[tuple[int, int], float], bytes, int]:
+    """Run `argv` with its stdout a pipe, as a log shipper or `| tee` reads it, answering scriptfns.redraws_a_progress_line:
+    each redraw is let through once it was read here. How late each (rank, step) redraw was read, in seconds after
+    its rank wrote it; the bytes read; the exit status."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env["TMPDIR"] = str(gate.parent)  # torchrun's agent leaves its torchelastic_* folder there
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env=env, start_new_session=True)
+    assert proc.stdout is not None
+    late: dict[tuple[int, int], float] = {}
+    out, end = b"", time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            if not select.select([proc.stdout], [], [], 0.1)[0]:
+                continue
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            now = time.monotonic()
+            if not chunk:
+                break
+            out += chunk
+            for found in re.finditer(rb"rank (\d) step (\d)/3 at ([0-9.]+) ", out):
+                key = (int(found[1]), int(found[2]))
+                if key not in late:
+                    late[key] = now - float(found[3])
+                    (gate.parent / f"{gate.name}.{key[0]}.{key[1]}").touch()
+    finally:
+        if time.monotonic() >= end:
+            os.killpg(proc.pid, 9)
+        proc.stdout.close()
+        code = proc.wait()
+    return late, out, code
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("launcher", ["torchrun", "levers9 run", "distributed.run"])
+def test_a_progress_redraw_reaches_a_pipe_as_it_is_written(launcher: str, tmp_path: Path) -> None:
+    """A tqdm-style "\\r" redraw on any rank reaches the caller's stdout when it is a pipe (a file, a notebook: any
+    stream that is not a terminal) as it is written, as under torchrun, where ranks write to the caller's stdout
+    themselves: it was held until its line ended. Each rank waits for its redraw to be read before it goes on, up
+    to 20 s; one held back would be read 20 s late or more. Rank 1's redraws carry its prefix after each "\\r"."""
+    gate = tmp_path / "gate"
+    if launcher == "distributed.run":
+        argv = [sys.executable, "-c", REDRAWS_CALLER, str(gate)]
+    else:
+        argv = [*LAUNCHERS[launcher], str(scriptfns.SCRIPTS / "redraws.py"), str(gate)]
+    late, out, code = redraws_through_a_pipe(argv, gate)
+    assert code == 0, out.decode(errors="replace")
+    assert sorted(late) == [(rank, step) for rank in (0, 1) for step in range(3)], out.decode(errors="replace")
+    assert max(late.values()) < 10, f"redraws read this many seconds after they were written: {late}"
+    if launcher != "torchrun":
+        assert b"\r[rank 1] rank 1 step 2/3" in out and b"\rrank 0 step 2/3" in out
+        assert b"[rank 1] done\n" in out and b"done\n" in out
 
 
 CLOSED_STDOUT = """
