@@ -272,6 +272,36 @@ def test_a_progress_redraw_reaches_a_pipe_as_it_is_written(launcher: str, tmp_pa
         assert b"[rank 1] done\n" in out and b"done\n" in out
 
 
+FLAGS_CALLER = """
+import json, sys
+sys.path.insert(0, sys.argv[1])  # under -I neither PYTHONPATH nor the script's folder is on the path
+from levers9 import distributed as dist
+from tests import rankfns
+method = None if sys.argv[2] == "env" else sys.argv[2]
+ranks = dist.run(rankfns.interpreter_flags_on_every_rank, nprocs=2, backend="gloo", start_method=method)
+print(json.dumps({"caller": rankfns.interpreter_flags(), "ranks": ranks}))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("flags", "method"), [(["-O"], "spawn"), (["-I"], "env"), (["-O", "-I"], "spawn")])
+def test_the_callers_interpreter_flags_reach_fresh_interpreter_ranks(flags: list[str], method: str) -> None:
+    """`python -O` strips asserts and `python -I` isolates from the environment in every rank started as a fresh
+    interpreter, as mp.spawn passes them on (start_method="spawn", or LEVERS9_START_METHOD=spawn); they ran
+    without them."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}  # what -I ignores
+    if method == "env":
+        env["LEVERS9_START_METHOD"] = "spawn"
+    done = subprocess.run([sys.executable, *flags, "-c", FLAGS_CALLER, str(REPO), method], env=env, capture_output=True,
+                          text=True, timeout=100)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    caller = seen["caller"]
+    assert caller["asserts_run"] is ("-O" not in flags) and caller["isolated"] == ("-I" in flags)
+    assert caller["dont_write_bytecode"] == ("-I" not in flags)
+    assert seen["ranks"] == [caller, caller]
+
+
 CLOSED_STDOUT = """
 import sys
 from levers9 import distributed as dist
