@@ -320,6 +320,25 @@ def test_a_closed_stdout_costs_only_the_output() -> None:
     assert done.stderr.splitlines()[-1] == "7"
 
 
+def test_a_stdout_pipe_whose_reader_left_is_named_once_as_such(tmp_path: Path) -> None:
+    """`levers9 run train.py | head -1`: the reader left, and the warning says so, once, with one "levers9: " (it
+    said "levers9: levers9: ...", and expected "a stream with write()" of a pipe that has one)."""
+    (tmp_path / "train.py").write_text("import os\nfor i in range(3):\n    print('line', i, 'of rank', os.environ['RANK'], flush=True)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    reader, writer = os.pipe()
+    os.close(reader)  # the reader left before the first line
+    try:
+        done = subprocess.run([*LAUNCHERS["levers9 run"], str(tmp_path / "train.py")], stdout=writer, stderr=subprocess.PIPE,
+                              env=env, text=True, timeout=120)  # fmt: skip
+    finally:
+        os.close(writer)
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "refused children's output" in line]
+    assert len(said) == 1, done.stderr
+    assert said[0].startswith("levers9: sys.stdout refused children's output (BrokenPipeError") and "levers9: levers9" not in said[0]
+    assert "a pipe whose reader has gone" in said[0] and "`> out.log`" in said[0] and "stream with write()" not in said[0]
+
+
 class WriteOnly:
     """The StreamToLogger recipe: a sys.stdout with `write` and nothing else."""
 
