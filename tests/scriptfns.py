@@ -255,3 +255,22 @@ def redraws_a_progress_line(gate: str) -> None:
             time.sleep(0.005)
     sys.stdout.write("done\n")
     sys.stdout.flush()
+
+
+def ending_worker(rank: int, bad_rank: int, how: str) -> None:
+    """An mp.spawn worker: rank `bad_rank` ends as `how` says ("exit": sys.exit(3); "kill": SIGKILL), the others go
+    on working until they are stopped."""
+    import signal
+    import sys
+    import time
+
+    if rank == bad_rank:
+        if how == "exit":
+            sys.exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+def every_worker_raises(rank: int) -> None:
+    """An mp.spawn worker that raises on every rank, as the DCP recipe's load does when the checkpoint is missing."""
+    raise ValueError(f"bad shard on rank {rank}")

@@ -163,6 +163,29 @@ def test_every_rank_that_failed_is_reported_with_its_own_frames_only() -> None:
     assert "levers9/procs/child.py" not in report and "rank_process.py" not in report
 
 
+RAISING_CALLER = """
+from levers9 import distributed as dist
+from tests import scriptfns
+dist.run(scriptfns.two_ranks_raise, nprocs=3, backend="gloo")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_run_prints_each_ranks_traceback_once_from_the_callers_line() -> None:
+    """On the console: each rank that failed by itself once (torch's excepthook in the rank, the report and the note
+    each printed it: up to four copies), and one frame of levers9's between the caller's line and the report, the one
+    that raised it (there were 13)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", RAISING_CALLER], env=env, capture_output=True, text=True, timeout=100)
+    printed = done.stdout + done.stderr
+    assert done.returncode == 1 and "ValueError" in printed, printed
+    failed = [rank for rank in (0, 1, 2) if f"rank {rank} (pid " in printed]  # each rank that failed by itself, named
+    assert 1 in failed or 2 in failed, printed
+    assert printed.count("Traceback (most recent call last):") == len(failed) + 1, printed  # and the caller's own
+    assert "[rank1]:" not in printed and "[rank2]:" not in printed, printed  # torch's excepthook in the rank
+    assert len([line for line in printed.splitlines() if line.startswith("  File ") and "/levers9/" in line]) == 1, printed
+
+
 def on_a_terminal(argv: list[str], gate: Path, seconds: float = 120) -> tuple[bytes, int]:
     """Run `argv` on a pseudo-terminal 100 columns wide, answering tests/scripts/terminal.py as a person would:
     each progress redraw is let through only once it is on the screen, and the name is typed at its prompt."""

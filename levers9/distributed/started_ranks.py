@@ -76,7 +76,7 @@ def start_like_mp_spawn(call: Callable[[int], Any], nprocs: int, asked_method: s
         method = start.choose(asked_method)
         shipped = None if method.forks else shipped_call(call, None, call, method)
         ranks = StartedRanks(call, shipped, layout, ranks_env(layout, (), as_torchrun=False), method, None, None, prefix_output,
-                             STOP_GRACE_S, make_group=False, torchrun_env=False, pass_rank=True)  # fmt: skip
+                             STOP_GRACE_S, make_group=False, torchrun_env=False, pass_rank=True, caller="spawn")  # fmt: skip
         return start_attempts(ranks, RetryPolicy())
 
 
@@ -133,6 +133,7 @@ class StartedRanks:
     make_group: bool = True  # every rank joins the group before fn
     torchrun_env: bool = True  # ranks get torchrun's worker variables and the parent's store (mp.spawn's: neither)
     pass_rank: bool = False  # fn(rank), as mp.spawn calls it
+    caller: str = "distributed.run"  # who started them, in failures' words: "spawn" raises what mp.spawn raises
 
     @property
     def diagnostics(self) -> bool:
@@ -191,7 +192,7 @@ class _RanksAttempt:
         if stopped_for is StopReason.STALL:
             assert self.ranks.stall_timeout is not None
             self._raise_stopped(StallError, stalls.stall_text(self.ranks.stall_timeout))
-        return rank0_value(outcomes, self._raise_root_failure)
+        return rank0_value(outcomes, self._raise_root_failure, self.ranks.caller)
 
     def _raise_root_failure(self, outcomes: list[Outcome]) -> NoReturn:
         """Raise the root cause (rank, how it ended, its traceback), naming every other rank that failed by
@@ -200,10 +201,11 @@ class _RanksAttempt:
         index = outcomes.index(root)
         also = [i for i, o in enumerate(outcomes) if i != index and not o.succeeded and o.stopped_for is None]
         stopped = [str(i) for i, o in enumerate(outcomes) if o.stopped_for is not None]
-        others = "".join(f"; rank {i} also failed (below)" for i in also)
-        others += f"; rank(s) {', '.join(stopped)} were stopped" if stopped else ""
+        who, several = ("process", "process(es)") if self.ranks.caller == "spawn" else ("rank", "rank(s)")  # mp.spawn's words
+        others = "".join(f"; {who} {i} also failed (below)" for i in also)
+        others += f"; {several} {', '.join(stopped)} were stopped" if stopped else ""
         raise_root(rank_failure(index, root, self.children[index].tail), root, world=len(outcomes), others=others,
-                   also=[rank_failure(i, outcomes[i], self.children[i].tail) for i in also])  # fmt: skip
+                   also=[rank_failure(i, outcomes[i], self.children[i].tail) for i in also], caller=self.ranks.caller)  # fmt: skip
 
     def _raise_stopped(self, error: type[RankFailed], headline: str) -> NoReturn:
         """Raise `error` with the report of where every rank was and their last output."""

@@ -121,15 +121,15 @@ def rebuild(failure: FailureRecord) -> BaseException | None:
     return exc if isinstance(exc, BaseException) else None
 
 
-def raise_rank_exception(message: str, failure: Any, report: FailureRecord, note: str) -> NoReturn:
-    """Raise the rank's own exception, rebuilt here, with `note` added and a RankFailed(`message`, `failure`) as
-    its cause; that RankFailed itself where the exception's type cannot be rebuilt in this process."""
-    wrapper = RankFailed(message, failure)
+def raise_rank_exception(message: str, failure: Any, report: FailureRecord, note: str, beside_note: str | None = None) -> NoReturn:
+    """Raise the rank's own exception, rebuilt here, with `note` (its traceback) added and a RankFailed(`beside_note`,
+    `failure`) as its cause (`message` where None: what the note does not say, so each traceback is printed once);
+    RankFailed(`message`, `failure`) itself where the exception's type cannot be rebuilt in this process."""
     original = rebuild(report)
     if not isinstance(original, Exception):  # not rebuilt, or a KeyboardInterrupt sent to that rank alone: the
-        raise wrapper  # caller was not interrupted, and `except Exception` must catch the rank's failure
+        raise RankFailed(message, failure)  # caller was not interrupted, and `except Exception` must catch the rank's failure
     add_note(original, note)
-    raise original from wrapper
+    raise original from RankFailed(message if beside_note is None else beside_note, failure)
 
 
 def send(fd: int, message: tuple[Any, ...]) -> None:
