@@ -22,12 +22,12 @@ from levers9.context import current_job
 from levers9.distributed import restarts, stalls
 from levers9.distributed.layout import Layout, plan_layout
 from levers9.distributed.rank_set import RankOutput, RankSet, Share, rank_vars
-from levers9.distributed.root_failure import raise_root, rank0_value, rank_failure
+from levers9.distributed.root_failure import raise_root, rank0_value, rank_failed_behind, rank_failure
 from levers9.distributed.stalls import flight_recorder
 from levers9.distributed.store_server import hosted_store
-from levers9.errors import ConfigError, NotShippableError, RankFailed, RunTimeout, StallError
+from levers9.errors import ConfigError, NotShippableError, RankFailed, RunTimeout, StallError, add_note
 from levers9.procs import start
-from levers9.procs.failure import ship, unpicklable_part
+from levers9.procs.failure import process_limit_note, ship, unpicklable_part
 from levers9.procs.held_heap import held_heap
 from levers9.procs.outcome import Outcome, StopReason, root_cause
 from levers9.procs.watch import exit_on_terminate
@@ -64,8 +64,13 @@ def start_attempts(ranks: StartedRanks, policy: RetryPolicy) -> Any:
     if ranks.stall_timeout is not None:
         flight_recorder.require(ranks.layout.backend)
     with exit_on_terminate():  # SIGTERM to this process stops the ranks with stop_grace, as Ctrl-C does
-        return restarts.run_attempts(policy, lambda attempt_env: _RanksAttempt(ranks, attempt_env).run(), ranks=ranks.layout.nprocs,
-                                     timeout=ranks.timeout, stall_timeout=ranks.stall_timeout)  # fmt: skip
+        try:
+            return restarts.run_attempts(policy, lambda attempt_env: _RanksAttempt(ranks, attempt_env).run(), ranks=ranks.layout.nprocs,
+                                         timeout=ranks.timeout, stall_timeout=ranks.stall_timeout)  # fmt: skip
+        except (OSError, RuntimeError) as exc:  # a rank or a thread of this process's that could not be started
+            if rank_failed_behind(exc) is None and (note := process_limit_note(exc)):
+                add_note(exc, note)
+            raise
 
 
 def start_like_mp_spawn(call: Callable[[int], Any], nprocs: int, asked_method: str | None, prefix_output: bool = False) -> Any:
