@@ -292,7 +292,7 @@ def test_a_progress_redraw_reaches_a_pipe_as_it_is_written(launcher: str, tmp_pa
     assert max(late.values()) < 10, f"redraws read this many seconds after they were written: {late}"
     if launcher != "torchrun":
         assert b"\r[rank 1] rank 1 step 2/3" in out and b"\rrank 0 step 2/3" in out
-        assert b"[rank 1] done\n" in out and b"done\n" in out
+    assert out.count(b"done\n") == 2, out.decode(errors="replace")
 
 
 FLAGS_CALLER = """
