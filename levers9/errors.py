@@ -10,6 +10,8 @@ Classes also derive from the builtin a caller would naturally catch (ValueError,
     ├── NotShippableError (TypeError)       fn, cfg, an argument or a result cannot cross a process boundary
     ├── RankFailed (RuntimeError)           a rank of distributed.run failed; .failure says which and how
     │   ├── RankCrashed                     it exited with a code or died by a signal, no Python exception
+    │   │   └── ProcessExited               `spawn`'s: also torch's ProcessExitedException (distributed/spawn_errors.py)
+    │   ├── ProcessRaised                   `spawn`'s process raised: also torch's ProcessRaisedException (same file)
     │   ├── RunTimeout (TimeoutError)       the run outlived timeout=
     │   ├── StallError                      ranks stopped making progress in a collective
     │   └── NodeLost                        a node of a multi-node run went silent (its agent died or froze)

@@ -215,6 +215,9 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+ALSO_FAILED = "\nAlso failed, after the root cause:\n"  # where each other failed rank's report begins (root_failure.py)
+
+
 def _report_failure(exc: BaseException) -> int:
     """Print the failing rank's headline and its own traceback; return that rank's own exit status (1 for an
     exception, N for sys.exit(N), 128+N for signal N)."""
@@ -234,6 +237,9 @@ def _report_failure(exc: BaseException) -> int:
         lines += ["", f"Traceback from rank {failure.rank}:", scripts.user_traceback(failure.traceback).rstrip()]
     elif "\n" in str(wrapper):
         lines += ["", str(wrapper).split("\n", 1)[1].strip()]
+    also = ALSO_FAILED + ALSO_FAILED.join(str(wrapper).split(ALSO_FAILED)[1:])  # each other failed rank's report, once
+    if failure.traceback and also != ALSO_FAILED:
+        lines += [scripts.user_traceback(also).rstrip()]
     code = scripts.exit_code_for(exc)
     lines += ["", f"levers9 run: rank {failure.rank}'s exit status was {code}."]
     print("\n".join(lines), file=sys.stderr, flush=True)

@@ -292,6 +292,35 @@ def train_step() -> None:
         torch.ones(32, 32) @ torch.ones(32, 32)
 
 
+def computes_and_saves_slowly_on_sigterm(folder: str, name: Any) -> None:
+    """Training that computes in small numeric steps and, on SIGTERM, saves a checkpoint that takes a while:
+    it writes folder/stopping-<name>, computes on until folder/go exists (the test makes it once the caller got
+    its second signal) and 0.5 s more, then writes folder/saved-<name> and exits 0. Writes folder/ready-<name>
+    (its pid) once the handler is in place; stops computing after 120 s."""
+
+    def step(x: float) -> float:
+        for _ in range(1000):
+            x = (x * 1.000001 + 0.5) % 1000.0
+        return x
+
+    def save(signum: int, frame: Any) -> None:
+        write_atomically(Path(folder, f"stopping-{name}"), str(signum))
+        x, end = 0.0, time.monotonic() + 120
+        while not Path(folder, "go").exists() and time.monotonic() < end:
+            x = step(x)
+        saving = time.monotonic() + 0.5
+        while time.monotonic() < saving:
+            x = step(x)
+        write_atomically(Path(folder, f"saved-{name}"), f"{signum} {x}")
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, save)
+    write_atomically(Path(folder, f"ready-{name}"), str(os.getpid()))
+    x, end = 0.0, time.monotonic() + 120
+    while time.monotonic() < end:
+        x = step(x)
+
+
 def ranks_that_save_on_sigterm(folder: str) -> None:
     """`distributed.run` on the job's cards, each rank as in `save_on_sigterm`."""
     from levers9 import distributed as dist

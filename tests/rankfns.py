@@ -392,3 +392,23 @@ def what_another_user_reaches_in_the_store(cfg: Any) -> dict[str, Any]:
     seen["with_secret"] = present(gloo_keys(f"levers9-{secret}-group-1/"))
     seen["secret"] = secret
     return seen
+
+
+def interpreter_flags() -> dict[str, Any]:
+    """How this interpreter was started: whether an assert statement runs (-O strips it), and the flags -O and -I
+    set (-I also ignores PYTHON* variables, such as PYTHONDONTWRITEBYTECODE)."""
+    try:
+        assert os.getpid() < 0, "an assert that python -O strips"
+        asserts_run = False
+    except AssertionError:
+        asserts_run = True
+    flags = sys.flags
+    return {"asserts_run": asserts_run, "optimize": flags.optimize, "isolated": flags.isolated,
+            "dont_write_bytecode": flags.dont_write_bytecode}  # fmt: skip
+
+
+def interpreter_flags_on_every_rank() -> list[dict[str, Any]]:
+    """`interpreter_flags()` of every rank, gathered; rank 0 returns the list."""
+    seen: list[dict[str, Any] | None] = [None] * dist.world_size()
+    torch.distributed.all_gather_object(seen, interpreter_flags())
+    return seen  # type: ignore[return-value]

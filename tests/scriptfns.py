@@ -236,3 +236,41 @@ def leaves_an_executor_open() -> str:
     assert pool.submit(sum, [1, 2]).result() == 3
     globals()["_pool"] = pool
     return "returned"
+
+
+def redraws_a_progress_line(gate: str) -> None:
+    """Each rank redraws a progress line with "\\r", as tqdm does, in three steps: each step's redraw carries the
+    time it was written (time.monotonic(), one clock for every process here) and waits for the file
+    `gate`.<rank>.<step>, which the test makes once it read that redraw from the launcher's output; then the line
+    ends. A redraw held back until its line ends is read only once the rank stops waiting, after 20 s."""
+    import sys
+    import time
+
+    rank = os.environ["RANK"] if "RANK" in os.environ else "0"
+    for step in range(3):
+        sys.stdout.write(f"\rrank {rank} step {step}/3 at {time.monotonic():.6f} ")
+        sys.stdout.flush()
+        end = time.monotonic() + 20
+        while not os.path.exists(f"{gate}.{rank}.{step}") and time.monotonic() < end:
+            time.sleep(0.005)
+    sys.stdout.write("done\n")
+    sys.stdout.flush()
+
+
+def ending_worker(rank: int, bad_rank: int, how: str) -> None:
+    """An mp.spawn worker: rank `bad_rank` ends as `how` says ("exit": sys.exit(3); "kill": SIGKILL), the others go
+    on working until they are stopped."""
+    import signal
+    import sys
+    import time
+
+    if rank == bad_rank:
+        if how == "exit":
+            sys.exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+def every_worker_raises(rank: int) -> None:
+    """An mp.spawn worker that raises on every rank, as the DCP recipe's load does when the checkpoint is missing."""
+    raise ValueError(f"bad shard on rank {rank}")

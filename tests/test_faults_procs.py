@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from levers9.errors import JobTimeout, RunTimeout
 from levers9.launch import job
 from levers9.procs import failure, start
 from levers9.procs.watch import Child, Watcher
-from tests import procfns
+from tests import procfns, rankfns
 from tests.proc_util import alive, children_of, in_group, is_torch_chatter, left_behind, wait_gone
 
 pytestmark = pytest.mark.procs
@@ -432,3 +433,67 @@ def test_a_caller_that_ignores_sigchld_gets_its_success_and_its_setting_back(tmp
                          capture_output=True, text=True, timeout=100)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]  # as torchrun exits: success is success
     assert "rank 0 done" in run.stdout
+
+
+# ---- the limit on processes and threads (ulimit -u) ----
+
+UNPRIVILEGED = 65534  # nobody: root ignores RLIMIT_NPROC, another user does not
+
+
+def _run_as_nobody_under_a_process_limit(limit: int) -> str:
+    """distributed.run(nprocs=4) in a forked child that became uid 65534 with RLIMIT_NPROC = `limit` (`ulimit -u`);
+    what it printed: the exception it raised, notes and cause included, or "returned"."""
+    import select
+    import traceback
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        text = "returned"
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(UNPRIVILEGED)
+            os.setuid(UNPRIVILEGED)
+            resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
+            dist.run(rankfns.describe, None, nprocs=4, backend="gloo")
+        except BaseException as exc:  # noqa: BLE001 - handed to the test as text
+            text = "".join(traceback.format_exception(exc))
+        finally:
+            os.write(write_end, text.encode())
+            os._exit(0)
+    os.close(write_end)
+    printed, end = b"", time.monotonic() + 90
+    try:
+        while time.monotonic() < end:
+            if not select.select([read_end], [], [], 1)[0]:
+                continue
+            chunk = os.read(read_end, 65536)
+            if not chunk:
+                break
+            printed += chunk
+    finally:
+        os.close(read_end)
+        if time.monotonic() >= end:
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    return printed.decode(errors="replace")
+
+
+@pytest.mark.timeout(300)
+def test_a_process_limit_is_named_wherever_it_is_hit(no_strays: list[int]) -> None:
+    """`ulimit -u N` and four ranks: the limit is hit starting a rank, a thread of the caller's, a rank's threads
+    (gloo's) or a rank's watchdog, depending on N and on timing. Wherever it is, the error names `ulimit -u N`, and a
+    rank that hit it reports its own traceback (one variant ended with "exited with code 70" and nothing else)."""
+    assert dist.run(rankfns.describe, None, nprocs=2, backend="gloo")["world_size"] == 2  # all imported, as root
+    failed = 0
+    for limit in (8, 12, 16, 20, 24):
+        printed = _run_as_nobody_under_a_process_limit(limit)
+        if printed == "returned":
+            continue
+        failed += 1
+        assert f"ulimit -u {limit})" in printed and "start fewer ranks (nprocs=)" in printed, printed
+        assert "exited with code 70" not in printed, printed
+        if "raised on rank" in printed:  # a rank's own failure: its traceback comes with it
+            assert "Traceback from rank" in printed or "Its traceback:" in printed, printed
+    assert failed, "no limit was low enough to be hit"

@@ -9,6 +9,7 @@ import fcntl
 import json
 import os
 import pty
+import re
 import select
 import struct
 import subprocess
@@ -162,6 +163,29 @@ def test_every_rank_that_failed_is_reported_with_its_own_frames_only() -> None:
     assert "levers9/procs/child.py" not in report and "rank_process.py" not in report
 
 
+RAISING_CALLER = """
+from levers9 import distributed as dist
+from tests import scriptfns
+dist.run(scriptfns.two_ranks_raise, nprocs=3, backend="gloo")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_run_prints_each_ranks_traceback_once_from_the_callers_line() -> None:
+    """On the console: each rank that failed by itself once (torch's excepthook in the rank, the report and the note
+    each printed it: up to four copies), and one frame of levers9's between the caller's line and the report, the one
+    that raised it (there were 13)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", RAISING_CALLER], env=env, capture_output=True, text=True, timeout=100)
+    printed = done.stdout + done.stderr
+    assert done.returncode == 1 and "ValueError" in printed, printed
+    failed = [rank for rank in (0, 1, 2) if f"rank {rank} (pid " in printed]  # each rank that failed by itself, named
+    assert 1 in failed or 2 in failed, printed
+    assert printed.count("Traceback (most recent call last):") == len(failed) + 1, printed  # and the caller's own
+    assert "[rank1]:" not in printed and "[rank2]:" not in printed, printed  # torch's excepthook in the rank
+    assert len([line for line in printed.splitlines() if line.startswith("  File ") and "/levers9/" in line]) == 1, printed
+
+
 def on_a_terminal(argv: list[str], gate: Path, seconds: float = 120) -> tuple[bytes, int]:
     """Run `argv` on a pseudo-terminal 100 columns wide, answering tests/scripts/terminal.py as a person would:
     each progress redraw is let through only once it is on the screen, and the name is typed at its prompt."""
@@ -209,6 +233,98 @@ def test_ranks_see_the_callers_terminal_and_rank_0_reads_its_stdin(launcher: str
     assert b"hello 'world'" in screen, "rank 0 could not read what was typed"
 
 
+REDRAWS_CALLER = """
+import sys
+from levers9 import distributed as dist
+from tests import scriptfns
+dist.run(scriptfns.redraws_a_progress_line, sys.argv[1], nprocs=2, backend="gloo")
+"""
+
+
+def redraws_through_a_pipe(argv: list[str], gate: Path, seconds: float = 120) -> tuple[dict[tuple[int, int], float], bytes, int]:
+    """Run `argv` with its stdout a pipe, as a log shipper or `| tee` reads it, answering scriptfns.redraws_a_progress_line:
+    each redraw is let through once it was read here. How late each (rank, step) redraw was read, in seconds after
+    its rank wrote it; the bytes read; the exit status."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env["TMPDIR"] = str(gate.parent)  # torchrun's agent leaves its torchelastic_* folder there
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env=env, start_new_session=True)
+    assert proc.stdout is not None
+    late: dict[tuple[int, int], float] = {}
+    out, end = b"", time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            if not select.select([proc.stdout], [], [], 0.1)[0]:
+                continue
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            now = time.monotonic()
+            if not chunk:
+                break
+            out += chunk
+            for found in re.finditer(rb"rank (\d) step (\d)/3 at ([0-9.]+) ", out):
+                key = (int(found[1]), int(found[2]))
+                if key not in late:
+                    late[key] = now - float(found[3])
+                    (gate.parent / f"{gate.name}.{key[0]}.{key[1]}").touch()
+    finally:
+        if time.monotonic() >= end:
+            os.killpg(proc.pid, 9)
+        proc.stdout.close()
+        code = proc.wait()
+    return late, out, code
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("launcher", ["torchrun", "levers9 run", "distributed.run"])
+def test_a_progress_redraw_reaches_a_pipe_as_it_is_written(launcher: str, tmp_path: Path) -> None:
+    """A tqdm-style "\\r" redraw on any rank reaches the caller's stdout when it is a pipe (a file, a notebook: any
+    stream that is not a terminal) as it is written, as under torchrun, where ranks write to the caller's stdout
+    themselves: it was held until its line ended. Each rank waits for its redraw to be read before it goes on, up
+    to 20 s; one held back would be read 20 s late or more. Rank 1's redraws carry its prefix after each "\\r"."""
+    gate = tmp_path / "gate"
+    if launcher == "distributed.run":
+        argv = [sys.executable, "-c", REDRAWS_CALLER, str(gate)]
+    else:
+        argv = [*LAUNCHERS[launcher], str(scriptfns.SCRIPTS / "redraws.py"), str(gate)]
+    late, out, code = redraws_through_a_pipe(argv, gate)
+    assert code == 0, out.decode(errors="replace")
+    assert sorted(late) == [(rank, step) for rank in (0, 1) for step in range(3)], out.decode(errors="replace")
+    assert max(late.values()) < 10, f"redraws read this many seconds after they were written: {late}"
+    if launcher != "torchrun":
+        assert b"\r[rank 1] rank 1 step 2/3" in out and b"\rrank 0 step 2/3" in out
+    assert out.count(b"done\n") == 2, out.decode(errors="replace")
+
+
+FLAGS_CALLER = """
+import json, sys
+sys.path.insert(0, sys.argv[1])  # under -I neither PYTHONPATH nor the script's folder is on the path
+from levers9 import distributed as dist
+from tests import rankfns
+method = None if sys.argv[2] == "env" else sys.argv[2]
+ranks = dist.run(rankfns.interpreter_flags_on_every_rank, nprocs=2, backend="gloo", start_method=method)
+print(json.dumps({"caller": rankfns.interpreter_flags(), "ranks": ranks}))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("flags", "method"), [(["-O"], "spawn"), (["-I"], "env"), (["-O", "-I"], "spawn")])
+def test_the_callers_interpreter_flags_reach_fresh_interpreter_ranks(flags: list[str], method: str) -> None:
+    """`python -O` strips asserts and `python -I` isolates from the environment in every rank started as a fresh
+    interpreter, as mp.spawn passes them on (start_method="spawn", or LEVERS9_START_METHOD=spawn); they ran
+    without them."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}  # what -I ignores
+    if method == "env":
+        env["LEVERS9_START_METHOD"] = "spawn"
+    done = subprocess.run([sys.executable, *flags, "-c", FLAGS_CALLER, str(REPO), method], env=env, capture_output=True,
+                          text=True, timeout=100)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    caller = seen["caller"]
+    assert caller["asserts_run"] is ("-O" not in flags) and caller["isolated"] == ("-I" in flags)
+    assert caller["dont_write_bytecode"] == ("-I" not in flags)
+    assert seen["ranks"] == [caller, caller]
+
+
 CLOSED_STDOUT = """
 import sys
 from levers9 import distributed as dist
@@ -225,6 +341,25 @@ def test_a_closed_stdout_costs_only_the_output() -> None:
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stderr.splitlines()[-1] == "7"
+
+
+def test_a_stdout_pipe_whose_reader_left_is_named_once_as_such(tmp_path: Path) -> None:
+    """`levers9 run train.py | head -1`: the reader left, and the warning says so, once, with one "levers9: " (it
+    said "levers9: levers9: ...", and expected "a stream with write()" of a pipe that has one)."""
+    (tmp_path / "train.py").write_text("import os\nfor i in range(3):\n    print('line', i, 'of rank', os.environ['RANK'], flush=True)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    reader, writer = os.pipe()
+    os.close(reader)  # the reader left before the first line
+    try:
+        done = subprocess.run([*LAUNCHERS["levers9 run"], str(tmp_path / "train.py")], stdout=writer, stderr=subprocess.PIPE,
+                              env=env, text=True, timeout=120)  # fmt: skip
+    finally:
+        os.close(writer)
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "refused children's output" in line]
+    assert len(said) == 1, done.stderr
+    assert said[0].startswith("levers9: sys.stdout refused children's output (BrokenPipeError") and "levers9: levers9" not in said[0]
+    assert "a pipe whose reader has gone" in said[0] and "`> out.log`" in said[0] and "stream with write()" not in said[0]
 
 
 class WriteOnly:

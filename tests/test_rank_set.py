@@ -13,7 +13,7 @@ import pytest
 
 from levers9.distributed.rank_set import RankOutput, rank_vars
 from levers9.errors import FailureKind
-from levers9.procs import failure, start
+from levers9.procs import failure, lines, start
 from levers9.procs.outcome import StopReason, kind_of, root_cause
 from levers9.procs.supervise import Supervisor
 from levers9.procs.watch import Child, Ended, Watcher
@@ -51,6 +51,22 @@ def test_pieces_of_several_ranks_lines_reach_the_caller_each_line_labelled_once(
         "[rank 1] a long line, in pieces\nrank 0 is not labelled\n[rank 2] unfinished\n[rank 3] rank 3 ends rank 2's line first\n"
     )
     assert "".join(w.split(":", 1)[1] for w in written if w.startswith("stderr:")) == "[rank 1] 10%\r[rank 1] 20%\r[rank 1] 30%\n"
+
+
+@pytest.mark.fast
+def test_a_redraw_is_handed_on_after_hold_s_and_a_plain_unfinished_line_waits_for_its_end() -> None:
+    """What a pipe's cutter does (output that is not a terminal's): a "\\r" redraw is not held until its line ends
+    (a progress bar then moved only at 100%), and a line written in pieces without one is still never split."""
+    cutter = lines.LineCutter(exact=True)
+    assert cutter.feed(b"epoch 1: ") == [] and not cutter.holding
+    assert cutter.due(time.monotonic() + 60) == []  # a plain unfinished line waits for its newline
+    assert cutter.feed(b"\r 10%|#") == [] and cutter.holding
+    assert cutter.due(time.monotonic()) == []  # a burst of quick writes stays one piece
+    assert cutter.due(time.monotonic() + lines.HOLD_S) == ["epoch 1: \r 10%|#"]
+    assert not cutter.holding
+    assert cutter.feed(b"\r 20%|##") == [] and cutter.due(time.monotonic() + lines.HOLD_S) == ["\r 20%|##"]
+    assert cutter.feed(b"\r100%|###\nnext") == ["\r100%|###\n"] and not cutter.holding
+    assert cutter.end() == ["next\n"]
 
 
 class OtherNode(Ended):

@@ -14,10 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from levers9 import distributed as dist
 from levers9.cli import main as cli_main
-from levers9.errors import ConfigError, RankCrashed
+from levers9.errors import ConfigError, FailureKind, RankCrashed, RankFailed
 from levers9.launch import job
 from levers9.launch.settings import update_settings
 from tests import scriptfns
@@ -348,11 +349,103 @@ def test_spawn_runs_the_ddp_tutorials_mp_spawn_worker(tmp_path: Path) -> None:
     assert sorted(p.read_text() for p in out.iterdir()) == ["1.0", "1.0"]
 
 
+MP_SPAWN_CODE = """
+import json, sys
+import torch.multiprocessing as mp
+from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+from levers9 import distributed as dist
+from tests import scriptfns
+
+def caught(spawn, fn, args):
+    try:
+        spawn(fn, args=args, nprocs=2)
+    except ProcessRaisedException as e:
+        return {"type": "raised", "index": e.error_index, "pid": e.error_pid, "text": str(e)}
+    except ProcessExitedException as e:
+        return {"type": "exited", "index": e.error_index, "pid": e.error_pid, "text": str(e), "exit_code": e.exit_code,
+                "signal_name": e.signal_name}
+    return None
+
+if __name__ == "__main__":
+    spawn = mp.spawn if sys.argv[1] == "mp.spawn" else dist.spawn
+    print(json.dumps([caught(spawn, scriptfns.failing_worker, (1,)), caught(spawn, scriptfns.ending_worker, (1, "exit")),
+                      caught(spawn, scriptfns.ending_worker, (1, "kill"))]))
+"""
+
+
+def _spawn_caller(code: str, spawner: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", code, spawner], env=env, capture_output=True, text=True, timeout=150)
+
+
+@pytest.mark.timeout(200)
+def test_code_written_for_mp_spawn_catches_what_spawn_raises() -> None:
+    """Side by side with torch.multiprocessing.spawn, code written for it (`except ProcessRaisedException`, reading
+    .error_index, .error_pid, .exit_code, .signal_name) gets the same from levers9's spawn: a process that raised, its
+    index, pid and traceback; one that exited or was killed, its exit code (negative for a signal) and the signal's
+    name, in mp.spawn's words."""
+    seen = {}
+    for spawner in ("mp.spawn", "levers9 spawn"):
+        done = _spawn_caller(MP_SPAWN_CODE, spawner)
+        assert done.returncode == 0, done.stderr
+        seen[spawner] = json.loads(done.stdout.splitlines()[-1])
+    for raised, exited, killed in seen.values():
+        assert (raised["type"], raised["index"]) == ("raised", 1) and raised["pid"] > 0
+        assert "-- Process 1 terminated with the following error:" in raised["text"]
+        assert 'raise KeyError(f"rank {rank} lost its config")' in raised["text"]
+        assert (exited["type"], exited["index"], exited["exit_code"], exited["signal_name"]) == ("exited", 1, 3, None)
+        assert exited["text"].startswith("process 1 terminated with exit code 3")
+        assert (killed["type"], killed["index"], killed["exit_code"], killed["signal_name"]) == ("exited", 1, -9, "SIGKILL")
+        assert killed["text"].startswith("process 1 terminated with signal SIGKILL")
+    assert not any("distributed.run" in report["text"] for report in seen["levers9 spawn"])
+
+
 @pytest.mark.timeout(120)
-def test_spawn_with_a_failing_rank_raises_its_exception_and_stops_the_others() -> None:
-    with pytest.raises(KeyError, match="rank 1 lost its config") as info:
+def test_what_spawn_raises_is_levers9s_failure_type_too() -> None:
+    with pytest.raises(ProcessRaisedException) as raised:
         dist.spawn(scriptfns.failing_worker, args=(1,), nprocs=2)
-    assert any("raised on rank 1" in note for note in getattr(info.value, "__notes__", []))
+    assert isinstance(raised.value, RankFailed) and raised.value.kind is FailureKind.EXCEPTION
+    failure = raised.value.failure
+    assert failure is not None and (failure.rank, failure.pid) == (raised.value.error_index, raised.value.error_pid)
+    assert str(raised.value).count("KeyError: 'rank 1 lost its config'") == 1
+    with pytest.raises(ProcessExitedException) as exited:
+        dist.spawn(scriptfns.ending_worker, args=(1, "exit"), nprocs=2)
+    assert isinstance(exited.value, RankCrashed) and exited.value.kind is FailureKind.EXIT
+
+
+SPAWN_CALLER = """
+import sys
+import torch.multiprocessing as mp
+from levers9 import distributed as dist
+from tests import scriptfns
+
+if __name__ == "__main__":
+    spawn = mp.spawn if sys.argv[1] == "mp.spawn" else dist.spawn
+    spawn(scriptfns.every_worker_raises, nprocs=2)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_spawn_that_fails_prints_each_processs_traceback_once_from_the_callers_line() -> None:
+    """What reaches the console when every process raises (the DCP recipe's load without a checkpoint), side by
+    side with mp.spawn: each process's traceback once (levers9 printed each twice, in 408 lines where mp.spawn
+    printed 134), from the caller's line with one frame of levers9's, the one that raised (there were 10 to 13), and
+    no more lines per failed process than mp.spawn's. mp.spawn reports the first process; levers9 each one that failed
+    by itself."""
+    printed = {}
+    for spawner in ("mp.spawn", "levers9 spawn"):
+        done = _spawn_caller(SPAWN_CALLER, spawner)
+        printed[spawner] = done.stdout + done.stderr
+        assert done.returncode == 1 and "ProcessRaise" in printed[spawner], printed[spawner]
+    ours = printed["levers9 spawn"]
+    failed = [rank for rank in (0, 1) if f"ValueError: bad shard on rank {rank}" in ours]
+    assert failed, ours
+    for rank in failed:
+        assert ours.splitlines().count(f"ValueError: bad shard on rank {rank}") == 1, ours
+    assert ours.count('raise ValueError(f"bad shard on rank {rank}")') == len(failed), ours
+    assert len([line for line in ours.splitlines() if line.startswith("  File ") and "/levers9/" in line]) == 1, ours
+    assert ours.splitlines()[1].startswith('  File "<string>", line 9, in <module>'), ours
+    assert len(ours.splitlines()) <= len(printed["mp.spawn"].splitlines()) * len(failed), printed
 
 
 def test_spawn_refuses_what_it_cannot_do() -> None:
@@ -360,6 +453,22 @@ def test_spawn_refuses_what_it_cannot_do() -> None:
         dist.spawn(scriptfns.failing_worker, args=(1,), nprocs=2, join=False)
     with pytest.raises(ConfigError, match="nprocs=0"):
         dist.spawn(scriptfns.failing_worker, nprocs=0)
+
+
+@pytest.mark.timeout(200)
+def test_each_failing_ranks_traceback_is_printed_once_as_under_torchrun() -> None:
+    """Every rank raises after init_process_group, whose excepthook prints the traceback with "[rankN]: " before each
+    line: under torchrun that is the only copy; levers9 run printed it there and again in its report. Now its report
+    is the one copy, for each rank that failed by itself."""
+    script = str(SCRIPTS / "group_raises.py")
+    for name, done in (("torchrun", torchrun("--nproc-per-node", "2", script, timeout=120)),
+                       ("levers9 run", levers9_run("--nproc-per-node", "2", script, timeout=60))):  # fmt: skip
+        assert done.returncode == 1, done.stderr[-3000:]
+        copies = [len(re.findall(rf"^(\[rank {r}\] )?(\[rank{r}\]: )?ValueError: rank {r} could not load its shard$", done.stderr, re.M))
+                  for r in (0, 1)]  # fmt: skip
+        assert max(copies) == 1 and min(copies) <= 1, (name, copies, done.stderr[-3000:])
+        if name == "torchrun":
+            assert copies == [1, 1], done.stderr[-3000:]
 
 
 @pytest.mark.timeout(60)

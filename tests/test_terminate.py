@@ -17,7 +17,7 @@ import pytest
 
 from levers9.procs.watch import exit_on_terminate
 from tests import jobfns
-from tests.proc_util import wait_gone
+from tests.proc_util import CTRL_C_HANDLER, wait_gone
 
 pytestmark = pytest.mark.launchers
 
@@ -123,6 +123,100 @@ def test_levers9_run_and_torchrun_exit_alike_when_they_get_sigterm(tmp_path: Pat
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     assert statuses["levers9"] == statuses["torchrun"], statuses
+
+
+COMPUTE_CALLER = """
+import sys
+from levers9 import distributed as dist
+from tests import jobfns
+
+def train(folder):
+    jobfns.computes_and_saves_slowly_on_sigterm(folder, dist.rank())
+
+if __name__ == "__main__":
+    dist.run(train, sys.argv[1], nprocs=2, stop_grace=60)
+"""
+
+COMPUTE_SCRIPT = """
+import os, sys
+from tests import jobfns
+
+jobfns.computes_and_saves_slowly_on_sigterm(sys.argv[1], os.environ["RANK"])
+"""
+
+
+def _start_computing(folder: Path, how: str) -> subprocess.Popen[bytes]:
+    """A caller whose two ranks compute and save slowly on SIGTERM (jobfns.computes_and_saves_slowly_on_sigterm),
+    started as `how` names; it takes Ctrl-C even where this process ignores SIGINT."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "TMPDIR": str(folder)}  # fmt: skip
+    if how == "distributed.run":
+        argv = [sys.executable, "-c", CTRL_C_HANDLER + COMPUTE_CALLER, str(folder)]
+    else:
+        (folder / "train.py").write_text(COMPUTE_SCRIPT)
+        launcher = ["-m", "torch.distributed.run", "--standalone"] if how == "torchrun" else ["-m", "levers9", "run"]
+        argv = [sys.executable, *launcher, "--nproc-per-node", "2", str(folder / "train.py"), str(folder)]
+    return subprocess.Popen(argv, cwd=REPO, env=env, start_new_session=True, stderr=subprocess.PIPE)
+
+
+def _wait_for(folder: Path, pattern: str, caller: subprocess.Popen[bytes]) -> list[Path]:
+    """The two files `pattern` names, once both exist (up to 60 s, or until the caller ended)."""
+    deadline = time.monotonic() + 60
+    while len(list(folder.glob(pattern))) < 2 and caller.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    found = sorted(folder.glob(pattern))
+    assert len(found) == 2, f"only {[p.name for p in found]} appeared (caller exit status {caller.poll()})"
+    return found
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("how", "signum"),
+    # torchrun passes a SIGHUP on to its workers as it is, not as SIGTERM: a SIGTERM handler sees only its SIGTERM
+    [(how, signum) for how in ("distributed.run", "levers9 run") for signum in (signal.SIGTERM, signal.SIGHUP)]
+    + [("torchrun", signal.SIGTERM)],
+    ids=lambda value: value.name if isinstance(value, signal.Signals) else value,
+)
+def test_a_second_sigterm_or_sighup_keeps_the_grace_of_ranks_that_compute(tmp_path: Path, how: str, signum: int) -> None:
+    """A scheduler that repeats its SIGTERM, or a closed terminal (the kernel and the shell each send SIGHUP): the
+    second signal comes while the ranks save their checkpoints in their grace period, and must not cut it short (it
+    SIGKILLed every rank at once). Each rank saves only after the second signal was sent, computing meanwhile;
+    torchrun side by side."""
+    caller = _start_computing(tmp_path, how)
+    try:
+        pids = [int(p.read_text()) for p in _wait_for(tmp_path, "ready-*", caller)]
+        caller.send_signal(signum)
+        _wait_for(tmp_path, "stopping-*", caller)  # every rank got its SIGTERM and is saving
+        caller.send_signal(signum)
+        (tmp_path / "go").touch()
+        _, err = caller.communicate(timeout=90)
+    finally:
+        if caller.poll() is None:
+            os.killpg(caller.pid, signal.SIGKILL)
+            caller.wait()
+    assert sorted(p.name for p in tmp_path.glob("saved-*")) == ["saved-0", "saved-1"], err.decode()
+    assert caller.returncode == (128 + signum if how == "distributed.run" else 1), err.decode()
+    assert wait_gone(pids, 5) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_second_ctrl_c_stops_every_rank_at_once(tmp_path: Path) -> None:
+    """Ctrl-C twice still means "now": the first gives the ranks their grace (60 s here), the second SIGKILLs them
+    while they save."""
+    caller = _start_computing(tmp_path, "distributed.run")
+    try:
+        pids = [int(p.read_text()) for p in _wait_for(tmp_path, "ready-*", caller)]
+        caller.send_signal(signal.SIGINT)
+        _wait_for(tmp_path, "stopping-*", caller)
+        caller.send_signal(signal.SIGINT)
+        _, err = caller.communicate(timeout=30)  # well within the 60 s of grace the first Ctrl-C gave
+    finally:
+        if caller.poll() is None:
+            os.killpg(caller.pid, signal.SIGKILL)
+            caller.wait()
+    assert "KeyboardInterrupt" in err.decode(), err.decode()
+    assert list(tmp_path.glob("saved-*")) == []
+    assert wait_gone(pids, 5) == []
 
 
 def test_a_handler_the_caller_installed_is_kept_and_the_default_comes_back_afterwards() -> None:

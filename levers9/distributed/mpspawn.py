@@ -11,6 +11,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from levers9.distributed.spawn_errors import ProcessExited, ProcessRaised
 from levers9.distributed.started_ranks import start_like_mp_spawn
 from levers9.errors import ConfigError
 
@@ -28,10 +29,9 @@ def spawn(
     """Call `fn(i, *args)` in `nprocs` processes (i = 0 .. nprocs-1) and wait for all of them.
 
     As torch.multiprocessing.spawn: each process gets the caller's environment (no RANK / MASTER_*
-    variables, no store, no group; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME=lo when unset). Except: a
-    failing rank raises its own exception (or RankCrashed for an exit code or signal) with the rank
-    and its traceback, after the other ranks were stopped, and rank 0's return value is returned
-    (torch returns None).
+    variables, no store, no group; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME=lo when unset), and a
+    failing process raises what mp.spawn raises, once the others were stopped. Except: rank 0's
+    return value is returned (torch returns None).
 
     Args:
         fn: A function called as `fn(i, *args)` in each process.
@@ -49,8 +49,10 @@ def spawn(
 
     Raises:
         ConfigError: A bad argument (join=False included), before anything starts.
-        RankFailed: A process crashed (`RankCrashed`); a process's own exception is raised with its
-            own type instead, with the rank and its traceback in a note.
+        ProcessRaised: A process raised: torch's `ProcessRaisedException` (`.error_index`, `.error_pid`,
+            its traceback in the message) and levers9's `RankFailed` (`.failure`, `.kind`).
+        ProcessExited: A process exited non-zero or died by a signal: torch's `ProcessExitedException`
+            (`.exit_code`, `.signal_name`) and levers9's `RankCrashed`.
     """
     if not callable(fn):
         raise ConfigError(f"spawn: fn is {type(fn).__name__} {fn!r}; expected a function called as fn(i, *args).")
@@ -66,7 +68,11 @@ def spawn(
         )
     if start_method == "forkserver":
         start_method = "spawn"
-    return start_like_mp_spawn(functools.partial(_call_with_rank, fn, args), nprocs, start_method, prefix_output)
+    try:
+        return start_like_mp_spawn(functools.partial(_call_with_rank, fn, args), nprocs, start_method, prefix_output)
+    except (ProcessRaised, ProcessExited) as exc:
+        # raised from the caller's line: levers9's layers that started and watched the processes are no part of it
+        raise exc.with_traceback(None) from None
 
 
 def _call_with_rank(fn: Callable[..., Any], args: tuple[Any, ...], rank: int) -> Any:

@@ -22,6 +22,7 @@ from levers9.distributed import detect, devices, group, slurm_env, started_ranks
 from levers9.distributed.helpers import device
 from levers9.distributed.layout import Layout, plan_layout
 from levers9.distributed.rank_process import to_cpu
+from levers9.distributed.root_failure import rank_failed_behind
 from levers9.distributed.self_timer import SelfTimer
 from levers9.distributed.stalls import flight_recorder
 from levers9.distributed.started_ranks import STOP_GRACE_S
@@ -109,7 +110,13 @@ def run(
                          start_method=start_method, prefix_output=prefix_output, disable_quirks=disable_quirks,
                          stop_grace=stop_grace, max_restarts=max_restarts, restart_on=restart_on,
                          restart_delay=restart_delay, init_group=init_group)  # fmt: skip
-    return run_with(fn, cfg, options)
+    try:
+        return run_with(fn, cfg, options)
+    except Exception as exc:
+        if rank_failed_behind(exc) is None:
+            raise
+        # a rank's failure is raised from the caller's line: levers9's layers that started and watched the ranks are no part of it
+        raise exc.with_traceback(None) from exc.__cause__
 
 
 @dataclasses.dataclass(frozen=True)

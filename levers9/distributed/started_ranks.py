@@ -22,12 +22,12 @@ from levers9.context import current_job
 from levers9.distributed import restarts, stalls
 from levers9.distributed.layout import Layout, plan_layout
 from levers9.distributed.rank_set import RankOutput, RankSet, Share, rank_vars
-from levers9.distributed.root_failure import raise_root, rank0_value, rank_failure
+from levers9.distributed.root_failure import raise_root, rank0_value, rank_failed_behind, rank_failure
 from levers9.distributed.stalls import flight_recorder
 from levers9.distributed.store_server import hosted_store
-from levers9.errors import ConfigError, NotShippableError, RankFailed, RunTimeout, StallError
+from levers9.errors import ConfigError, NotShippableError, RankFailed, RunTimeout, StallError, add_note
 from levers9.procs import start
-from levers9.procs.failure import ship, unpicklable_part
+from levers9.procs.failure import process_limit_note, ship, unpicklable_part
 from levers9.procs.held_heap import held_heap
 from levers9.procs.outcome import Outcome, StopReason, root_cause
 from levers9.procs.watch import exit_on_terminate
@@ -64,8 +64,13 @@ def start_attempts(ranks: StartedRanks, policy: RetryPolicy) -> Any:
     if ranks.stall_timeout is not None:
         flight_recorder.require(ranks.layout.backend)
     with exit_on_terminate():  # SIGTERM to this process stops the ranks with stop_grace, as Ctrl-C does
-        return restarts.run_attempts(policy, lambda attempt_env: _RanksAttempt(ranks, attempt_env).run(), ranks=ranks.layout.nprocs,
-                                     timeout=ranks.timeout, stall_timeout=ranks.stall_timeout)  # fmt: skip
+        try:
+            return restarts.run_attempts(policy, lambda attempt_env: _RanksAttempt(ranks, attempt_env).run(), ranks=ranks.layout.nprocs,
+                                         timeout=ranks.timeout, stall_timeout=ranks.stall_timeout)  # fmt: skip
+        except (OSError, RuntimeError) as exc:  # a rank or a thread of this process's that could not be started
+            if rank_failed_behind(exc) is None and (note := process_limit_note(exc)):
+                add_note(exc, note)
+            raise
 
 
 def start_like_mp_spawn(call: Callable[[int], Any], nprocs: int, asked_method: str | None, prefix_output: bool = False) -> Any:
@@ -76,7 +81,7 @@ def start_like_mp_spawn(call: Callable[[int], Any], nprocs: int, asked_method: s
         method = start.choose(asked_method)
         shipped = None if method.forks else shipped_call(call, None, call, method)
         ranks = StartedRanks(call, shipped, layout, ranks_env(layout, (), as_torchrun=False), method, None, None, prefix_output,
-                             STOP_GRACE_S, make_group=False, torchrun_env=False, pass_rank=True)  # fmt: skip
+                             STOP_GRACE_S, make_group=False, torchrun_env=False, pass_rank=True, caller="spawn")  # fmt: skip
         return start_attempts(ranks, RetryPolicy())
 
 
@@ -133,6 +138,7 @@ class StartedRanks:
     make_group: bool = True  # every rank joins the group before fn
     torchrun_env: bool = True  # ranks get torchrun's worker variables and the parent's store (mp.spawn's: neither)
     pass_rank: bool = False  # fn(rank), as mp.spawn calls it
+    caller: str = "distributed.run"  # who started them, in failures' words: "spawn" raises what mp.spawn raises
 
     @property
     def diagnostics(self) -> bool:
@@ -191,7 +197,7 @@ class _RanksAttempt:
         if stopped_for is StopReason.STALL:
             assert self.ranks.stall_timeout is not None
             self._raise_stopped(StallError, stalls.stall_text(self.ranks.stall_timeout))
-        return rank0_value(outcomes, self._raise_root_failure)
+        return rank0_value(outcomes, self._raise_root_failure, self.ranks.caller)
 
     def _raise_root_failure(self, outcomes: list[Outcome]) -> NoReturn:
         """Raise the root cause (rank, how it ended, its traceback), naming every other rank that failed by
@@ -200,10 +206,11 @@ class _RanksAttempt:
         index = outcomes.index(root)
         also = [i for i, o in enumerate(outcomes) if i != index and not o.succeeded and o.stopped_for is None]
         stopped = [str(i) for i, o in enumerate(outcomes) if o.stopped_for is not None]
-        others = "".join(f"; rank {i} also failed (below)" for i in also)
-        others += f"; rank(s) {', '.join(stopped)} were stopped" if stopped else ""
+        who, several = ("process", "process(es)") if self.ranks.caller == "spawn" else ("rank", "rank(s)")  # mp.spawn's words
+        others = "".join(f"; {who} {i} also failed (below)" for i in also)
+        others += f"; {several} {', '.join(stopped)} were stopped" if stopped else ""
         raise_root(rank_failure(index, root, self.children[index].tail), root, world=len(outcomes), others=others,
-                   also=[rank_failure(i, outcomes[i], self.children[i].tail) for i in also])  # fmt: skip
+                   also=[rank_failure(i, outcomes[i], self.children[i].tail) for i in also], caller=self.ranks.caller)  # fmt: skip
 
     def _raise_stopped(self, error: type[RankFailed], headline: str) -> NoReturn:
         """Raise `error` with the report of where every rank was and their last output."""

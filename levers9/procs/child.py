@@ -91,9 +91,10 @@ def run_target(target: Callable[[], Any] | bytes, ends: Ends, env: dict[str, str
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
     faulthandler.enable(file=sys.stderr, all_threads=True)
     tree.become_subreaper()
-    watchdog = _start_watchdog(ends.lifeline_fd)
+    watchdog: subprocess.Popen[bytes] | int | None = None
     status = 0
     try:
+        watchdog = _start_watchdog(ends.lifeline_fd)  # in here: one that cannot start (ulimit -u) is reported as any failure
         send(ends.msg_fd, ("result", (unship(target) if isinstance(target, bytes) else target)()))
     except SystemExit as exc:
         status = exit_status(exc)
@@ -105,7 +106,8 @@ def run_target(target: Callable[[], Any] | bytes, ends: Ends, env: dict[str, str
     finally:
         interpreter.shutdown(lambda names: send(ends.msg_fd, ("waiting", names)))
         flush_std_streams()
-        _stop_watchdog(watchdog)
+        if watchdog is not None:
+            _stop_watchdog(watchdog)
         tree.end_descendants()
     return status
 

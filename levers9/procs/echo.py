@@ -50,10 +50,21 @@ def write(name: str, text: str) -> None:
         if name not in _refused:
             _refused.add(name)
             with contextlib.suppress(Exception):
-                log.warning("levers9: sys.%s refused children's output (%s: %s); their output to it is dropped, "
-                            "their results are not. Expected a stream with write() (and flush()); to see the "
-                            "output, give sys.%s one (a job's output is also kept: `levers9 runs logs RUN CELL`).",
-                            name, type(exc).__name__, exc, name)  # fmt: skip
+                log.warning("%s", refused(name, exc))  # the command line's handler puts "levers9: " before it
+
+
+def refused(name: str, exc: Exception) -> str:
+    """What to say when sys.stdout or sys.stderr (`name`) refused children's output with `exc`: a pipe whose reader
+    is gone (`| head`), a closed stream, or an object that is not a writable stream."""
+    seen = f"sys.{name} refused children's output ({type(exc).__name__}: {exc}); their output to it is dropped, their results are not."
+    kept = "A job's output is also kept: `levers9 runs logs RUN CELL`."
+    if isinstance(exc, BrokenPipeError):
+        return (f"{seen} It is a pipe whose reader has gone (`| head` ends after its lines). Expected a reader until the "
+                f"run ends; to keep all of the output, send it to a file (`> out.log`) or read it all (`| tee out.log`). "
+                f"{kept}")  # fmt: skip
+    if isinstance(exc, ValueError) and "closed file" in str(exc):
+        return f"{seen} The stream was closed. Expected sys.{name} open until the run ends; close it afterwards. {kept}"
+    return f"{seen} Expected a stream with write() (and flush()); to see the output, give sys.{name} one. {kept}"
 
 
 def printable(text: str) -> str:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import io
 import os
 import pickle
+import resource
 import struct
 import sys
 import time
@@ -63,22 +65,50 @@ class FailureRecord:
 
 
 def capture(exc: BaseException, exitcode: int = 1) -> FailureRecord:
-    """The FailureRecord for `exc`, pickling the exception itself when that works."""
+    """The FailureRecord for `exc`, pickling the exception itself when that works; a process or thread that could
+    not be started is named as such below its traceback (`process_limit_note`)."""
     try:
         blob: bytes | None = ship(exc)
     except Exception:
         blob = None
     message = describe(exc)
+    limit = process_limit_note(exc)
     return FailureRecord(
         exc_blob=blob,
         exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
         message=message,
-        traceback="".join(traceback.format_exception(type(exc), exc, user_frames(exc.__traceback__))),
+        traceback="".join(traceback.format_exception(type(exc), exc, user_frames(exc.__traceback__)))
+        + (f"{limit}\n" if limit else ""),
         when=time.monotonic(),
         peer_loss=any(marker in message for marker in PEER_LOSS_MARKERS),
         exitcode=exitcode,
         card_fault=any(marker in message for marker in CARD_FAULT_MARKERS),
     )
+
+
+# What a process or thread that could not be started raises: fork() and clone() fail with EAGAIN at the limit on a
+# user's processes and threads (RLIMIT_NPROC, `ulimit -u`) or the cgroup's (pids.max); Python's threading says so in
+# words, and torch's C++ threads (gloo's) as std::system_error's words.
+_NO_NEW_TASK_WORDS = ("can't start new thread", "Resource temporarily unavailable")
+
+
+def process_limit_note(exc: BaseException) -> str:
+    """For an exception that says a process or thread could not be started (EAGAIN), what to do about it: the limit
+    on this user's processes and threads (`ulimit -u`), or the container's; "" for any other exception."""
+    if isinstance(exc, OSError):
+        if exc.errno != errno.EAGAIN:
+            return ""
+    elif not isinstance(exc, RuntimeError) or not any(words in describe(exc) for words in _NO_NEW_TASK_WORDS):
+        return ""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft == resource.RLIM_INFINITY:
+        seen = "this user has no limit on processes (ulimit -u), so the limit is probably the container's (cgroup pids.max)"
+        fix = "raise the container's limit (docker run --pids-limit, Kubernetes' pod pid limit)"
+    else:
+        seen = f"this user may run at most {soft} processes and threads together (ulimit -u {soft}), and every rank starts several"
+        fix = f"raise it in the shell that starts the run (`ulimit -u {max(4 * soft, 4096)}`, or `ulimit -u unlimited`; a container's `--ulimit nproc=`)"
+    return (f"levers9: a process or thread could not be started ({type(exc).__name__}: {describe(exc)}): {seen}. "
+            f"Expected room for every rank and the threads torch starts in it; {fix}, or start fewer ranks (nprocs=).")
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -121,15 +151,15 @@ def rebuild(failure: FailureRecord) -> BaseException | None:
     return exc if isinstance(exc, BaseException) else None
 
 
-def raise_rank_exception(message: str, failure: Any, report: FailureRecord, note: str) -> NoReturn:
-    """Raise the rank's own exception, rebuilt here, with `note` added and a RankFailed(`message`, `failure`) as
-    its cause; that RankFailed itself where the exception's type cannot be rebuilt in this process."""
-    wrapper = RankFailed(message, failure)
+def raise_rank_exception(message: str, failure: Any, report: FailureRecord, note: str, beside_note: str | None = None) -> NoReturn:
+    """Raise the rank's own exception, rebuilt here, with `note` (its traceback) added and a RankFailed(`beside_note`,
+    `failure`) as its cause (`message` where None: what the note does not say, so each traceback is printed once);
+    RankFailed(`message`, `failure`) itself where the exception's type cannot be rebuilt in this process."""
     original = rebuild(report)
     if not isinstance(original, Exception):  # not rebuilt, or a KeyboardInterrupt sent to that rank alone: the
-        raise wrapper  # caller was not interrupted, and `except Exception` must catch the rank's failure
+        raise RankFailed(message, failure)  # caller was not interrupted, and `except Exception` must catch the rank's failure
     add_note(original, note)
-    raise original from wrapper
+    raise original from RankFailed(message if beside_note is None else beside_note, failure)
 
 
 def send(fd: int, message: tuple[Any, ...]) -> None:

@@ -12,7 +12,8 @@ At the end, `shutdown` does what Py_FinalizeEx does before the process exits, in
 `threading`'s exit hooks run (a ThreadPoolExecutor's tell its workers to stop) and the non-daemon
 threads are joined (their names sent to the parent first, so a run stopped while it waits for them
 can say which), then `atexit` handlers run, and files the child opened and left open are flushed. `uncaught` calls a `sys.excepthook` the code installed for an
-exception nothing caught (the default hook is not called: the parent reports that traceback).
+exception nothing caught (the default hook is not called, nor torch's that only prefixes it with the rank:
+the parent reports that traceback).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def mark_own_objects() -> None:
 def uncaught(exc: BaseException) -> None:
     """Call the code's own `sys.excepthook` for `exc`, as the interpreter does for an uncaught exception."""
     hook = sys.excepthook
-    if hook is sys.__excepthook__ or isinstance(exc, SystemExit):
+    if _beneath_torchs_prefixes(hook) is sys.__excepthook__ or isinstance(exc, SystemExit):
         return
     try:
         exc = exc.with_traceback(user_frames(exc.__traceback__))  # from the code's first frame, as for a script
@@ -104,6 +105,18 @@ def uncaught(exc: BaseException) -> None:
     except BaseException:  # noqa: BLE001 - as the interpreter does: a failing hook is reported, not raised
         print("Error in sys.excepthook:", file=sys.stderr)
         traceback.print_exc(file=sys.stderr)
+
+
+def _beneath_torchs_prefixes(hook: Callable[..., object]) -> Callable[..., object]:
+    """The hook beneath the ones torch's init_process_group installs (each only puts "[rankN]: " before the lines of
+    the hook it found): the default one is not called for them either, or the traceback the parent reports would
+    be printed twice."""
+    while getattr(hook, "__module__", None) == "torch.distributed.distributed_c10d" and hook.__closure__:
+        cells = dict(zip(hook.__code__.co_freevars, hook.__closure__, strict=True))
+        if "old_hook" not in cells:
+            break
+        hook = cells["old_hook"].cell_contents
+    return hook
 
 
 def shutdown(say_waiting: Callable[[list[str]], None]) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 PIECE_BYTES = 1 << 20  # an unfinished line is handed on once this much of it is held
-HOLD_S = 0.05  # `immediate`: an unfinished line is handed on once no byte came for this long (a prompt, a redraw)
+HOLD_S = 0.05  # a redraw ("\r"), or with `immediate` any unfinished line, is handed on once held this long
 QUEUE_BYTES = 4 << 20  # output read but not yet taken by the callback; reading pauses above it
 IDLE_S = 1.0  # a forwarder thread with nothing to do for this long ends (the next piece starts another)
 
@@ -29,10 +29,11 @@ TextSink = Callable[[Any, str, str], None]  # (child, "stdout" or "stderr", text
 
 class LineCutter:
     """One pipe's bytes as text pieces: each finished line whole, with its "\\n"; a line longer than
-    PIECE_BYTES in pieces without one until its last (`immediate`: also what an unfinished line has so far,
-    once HOLD_S passed without a byte, as a terminal shows a prompt or a redrawn progress bar, so a line
-    written in several writes is still one piece); undecodable bytes replaced, or kept as surrogates
-    (`exact`) that `echo.write` turns back into the same bytes."""
+    PIECE_BYTES in pieces without one until its last; an unfinished line that redraws itself with a "\\r" (a
+    progress bar), and with `immediate` any unfinished line (a prompt), as far as it goes once HOLD_S passed
+    after its first held byte, as a terminal shows it (so a line written in a few quick writes is still one
+    piece, and on a pipe or a file a line without "\\r" is still never split); undecodable bytes replaced, or
+    kept as surrogates (`exact`) that `echo.write` turns back into the same bytes."""
 
     def __init__(self, *, immediate: bool = False, exact: bool = False) -> None:
         self._held: list[bytes] = []
@@ -62,8 +63,8 @@ class LineCutter:
             self._size += len(data)
             if self._size >= PIECE_BYTES:
                 pieces.append(self._piece())
-            elif self._immediate and self._held_since is None:
-                self._held_since = time.monotonic()
+            elif self._held_since is None and (self._immediate or b"\r" in data):
+                self._held_since = time.monotonic()  # a redraw is handed on as a terminal shows it, whatever the stream
         return [p for p in pieces if p]
 
     def end(self) -> list[str]:
@@ -75,11 +76,11 @@ class LineCutter:
 
     @property
     def holding(self) -> bool:
-        """True while an unfinished line waits for `due` (immediate cutters only)."""
+        """True while an unfinished line waits for `due` (a redraw, or any line of an immediate cutter)."""
         return self._held_since is not None
 
     def due(self, now: float) -> list[str]:
-        """The unfinished line so far, once it has waited HOLD_S (immediate cutters; else nothing)."""
+        """The unfinished line so far, once it has waited HOLD_S (a redraw, or any line of an immediate cutter)."""
         if self._held_since is None or now - self._held_since < HOLD_S:
             return []
         piece = self._piece()

@@ -254,8 +254,11 @@ def _fork(keep: tuple[int, ...], child_main: Callable[[], None]) -> int:
 
 
 def _exec(ends: child.Ends, env: dict[str, str], keep: tuple[int, ...]) -> subprocess.Popen[bytes]:
+    """A fresh interpreter running child.py, with this interpreter's own flags (-O, -I, -W, -X ...), as
+    multiprocessing's spawn passes them: an assert the caller stripped with -O is stripped in the child too."""
+    flags: list[str] = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
     return subprocess.Popen(
-        [sys.executable, "-m", "levers9.procs.child"],
+        [sys.executable, *flags, "-m", "levers9.procs.child"],
         stdin=subprocess.PIPE,
         stdout=ends.out_fd,
         stderr=ends.err_fd,

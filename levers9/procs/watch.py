@@ -161,22 +161,33 @@ def exit_on_terminate() -> Iterator[None]:
     """While this block waits for children in the main thread: SIGTERM or SIGHUP, which by default kill this
     process at once (its children then die by SIGKILL with it), raise SystemExit(128 + signal) instead, so the
     waiting code stops its children with their grace period first and a child's own SIGTERM handler can save
-    a checkpoint (torchrun's agent does the same). A handler the caller installed is left in place; outside
-    the main thread, where Python runs no signal handler, nothing changes."""
+    a checkpoint (torchrun's agent does the same). Only the first one counts: a second SIGTERM or SIGHUP (a
+    closed terminal sends two, a scheduler may repeat its SIGTERM) comes while the children are being stopped
+    and must not cut their grace short; a second Ctrl-C (SIGINT) still does. A handler the caller installed is
+    left in place; outside the main thread, where Python runs no signal handler, nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    replaced = {signum: signal.signal(signum, _exit_for_signal) for signum in TERMINATING_SIGNALS
+    handler = _ExitOnFirstSignal()
+    replaced = {signum: signal.signal(signum, handler) for signum in TERMINATING_SIGNALS
                 if signal.getsignal(signum) is signal.SIG_DFL}  # fmt: skip
     try:
         yield
     finally:
-        for signum, handler in replaced.items():
-            signal.signal(signum, handler)
+        for signum, previous in replaced.items():
+            signal.signal(signum, previous)
 
 
-def _exit_for_signal(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
+class _ExitOnFirstSignal:
+    """A signal handler that raises SystemExit(128 + signal) the first time, and ignores the signals after it."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if not self.fired:
+            self.fired = True
+            raise SystemExit(128 + signum)
 
 
 LineSink = Callable[[Child, str, str], None]  # (child, "stdout" or "stderr", line without its newline)
