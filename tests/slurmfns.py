@@ -192,3 +192,18 @@ def resume_after_requeue(folder: str) -> dict[str, Any]:
     context = current_job()
     return {"runs": runs, "restart_count": os.environ.get("SLURM_RESTART_COUNT"),
             "attempt": None if context is None else context.attempt}  # fmt: skip
+
+
+def gated_square(x: int, folder: str) -> int:
+    """Count this run in `folder`/runs-<x>, say it started (`folder`/started-<x>), compute until `folder`/gate
+    exists, then return x * x (a negative x raises ValueError)."""
+    with open(os.path.join(folder, f"runs-{x}"), "a") as runs:
+        runs.write(f"{os.environ.get('SLURM_JOB_ID')}\n")
+    with open(os.path.join(folder, f"started-{x}"), "w") as started:
+        started.write(f"{os.getpid()} {os.environ.get('SLURM_JOB_ID')}\n")
+    total = 0
+    while not os.path.exists(os.path.join(folder, "gate")):
+        total += sum(range(10_000))  # a small step of work
+    if x < 0:
+        raise ValueError(f"x={x} is negative")
+    return x * x

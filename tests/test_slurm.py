@@ -22,7 +22,7 @@ import pytest
 
 from levers9.cli import main as cli_main
 from levers9.errors import InfeasibleJobError, JobConfigError, JobCrashed, JobTimeout, WorkspacePolicyError
-from levers9.launch import job
+from levers9.launch import job, run_reader
 from levers9.launch.settings import update_settings
 from tests import jobfns, slurm_cluster, slurmfns
 
@@ -312,6 +312,57 @@ def test_a_detached_job_outlives_its_caller_and_is_collected_later(
     from levers9.launch import slurm_collect
 
     assert slurm_collect.result("last", 0) == "slept"
+
+
+DETACHED_CALLER = """
+import sys
+from levers9.launch import job
+from tests import slurmfns
+
+fn = job(slurmfns.gated_square, backend="slurm", name="l9-detached-runs", slurm={"detach": True})
+fn.spawn(6, sys.argv[1])
+fn.spawn(-1, sys.argv[1])
+"""
+
+
+def _runs_line(capsys: pytest.CaptureFixture[str], run_id: str) -> str:
+    capsys.readouterr()
+    assert cli_main(["runs"]) == 0
+    return next(line for line in capsys.readouterr().out.splitlines() if line.startswith(run_id))
+
+
+def _show(capsys: pytest.CaptureFixture[str], run_id: str) -> str:
+    capsys.readouterr()
+    assert cli_main(["runs", "show", run_id]) == 0
+    return capsys.readouterr().out.splitlines()[-1]
+
+
+def test_a_detached_run_is_followed_from_slurm_and_resume_takes_its_value(
+    on_slurm: None, env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The caller spawns two detached jobs and exits: `levers9 runs` says what SLURM says of them (running, then
+    done with the value or failed with the error), and a resume takes the value without submitting the job again."""
+    before = {run.name_on_disk for run in run_reader.list_runs()}
+    subprocess.run([sys.executable, "-c", DETACHED_CALLER, str(tmp_path)], env={**os.environ}, cwd=ROOT, check=True,
+                   timeout=120)  # fmt: skip
+    runs = sorted((r for r in run_reader.list_runs() if r.name_on_disk not in before), key=lambda r: r.started)
+    good, bad = (r.name_on_disk for r in runs)
+    assert wait_until(lambda: (tmp_path / "started-6").exists() and (tmp_path / "started--1").exists(), 90)
+    assert _runs_line(capsys, good).split()[-2:] == ["0/0/1", "detached"]
+    assert " running " in f" {_show(capsys, good)} ", _show(capsys, good)
+    (tmp_path / "gate").write_text("go")
+    assert cli_main(["runs", "result", good, "--timeout", "90"]) == 0
+    assert capsys.readouterr().out.strip() == "36"
+    assert _runs_line(capsys, good).split()[-2:] == ["1/0/1", "detached"]
+    shown = _show(capsys, good)
+    assert " done " in shown and shown.rstrip().endswith("36"), shown
+    assert cli_main(["runs", "result", bad, "--timeout", "90"]) == 1
+    shown = _show(capsys, bad)
+    assert " failed " in shown and "ValueError: x=-1 is negative" in shown, shown
+    assert _runs_line(capsys, bad).split()[-2:] == ["0/1/1", "detached"]
+    resumed = job(slurmfns.gated_square, backend="slurm", name="l9-detached-runs").map([(6, str(tmp_path))], resume=True)
+    assert list(resumed) == [36]
+    assert len((tmp_path / "runs-6").read_text().splitlines()) == 1  # the job ran once: resume did not submit it
 
 
 def _alive(pid: int) -> bool:

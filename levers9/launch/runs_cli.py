@@ -102,8 +102,8 @@ def _show(args: argparse.Namespace) -> int:
         state = "done (reused)" if cell.reused else cell.state
         if cell.attempt > 1:
             state += f" (attempt {cell.attempt})"
-        rows.append([f"#{cell.index}", cell.args, state, cell.card, took, cell.error])
-    _table(["cell", "arguments", "state", "card", "duration", "error"], rows)
+        rows.append([f"#{cell.index}", cell.args, state, cell.card, took, cell.error or cell.value])
+    _table(["cell", "arguments", "state", "card", "duration", "error or value" if run.detached else "error"], rows)
     if run.skipped_events:
         print(f"levers9 runs: skipped {run.skipped_events} line(s) of {run.path / run_reader.EVENTS_FILE} that are not "
               f"as levers9 writes them (cut short by a crash, or edited); the states above leave them out",
