@@ -198,8 +198,83 @@ def test_a_rank_on_the_second_node_raising_is_named(on_slurm: None) -> None:
 
 
 def test_a_rank_killed_by_a_signal_is_named(on_slurm: None) -> None:
-    with pytest.raises(JobCrashed, match=r"rank\(s\) 3 on l9node2 killed by SIGKILL \(srun: Killed\)"):
+    with pytest.raises(JobCrashed, match=r"rank\(s\) 3 on l9node2 killed by SIGKILL \(srun: Killed\)") as caught:
         job(slurmfns.fail_on_rank, gpu_count=4, backend="slurm").remote(3, "kill")
+    assert "memory" not in str(caught.value).split("Last output")[0]  # neither SLURM nor the kernel said so
+
+
+def _scancel_once_started(started: Path, env: dict[str, str]) -> threading.Thread:
+    """A thread that cancels the SLURM job that wrote `started` (slurmfns.gated_square), as a user's scancel does."""
+
+    def cancel() -> None:
+        assert wait_until(started.exists, 90), "the job never started"
+        subprocess.run(["scancel", started.read_text().split()[1]], env=env, check=True, timeout=60)
+
+    thread = threading.Thread(target=cancel)
+    thread.start()
+    return thread
+
+
+CANCELLED_BY_SLURM = r"was cancelled in SLURM \(scancel: .*not by levers9\) at \S+ \(SLURM: \*\*\* JOB \d+ ON l9node\d CANCELLED AT \S+ \*\*\*\)"
+
+
+def test_a_job_cancelled_in_slurm_is_named_cancelled_not_out_of_memory(
+    on_slurm: None, env: dict[str, str], tmp_path: Path
+) -> None:
+    """An scancel of a one-task job, then of one task of an array, named from SLURM's own CANCELLED line (it was
+    'killed by SIGTERM ... most often the out-of-memory killer')."""
+    fn = job(slurmfns.gated_square, backend="slurm", name="l9-scancel")
+    canceller = _scancel_once_started(tmp_path / "started-3", env)
+    with pytest.raises(JobCrashed, match=CANCELLED_BY_SLURM) as caught:
+        fn.remote(3, str(tmp_path))
+    canceller.join()
+    assert "memory" not in str(caught.value).split("Last output")[0]
+    canceller = _scancel_once_started(tmp_path / "started-4", env)
+    results = fn.map([(4, str(tmp_path)), (5, str(tmp_path))], return_exceptions=True, progress=False)
+    cancelled = next(results)  # cell 4, once SLURM ended its task of the array
+    canceller.join()
+    (tmp_path / "gate").write_text("go")
+    assert next(results) == 25
+    assert isinstance(cancelled, JobCrashed) and re.search(CANCELLED_BY_SLURM, str(cancelled)), cancelled
+    assert "memory" not in str(cancelled).split("Last output")[0]
+
+
+def _node_state(node: str, env: dict[str, str]) -> str:
+    """`node`'s state in sinfo's short words (idle, down*, comp, ...), after asking SLURM to resume it."""
+    subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], env=env, capture_output=True, timeout=60)
+    state = subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], env=env, capture_output=True, text=True, timeout=60)
+    return state.stdout.strip()
+
+
+def test_a_lost_node_is_named_with_its_ranks(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
+    """A training across both nodes, l9node2 marked failed while every rank computes: the caller hears which node
+    was lost and which ranks ran there, from srun's and SLURM's own lines (kind LOST, not a bare gloo error)."""
+
+    def fail_node() -> None:
+        assert wait_until(lambda: all((tmp_path / f"started-{r}").exists() for r in range(4)), 120)
+        subprocess.run(["scontrol", "update", "NodeName=l9node2", "State=DOWN", "Reason=levers9-test"], env=env,
+                       check=True, timeout=60)  # fmt: skip
+
+    failer = threading.Thread(target=fail_node)
+    failer.start()
+    try:
+        with pytest.raises(JobCrashed, match=r"lost its node l9node2 \(its rank\(s\) 2-3\), which SLURM marked failed "
+                                             r"\(srun: Node failure on l9node2\)") as caught:  # fmt: skip
+            job(slurmfns.ranks_compute_until_gate, gpu_count=4, backend="slurm", name="l9-lost-node").remote(str(tmp_path))
+        assert caught.value.kind == "lost" and "DUE TO NODE FAILURE" in str(caught.value).split("Last output")[0]
+    finally:
+        failer.join()
+        assert wait_until(lambda: _node_state("l9node2", env) == "idle", 120), _node_state("l9node2", env)
+
+
+def test_a_partition_that_does_not_exist_is_named_with_those_that_do(on_slurm: None, env: dict[str, str]) -> None:
+    """Before anything is submitted (sbatch's own word, as submitit passes it on: 'invalid partition specified';
+    with cards it used to be 'its cards are declared without a type')."""
+    for cards in (0, 2):
+        fn = job(slurmfns.square, gpu_count=cards, backend="slurm", name="l9-nosuch", slurm={"partition": "nosuch"})
+        with pytest.raises(JobConfigError, match=r"no partition 'nosuch'; its partitions are: l9 \(sinfo\)"):
+            fn.remote(3)
+    assert squeue("l9-nosuch", env) == []
 
 
 def test_more_cards_than_the_cluster_is_refused_before_submitting(on_slurm: None) -> None:
