@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -79,7 +80,7 @@ if __name__ == "__main__":
     print(json.dumps({{"warm": warm, "peak": rss_kib("VmHWM"), "seconds": seconds}}))
 """
 
-CONTENDERS = ["levers9 map", "levers9 map, completed", "ProcessPoolExecutor.map", "Pool.imap"]
+CONTENDERS = ["ProcessPoolExecutor.map", "Pool.imap", "levers9 map", "levers9 map, completed"]
 
 
 def main() -> None:
@@ -89,29 +90,28 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=40_000, help="bytes each cell returns")
     parser.add_argument("--before", help="a checkout of levers9 before a change: its levers9 rows side by side")
     args = parser.parse_args()
-    rows: list[tuple[str, dict[str, float]]] = []
+    print(f"{args.cells} cells of {args.size} bytes, each result dropped once read; python {sys.version.split()[0]}, "
+          f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}")  # fmt: skip
+    print(f"{'contender':<32}{'warm MB':>9}{'peak MB':>9}{'grew MB':>9}{'map s':>8}", flush=True)
     with tempfile.TemporaryDirectory(prefix="levers9-bench-") as tmp:
         script = Path(tmp) / "map_memory.py"
         script.write_text(CHILD.format(size=args.size))
         trees = [("", str(HERE.parent))] + ([(", before", args.before)] if args.before else [])
         runs = [(name + label, name, tree) for name in CONTENDERS for label, tree in trees
                 if name.startswith("levers9") or not label]  # fmt: skip
-        for title, contender, tree in runs:
+        for number, (title, contender, tree) in enumerate(runs):  # each row as it comes: a 10,000-cell map is long
+            state = os.path.join(tmp, f"state-{number}")
             env = {**os.environ, "PYTHONPATH": tree, "LEVERS9_CONFIG_DIR": os.path.join(tmp, "config"),
-                   "LEVERS9_STATE_DIR": os.path.join(tmp, f"state-{len(rows)}")}  # fmt: skip
+                   "LEVERS9_STATE_DIR": state}  # fmt: skip
             env.pop("LEVERS9_SIMULATE_GPUS", None)
             done = subprocess.run([sys.executable, str(script), contender, str(args.cells)], env=env,
                                   capture_output=True, text=True)  # fmt: skip
             if done.returncode != 0:
                 sys.exit(f"{title} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-            rows.append((title, json.loads(done.stdout.strip().splitlines()[-1])))
-            subprocess.run(["rm", "-rf", env["LEVERS9_STATE_DIR"]], check=False)
-    print(f"{args.cells} cells of {args.size} bytes, each result dropped once read; python {sys.version.split()[0]}, "
-          f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}")  # fmt: skip
-    print(f"{'contender':<32}{'warm MB':>9}{'peak MB':>9}{'grew MB':>9}{'map s':>8}")
-    for title, got in rows:
-        warm, peak = got["warm"] / 1024, got["peak"] / 1024
-        print(f"{title:<32}{warm:>9.1f}{peak:>9.1f}{peak - warm:>9.1f}{got['seconds']:>8.1f}")
+            got = json.loads(done.stdout.strip().splitlines()[-1])
+            shutil.rmtree(state, ignore_errors=True)
+            warm, peak = got["warm"] / 1024, got["peak"] / 1024
+            print(f"{title:<32}{warm:>9.1f}{peak:>9.1f}{peak - warm:>9.1f}{got['seconds']:>8.1f}", flush=True)
 
 
 if __name__ == "__main__":
