@@ -223,3 +223,11 @@ def ranks_compute_until_gate(folder: str) -> int:
         return dist.rank()
 
     return dist.run(one_rank)[0]
+
+
+def print_megabytes(megabytes: int) -> int:
+    """Print `megabytes` MB of output (lines of 1 KB), then return the count."""
+    line = "x" * 1023
+    for _ in range(megabytes * 1024):
+        print(line)
+    return megabytes

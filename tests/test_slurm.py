@@ -25,6 +25,7 @@ from levers9.errors import InfeasibleJobError, JobConfigError, JobCrashed, JobTi
 from levers9.launch import job, run_reader
 from levers9.launch.settings import update_settings
 from tests import jobfns, slurm_cluster, slurmfns
+from tests.test_faults_state import small_disk  # noqa: F401  (the fixture: a real small tmpfs)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]  # one worker: the one cluster
 
@@ -265,6 +266,28 @@ def test_a_lost_node_is_named_with_its_ranks(on_slurm: None, env: dict[str, str]
     finally:
         failer.join()
         assert wait_until(lambda: _node_state("l9node2", env) == "idle", 120), _node_state("l9node2", env)
+
+
+def test_a_full_run_folder_is_named_not_a_failed_job(
+    on_slurm: None, env: dict[str, str], request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 6 MB file system as the state folder and a job that prints 8 MB: the caller hears that the run folder is
+    full and what to change (it was 'ended (FAILED) before returning', an empty tail and a 0-byte .save_tmp
+    left); the next job is not submitted at all."""
+    state = request.getfixturevalue("small_disk")("6m") / "state"
+    monkeypatch.setenv("LEVERS9_STATE_DIR", str(state))
+    name = f"l9-full-{secrets.token_hex(3)}"
+    fn = job(slurmfns.print_megabytes, backend="slurm", name=name, stream_output=False)
+    with pytest.raises(JobCrashed, match=r"without a result it could write, its run folder \S+ is full \(No space left on "
+                                         r"device\).*LEVERS9_STATE_DIR=" + re.escape(str(state))):  # fmt: skip
+        fn.remote(8)
+    assert not list(state.rglob("*.save_tmp"))  # nothing half-written left behind
+    with pytest.raises(JobConfigError, match=r"is full \(No space left on device\): SLURM jobs write their output and "
+                                             r"result there \(under slurm/\), so nothing was submitted"):  # fmt: skip
+        fn.remote(1)
+    known = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-n", name, "-o", "%i"], env=env, capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+    assert len(known.stdout.split()) == 1, known.stdout  # the first job only
 
 
 def test_a_partition_that_does_not_exist_is_named_with_those_that_do(on_slurm: None, env: dict[str, str]) -> None:

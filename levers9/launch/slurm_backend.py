@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from concurrent.futures import Future
@@ -32,6 +33,7 @@ from typing import Any
 
 import submitit
 
+from levers9 import state_files
 from levers9.errors import (
     FailureKind,
     JobConfigError,
@@ -64,6 +66,7 @@ class SlurmBackend:
     def submit(self, batch: Batch) -> list[Future[Any]]:
         """Check some node(s) could hold the job, submit every cell at once (one job array for several), and
         follow them; one Future per cell."""
+        _check_room(batch)
         spec = batch.spec
         settings = load_settings()
         options = slurm_options.merged(spec.slurm, {k: getattr(settings, k) for k in slurm_options.SETTING_KEYS})
@@ -85,6 +88,20 @@ class SlurmBackend:
         follower.start()
         dispatch(batch, cells, min(len(cells), 2 * limit, 64))
         return [c.future for c in cells]
+
+
+def _check_room(batch: Batch) -> None:
+    """JobConfigError before anything is submitted if the run folder's disk is full or over its quota: every job
+    writes its output and result there (under slurm/), and would fail for it."""
+    losses = batch.folder.losses
+    full = losses.error if losses.unrecorded else state_files.room_for(batch.folder.path)
+    if full is not None and full.errno in state_files.FULL:
+        raise JobConfigError(
+            f"the run folder {batch.folder.path} {state_files.why(full)}: SLURM jobs write their output and result "
+            f"there (under slurm/), so nothing was submitted. Expected room for at least "
+            f"{state_files.ROOM_PROBE >> 20} MiB. {state_files.MOVE_IT} that every node shares (LEVERS9_STATE_DIR="
+            f"{os.environ.get('LEVERS9_STATE_DIR', '(not set: the default under your home)')})."
+        )
 
 
 class Submitter:

@@ -24,6 +24,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from submitit.core import utils as submitit_utils
 
+from levers9 import state_files
 from levers9.distributed.detect import expand_nodelist
 from levers9.errors import FailureKind, JobCrashed, JobFailure, JobTimeout
 from levers9.launch import outcomes, slurm_nodes, slurm_task
@@ -150,6 +151,7 @@ class Tracker:
         self.died: tuple[str, str, str] | None = None  # (node, tasks, how) of srun's "task N: Killed" line
         self.said: SlurmSaid | None = None  # slurmstepd's "*** JOB ... CANCELLED AT ... ***" line, if it ended the job
         self.oom_said = ""  # SLURM's own line on an out-of-memory kill in the job's cgroup
+        self.hint = ""  # what to change, said after the attempts when the ending calls for it
         self.failed_node = ""  # the node srun says failed ('srun: error: Node failure on l9node2')
         self.srun_tasks: dict[str, str] = {}  # node -> its tasks (ranks), from srun's lines on tasks that ended badly
         self.requeued = False  # SLURM requeued the job (scontrol requeue, preemption): its kills are not deaths
@@ -274,7 +276,7 @@ class Tracker:
                             **({"died": self.died[2]} if self.died is not None else {})})  # fmt: skip
             kind, how = self._ending()
             message = (f"{run.label} (SLURM job {self.job_id} on {self.node or '?'}) {how} before returning; "
-                       f"{run.attempts}. Last output:\n{self.tail.last_output}\n{run.where}")  # fmt: skip
+                       f"{run.attempts}.{self.hint} Last output:\n{self.tail.last_output}\n{run.where}")  # fmt: skip
             if kind is FailureKind.TIMEOUT:
                 raise JobTimeout(message)
             raise JobCrashed(message, JobFailure(cell=self.cell.cell.index, pid=0, output_tail=self.tail.text, kind=kind,
@@ -303,6 +305,16 @@ class Tracker:
             srun = f" (srun: Node failure on {self.failed_node})" if self.failed_node else ""
             return FailureKind.LOST, (f"lost its node {node}{on_it}, which SLURM marked failed{srun}{quoted}; the "
                                       f"other ranks were stopped with it")  # fmt: skip
+        full = state_files.room_for(self.submitter.folder)
+        if full is not None:  # what the job could not write there (its result, its output) cost it
+            for half_written in self.submitter.folder.glob(f"{self.job_id}_*.save_tmp"):
+                with contextlib.suppress(OSError):
+                    half_written.unlink()
+            self.hint = (f" {state_files.MOVE_IT} that every node shares (LEVERS9_STATE_DIR="
+                         f"{os.environ.get('LEVERS9_STATE_DIR', '(not set: the default under your home)')}), then run it "
+                         f"again.")  # fmt: skip
+            return FailureKind.CRASH, (f"ended ({state or 'no state'}) without a result it could write, its run folder "
+                                       f"{self.submitter.folder} {state_files.why(full)},")  # fmt: skip
         if self.oom_said or state == "OUT_OF_MEMORY":
             where = f"rank(s) {self.died[1]} on {self.died[0]}" if self.died is not None else "a task"
             memory = f"; raise memory= (now {self.submitter.batch.spec.memory_mib} MiB)" \
