@@ -110,7 +110,7 @@ class CellState:
     ended: float | None = None
     error: str = ""
     reused: bool = False
-    value: str = ""  # a detached SLURM cell's value (its repr, cut short), read from its job's report
+    value: str = ""  # a detached SLURM cell's value (its repr, cut short): slurm_collect.detached_cells
 
     @property
     def took(self) -> float | None:
@@ -146,21 +146,12 @@ class Run:
         return self.ended is None and pid_alive(int(self.meta.get("pid") or 0))
 
     @property
-    def detached(self) -> bool:
-        """Its caller is gone and its jobs were left running on purpose (slurm={'detach': True})."""
-        from levers9.launch import slurm_collect  # it reads run folders through this module
-
-        return self.ended is None and not self.alive and slurm_collect.is_detached(self.path)
-
-    @property
     def status(self) -> str:
         if self.newer:
             return "newer format"
         if self.ended is not None:
             return "ended"
-        if self.alive:
-            return "running"
-        return "detached" if self.detached else "interrupted"
+        return "running" if self.alive else "interrupted"
 
     def check_readable(self) -> None:
         """RunFormatError if this levers9 cannot read the folder's record."""
@@ -200,11 +191,7 @@ class Run:
             elif event["state"] in ("done", "failed"):
                 cell.ended, cell.error = event["t"], event.get("error", "")
                 cell.reused = event.get("reused", False)
-        if self.detached:  # SLURM's word on each job, not the events its caller did not live to write
-            from levers9.launch import slurm_collect
-
-            slurm_collect.detached_cells(self.path, cells)
-        elif not self.alive:
+        if not self.alive:
             lost = "not recorded" if self.meta.get("incomplete") else None  # the disk was full
             for cell in cells.values():
                 if cell.state in ("waiting", "running", "retrying"):

@@ -120,11 +120,15 @@ def _report(folder: Path, job_id: str) -> Any:
     return None
 
 
-def detached_cells(run_path: Path, cells: dict[int, Any]) -> None:
-    """Set each cell (a run_reader.CellState) of a detached run whose caller is gone to what SLURM says of its job:
-    pending, running, done (its value in `value`) or failed (`error` says how); a cell without a job is left as
-    it is. squeue without an answer leaves the cells without a report as they are."""
-    folder = run_path / "slurm"
+def detached_cells(run: run_reader.Run) -> list[run_reader.CellState] | None:
+    """The cells of `run` with what SLURM says of each one's job, if it is a detached run whose caller is gone
+    (else None: its record says it all): pending, running, done (its value in `value`) or failed (`error` says
+    how). A cell without a job keeps its recorded state; squeue without an answer leaves a cell without a
+    report as its record has it."""
+    if run.ended is not None or run.alive or not is_detached(run.path):
+        return None
+    cells = {cell.index: cell for cell in run.cells()}
+    folder = run.path / "slurm"
     jobs = {int(i): job for i, job in _jobs(folder).items() if i.isdigit() and int(i) in cells}
     states = job_states(sorted(set(jobs.values()))) if jobs else {}
     for index, job_id in jobs.items():
@@ -144,6 +148,7 @@ def detached_cells(run_path: Path, cells: dict[int, Any]) -> None:
         else:
             ended = states.get(job_id, "gone from squeue")
             cell.state, cell.error = "failed", f"SLURM job {job_id} ended ({ended}) without a result"
+    return [cells[i] for i in sorted(cells)]
 
 
 def result(run: str, cell: int = 0, timeout: float | None = None) -> Any:
