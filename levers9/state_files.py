@@ -34,6 +34,26 @@ MOVE_IT = "Free space there, or set LEVERS9_STATE_DIR to a folder on a disk with
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+ROOM_PROBE = 1 << 20  # bytes room_for writes: room for a job's result and some output
+
+
+def room_for(folder: Path, nbytes: int = ROOM_PROBE) -> OSError | None:
+    """The error that writing `nbytes` into `folder` meets on a full disk or a quota (errno in FULL), else None
+    (the folder missing or any other error included); the probe file is removed either way."""
+    probe = folder / f".room-{os.getpid()}-{threading.get_ident()}"
+    try:
+        with open(probe, "wb") as handle:
+            handle.write(bytes(nbytes))
+            handle.flush()
+            os.fsync(handle.fileno())  # a network file system may say so only here
+    except OSError as exc:
+        return exc if exc.errno in FULL else None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    return None
+
+
 class StateFileError(OSError):
     """A file levers9 reads back is not a regular file of this user's (a symlink, a FIFO, someone else's)."""
 

@@ -75,6 +75,25 @@ def add(a: int, b: int = 0) -> int:
     return a + b
 
 
+class Payload:
+    """A result of a given size that a test can hold a weak reference to."""
+
+    def __init__(self, index: int, size: int) -> None:
+        self.index, self.data = index, bytes(size)
+
+
+def payload_or_fail(index: int, size: int, failing: int, gate: str | None = None) -> Payload:
+    """A `size`-byte Payload, or, for every `failing`-th index, CellError carrying one. With `gate`, first
+    write this process's pid to `gate`-started-<index> and wait until `gate` exists."""
+    if gate is not None:
+        Path(f"{gate}-started-{index}").write_text(str(os.getpid()))
+        while not Path(gate).exists():
+            time.sleep(0.02)
+    if failing and index % failing == failing - 1:
+        raise CellError(f"cell {index} fails on purpose", Payload(index, size))
+    return Payload(index, size)
+
+
 def fail(kind: str, message: str = "boom") -> None:
     """Fail the way `kind` says: an exception, an exit code, or a signal."""
     print(f"about to fail: {kind}", flush=True)

@@ -192,3 +192,42 @@ def resume_after_requeue(folder: str) -> dict[str, Any]:
     context = current_job()
     return {"runs": runs, "restart_count": os.environ.get("SLURM_RESTART_COUNT"),
             "attempt": None if context is None else context.attempt}  # fmt: skip
+
+
+def gated_square(x: int, folder: str) -> int:
+    """Count this run in `folder`/runs-<x>, say it started (`folder`/started-<x>: pid, job id), compute until `folder`/gate
+    exists, then return x * x (a negative x raises ValueError)."""
+    with open(os.path.join(folder, f"runs-{x}"), "a") as runs:
+        runs.write(f"{os.environ.get('SLURM_JOB_ID')}\n")
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")  # an array's task is cancelled as <array>_<task> (its own id: "invalid")
+    job_id = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else os.environ.get("SLURM_JOB_ID")
+    with open(os.path.join(folder, f"started-{x}"), "w") as started:
+        started.write(f"{os.getpid()} {job_id}\n")
+    total = 0
+    while not os.path.exists(os.path.join(folder, "gate")):
+        total += sum(range(10_000))  # a small step of work
+    if x < 0:
+        raise ValueError(f"x={x} is negative")
+    return x * x
+
+
+def ranks_compute_until_gate(folder: str) -> int:
+    """Every rank says it started (`folder`/started-<rank>) and computes until `folder`/gate exists."""
+
+    def one_rank() -> int:
+        with open(os.path.join(folder, f"started-{dist.rank()}"), "w") as started:
+            started.write(f"{os.getpid()} {os.environ.get('SLURMD_NODENAME')}\n")
+        total = 0
+        while not os.path.exists(os.path.join(folder, "gate")):
+            total += sum(range(10_000))  # a small step of work
+        return dist.rank()
+
+    return dist.run(one_rank)[0]
+
+
+def print_megabytes(megabytes: int) -> int:
+    """Print `megabytes` MB of output (lines of 1 KB), then return the count."""
+    line = "x" * 1023
+    for _ in range(megabytes * 1024):
+        print(line)
+    return megabytes

@@ -22,9 +22,10 @@ import pytest
 
 from levers9.cli import main as cli_main
 from levers9.errors import InfeasibleJobError, JobConfigError, JobCrashed, JobTimeout, WorkspacePolicyError
-from levers9.launch import job
+from levers9.launch import job, run_reader
 from levers9.launch.settings import update_settings
 from tests import jobfns, slurm_cluster, slurmfns
+from tests.test_faults_state import small_disk  # noqa: F401  (the fixture: a real small tmpfs)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]  # one worker: the one cluster
 
@@ -198,8 +199,105 @@ def test_a_rank_on_the_second_node_raising_is_named(on_slurm: None) -> None:
 
 
 def test_a_rank_killed_by_a_signal_is_named(on_slurm: None) -> None:
-    with pytest.raises(JobCrashed, match=r"rank\(s\) 3 on l9node2 killed by SIGKILL \(srun: Killed\)"):
+    with pytest.raises(JobCrashed, match=r"rank\(s\) 3 on l9node2 killed by SIGKILL \(srun: Killed\)") as caught:
         job(slurmfns.fail_on_rank, gpu_count=4, backend="slurm").remote(3, "kill")
+    assert "memory" not in str(caught.value).split("Last output")[0]  # neither SLURM nor the kernel said so
+
+
+def _scancel_once_started(started: Path, env: dict[str, str]) -> threading.Thread:
+    """A thread that cancels the SLURM job that wrote `started` (slurmfns.gated_square), as a user's scancel does."""
+
+    def cancel() -> None:
+        assert wait_until(started.exists, 90), "the job never started"
+        subprocess.run(["scancel", started.read_text().split()[1]], env=env, check=True, timeout=60)
+
+    thread = threading.Thread(target=cancel)
+    thread.start()
+    return thread
+
+
+CANCELLED_BY_SLURM = r"was cancelled in SLURM \(scancel: .*not by levers9\) at \S+ \(SLURM: \*\*\* JOB \d+ ON l9node\d CANCELLED AT \S+ \*\*\*\)"
+
+
+def test_a_job_cancelled_in_slurm_is_named_cancelled_not_out_of_memory(
+    on_slurm: None, env: dict[str, str], tmp_path: Path
+) -> None:
+    """An scancel of a one-task job, then of one task of an array, named from SLURM's own CANCELLED line (it was
+    'killed by SIGTERM ... most often the out-of-memory killer')."""
+    fn = job(slurmfns.gated_square, backend="slurm", name="l9-scancel")
+    canceller = _scancel_once_started(tmp_path / "started-3", env)
+    with pytest.raises(JobCrashed, match=CANCELLED_BY_SLURM) as caught:
+        fn.remote(3, str(tmp_path))
+    canceller.join()
+    assert "memory" not in str(caught.value).split("Last output")[0]
+    canceller = _scancel_once_started(tmp_path / "started-4", env)
+    results = fn.map([(4, str(tmp_path)), (5, str(tmp_path))], return_exceptions=True, progress=False)
+    cancelled = next(results)  # cell 4, once SLURM ended its task of the array
+    canceller.join()
+    (tmp_path / "gate").write_text("go")
+    assert next(results) == 25
+    assert isinstance(cancelled, JobCrashed) and re.search(CANCELLED_BY_SLURM, str(cancelled)), cancelled
+    assert "memory" not in str(cancelled).split("Last output")[0]
+
+
+def _node_state(node: str, env: dict[str, str]) -> str:
+    """`node`'s state in sinfo's short words (idle, down*, comp, ...), after asking SLURM to resume it."""
+    subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], env=env, capture_output=True, timeout=60)
+    state = subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], env=env, capture_output=True, text=True, timeout=60)
+    return state.stdout.strip()
+
+
+def test_a_lost_node_is_named_with_its_ranks(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
+    """A training across both nodes, l9node2 marked failed while every rank computes: the caller hears which node
+    was lost and which ranks ran there, from srun's and SLURM's own lines (kind LOST, not a bare gloo error)."""
+
+    def fail_node() -> None:
+        assert wait_until(lambda: all((tmp_path / f"started-{r}").exists() for r in range(4)), 120)
+        subprocess.run(["scontrol", "update", "NodeName=l9node2", "State=DOWN", "Reason=levers9-test"], env=env,
+                       check=True, timeout=60)  # fmt: skip
+
+    failer = threading.Thread(target=fail_node)
+    failer.start()
+    try:
+        with pytest.raises(JobCrashed, match=r"lost its node l9node2 \(its rank\(s\) 2-3\), which SLURM marked failed "
+                                             r"\(srun: Node failure on l9node2\)") as caught:  # fmt: skip
+            job(slurmfns.ranks_compute_until_gate, gpu_count=4, backend="slurm", name="l9-lost-node").remote(str(tmp_path))
+        assert caught.value.kind == "lost" and "DUE TO NODE FAILURE" in str(caught.value).split("Last output")[0]
+    finally:
+        failer.join()
+        assert wait_until(lambda: _node_state("l9node2", env) == "idle", 120), _node_state("l9node2", env)
+
+
+def test_a_full_run_folder_is_named_not_a_failed_job(
+    on_slurm: None, env: dict[str, str], request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 6 MB file system as the state folder and a job that prints 8 MB: the caller hears that the run folder is
+    full and what to change (it was 'ended (FAILED) before returning', an empty tail and a 0-byte .save_tmp
+    left); the next job is not submitted at all."""
+    state = request.getfixturevalue("small_disk")("6m") / "state"
+    monkeypatch.setenv("LEVERS9_STATE_DIR", str(state))
+    name = f"l9-full-{secrets.token_hex(3)}"
+    fn = job(slurmfns.print_megabytes, backend="slurm", name=name, stream_output=False)
+    with pytest.raises(JobCrashed, match=r"without a result it could write, its run folder \S+ is full \(No space left on "
+                                         r"device\).*LEVERS9_STATE_DIR=" + re.escape(str(state))):  # fmt: skip
+        fn.remote(8)
+    assert not list(state.rglob("*.save_tmp"))  # nothing half-written left behind
+    with pytest.raises(JobConfigError, match=r"is full \(No space left on device\): SLURM jobs write their output and "
+                                             r"result there \(under slurm/\), so nothing was submitted"):  # fmt: skip
+        fn.remote(1)
+    known = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-n", name, "-o", "%i"], env=env, capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+    assert len(known.stdout.split()) == 1, known.stdout  # the first job only
+
+
+def test_a_partition_that_does_not_exist_is_named_with_those_that_do(on_slurm: None, env: dict[str, str]) -> None:
+    """Before anything is submitted (sbatch's own word, as submitit passes it on: 'invalid partition specified';
+    with cards it used to be 'its cards are declared without a type')."""
+    for cards in (0, 2):
+        fn = job(slurmfns.square, gpu_count=cards, backend="slurm", name="l9-nosuch", slurm={"partition": "nosuch"})
+        with pytest.raises(JobConfigError, match=r"no partition 'nosuch'; its partitions are: l9 \(sinfo\)"):
+            fn.remote(3)
+    assert squeue("l9-nosuch", env) == []
 
 
 def test_more_cards_than_the_cluster_is_refused_before_submitting(on_slurm: None) -> None:
@@ -312,6 +410,57 @@ def test_a_detached_job_outlives_its_caller_and_is_collected_later(
     from levers9.launch import slurm_collect
 
     assert slurm_collect.result("last", 0) == "slept"
+
+
+DETACHED_CALLER = """
+import sys
+from levers9.launch import job
+from tests import slurmfns
+
+fn = job(slurmfns.gated_square, backend="slurm", name="l9-detached-runs", slurm={"detach": True})
+fn.spawn(6, sys.argv[1])
+fn.spawn(-1, sys.argv[1])
+"""
+
+
+def _runs_line(capsys: pytest.CaptureFixture[str], run_id: str) -> str:
+    capsys.readouterr()
+    assert cli_main(["runs"]) == 0
+    return next(line for line in capsys.readouterr().out.splitlines() if line.startswith(run_id))
+
+
+def _show(capsys: pytest.CaptureFixture[str], run_id: str) -> str:
+    capsys.readouterr()
+    assert cli_main(["runs", "show", run_id]) == 0
+    return capsys.readouterr().out.splitlines()[-1]
+
+
+def test_a_detached_run_is_followed_from_slurm_and_resume_takes_its_value(
+    on_slurm: None, env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The caller spawns two detached jobs and exits: `levers9 runs` says what SLURM says of them (running, then
+    done with the value or failed with the error), and a resume takes the value without submitting the job again."""
+    before = {run.name_on_disk for run in run_reader.list_runs()}
+    subprocess.run([sys.executable, "-c", DETACHED_CALLER, str(tmp_path)], env={**os.environ}, cwd=ROOT, check=True,
+                   timeout=120)  # fmt: skip
+    runs = sorted((r for r in run_reader.list_runs() if r.name_on_disk not in before), key=lambda r: r.started)
+    good, bad = (r.name_on_disk for r in runs)
+    assert wait_until(lambda: (tmp_path / "started-6").exists() and (tmp_path / "started--1").exists(), 90)
+    assert _runs_line(capsys, good).split()[-2:] == ["0/0/1", "detached"]
+    assert " running " in f" {_show(capsys, good)} ", _show(capsys, good)
+    (tmp_path / "gate").write_text("go")
+    assert cli_main(["runs", "result", good, "--timeout", "90"]) == 0
+    assert capsys.readouterr().out.strip() == "36"
+    assert _runs_line(capsys, good).split()[-2:] == ["1/0/1", "detached"]
+    shown = _show(capsys, good)
+    assert " done " in shown and shown.rstrip().endswith("36"), shown
+    assert cli_main(["runs", "result", bad, "--timeout", "90"]) == 1
+    shown = _show(capsys, bad)
+    assert " failed " in shown and "ValueError: x=-1 is negative" in shown, shown
+    assert _runs_line(capsys, bad).split()[-2:] == ["0/1/1", "detached"]
+    resumed = job(slurmfns.gated_square, backend="slurm", name="l9-detached-runs").map([(6, str(tmp_path))], resume=True)
+    assert list(resumed) == [36]
+    assert len((tmp_path / "runs-6").read_text().splitlines()) == 1  # the job ran once: resume did not submit it
 
 
 def _alive(pid: int) -> bool:

@@ -3,6 +3,7 @@ table and plain lines, and `levers9 runs` with its retention. Cells run on 4 sim
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from levers9.errors import InfeasibleJobError, JobConfigError
 from levers9.launch import job, run_folder, run_reader, run_retention
 from levers9.launch.cells import Cell
 from levers9.launch.settings import runs_dir, update_settings
+from levers9.procs.watch import pid_alive
 from tests import jobfns, ray_cluster
 
 pytestmark = pytest.mark.procs
@@ -138,6 +141,72 @@ def test_a_big_sweep_on_ray_runs_on_lanes_not_a_thread_per_cell(
     assert results == list(range(cells))
     # 8 lanes (twice the cluster's 4 one-card tasks at once) and the sampler, not one thread per cell.
     assert peak - base_threads <= 2 * ray_cluster.CARDS + 4, (peak, base_threads)
+
+
+# A map holds only what the caller has not read: each result (a value, or with return_exceptions a cell's
+# exception) is let go once yielded, as ProcessPoolExecutor.map does, so a long sweep's memory is what
+# the caller itself keeps (before, every result of a 5,000-cell map stayed until the map was dropped).
+# benchmarks/bench_map_memory.py measures the caller's peak over 10,000 cells. The first 8 cells end at
+# once; the last 4 hold the 4 lanes until the gate opens, so once they started no lane holds one of the
+# first 8 (a lane lets a cell go when it takes the next), and the map, still open, is all that could.
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("order", ["input", "completed"])
+def test_a_result_is_let_go_once_it_was_yielded(order: str, tmp_path: Path) -> None:
+    size, failing, gate = 1 << 20, 4, tmp_path / "gate"  # every 4th cell raises, its exception carrying 1 MB too
+    fn = job(gpu="RTXPro6000", stream_output=False)(jobfns.payload_or_fail)
+    cells = [(i, size, failing) for i in range(8)] + [(i, size, failing, str(gate)) for i in range(8, 12)]
+    results = fn.map(cells, order=order, return_exceptions=True, progress=False)
+    read: dict[int, weakref.ref[Any]] = {}
+    raised: set[int] = set()
+
+    def read_one() -> None:
+        item = next(results)
+        index, value = item if order == "completed" else (len(read), item)
+        payload = value.args[1] if isinstance(value, jobfns.CellError) else value
+        assert isinstance(payload, jobfns.Payload) and payload.index == index and len(payload.data) == size
+        if isinstance(value, jobfns.CellError):
+            raised.add(index)
+        read[index] = weakref.ref(payload)
+
+    for _ in range(8):
+        read_one()
+    assert sorted(read) == list(range(8))
+    _wait_for(lambda: all(Path(f"{gate}-started-{i}").exists() for i in range(8, 12)), "the 4 gated cells to start")
+    held = [i for i, ref in read.items() if i not in raised and ref() is not None]
+    assert not held, f"values {held} are still held after they were yielded ({order} order, the map still open)"
+    gc.collect()  # an exception's traceback holds the frames that raised it, which hold it: a cycle
+    held = [i for i, ref in read.items() if ref() is not None]
+    assert not held, f"exceptions {held} are still held after they were yielded ({order} order, the map still open)"
+    gate.write_text("go")
+    for _ in range(4):
+        read_one()
+    assert list(results) == [] and len(results) == 12
+    assert raised == {i for i in range(12) if i % failing == failing - 1}
+
+
+# An exception in the caller's loop, the map still running: the interpreter's exit drops the map while its
+# lanes no longer run. It used to wait for them there, forever; now the exit cancels the map and the
+# cells end with the caller's lifeline.
+LEAVES_MID_MAP_SCRIPT = """
+import sys
+from levers9 import job
+from tests import jobfns
+
+fn = job(gpu="RTXPro6000", stream_output=False)(jobfns.payload_or_fail)
+results = fn.map([(0, 10, 0)] + [(i, 10, 0, sys.argv[1]) for i in range(1, 4)], progress=False)
+for value in results:
+    raise RuntimeError("the caller's own bug, with cells still running")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_an_exception_in_the_callers_loop_exits_and_ends_the_running_cells(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"  # never opened: cells 1 to 3 run until they are stopped
+    done = subprocess.run([sys.executable, "-c", LEAVES_MID_MAP_SCRIPT, str(gate)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=100)  # fmt: skip
+    assert done.returncode == 1 and "the caller's own bug" in done.stderr, done.stderr
+    pids = [int(p.read_text()) for p in tmp_path.glob("gate-started-*") if p.read_text()]
+    _wait_for(lambda: not any(pid_alive(pid) for pid in pids), f"the cells' processes {pids} to end")
 
 
 # ---- completion order -----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import functools
 import queue
+import sys
 from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
@@ -41,7 +42,8 @@ class Completed(Generic[R]):
 
 class MapResults(Generic[T]):
     """The results of a map, in input order or as cells complete. Closing it (or dropping it) cancels
-    what has not finished."""
+    what has not finished. A result is let go once it was yielded: the map holds only what the caller
+    has not read yet, so a sweep's memory is what the caller itself keeps."""
 
     def __init__(
         self,
@@ -54,7 +56,7 @@ class MapResults(Generic[T]):
         record: RunRecord | None,
     ) -> None:
         self._cells = cells
-        self._futures = futures
+        self._futures: list[Future[Any] | None] = list(futures)  # None once its result was yielded
         self._cancel = cancel
         self._return_exceptions = return_exceptions
         self._reporter = reporter
@@ -87,7 +89,10 @@ class MapResults(Generic[T]):
         return Completed(position, self._value(position))  # type: ignore[return-value]
 
     def _value(self, position: int) -> Any:
+        """The result at `position`, or its exception raised (returned with return_exceptions); once it is
+        done the map lets go of it."""
         future = self._futures[position]
+        assert future is not None, f"result {position} was already yielded"
         try:
             return wait_done(future).result()
         except BaseException as exc:
@@ -103,6 +108,10 @@ class MapResults(Generic[T]):
                 f"levers9: cell #{cell.index} {cell.describe()} failed; the cells not yet finished were cancelled",
             )
             raise
+        finally:
+            if future.done():
+                self._futures[position] = None
+            future = None  # an exception returned or raised keeps this frame: not its future (nor so its value)
 
     def close(self) -> None:
         """Cancel every cell not yet finished, kill running jobs and wait until they have ended."""
@@ -114,6 +123,8 @@ class MapResults(Generic[T]):
             # A second Ctrl-C while the jobs are being stopped is the caller's: it propagates (the
             # jobs are already cancelled and die with their lifeline), only the waiting is cut short.
             for future in self._futures:
+                if future is None:  # yielded, so done
+                    continue
                 with contextlib.suppress(Exception):  # its outcome is not ours to raise here
                     wait_done(future).exception()  # a cancelled future that never ran counts as done at once
             if self._record is not None:
@@ -137,6 +148,9 @@ class MapResults(Generic[T]):
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
+            if sys.is_finalizing():  # the lanes no longer run: waiting on them would hang the exit; the jobs
+                self._cancel.cancel()  # end with the caller's lifeline
+                return
             try:
                 self.close()
             except Exception:

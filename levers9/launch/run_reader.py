@@ -110,6 +110,7 @@ class CellState:
     ended: float | None = None
     error: str = ""
     reused: bool = False
+    value: str = ""  # a detached SLURM cell's value (its repr, cut short): slurm_collect.detached_cells
 
     @property
     def took(self) -> float | None:

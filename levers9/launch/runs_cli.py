@@ -76,7 +76,8 @@ def _list(args: argparse.Namespace) -> int:
     rows = []
     for run in reversed(found):
         try:
-            done, failed, total = run.counts()
+            detached = slurm_collect.detached_cells(run)  # its caller gone, SLURM says how its jobs are
+            done, failed, total = run.counts() if detached is None else _counts(detached)
         except Levers9Error as exc:
             _say_skipped([exc])
             continue
@@ -84,7 +85,7 @@ def _list(args: argparse.Namespace) -> int:
         wall = "" if end is None else say_duration(end - run.started, tenths=True)
         rows.append(
             [run.name_on_disk, str(run.meta.get("name", "?")), str(run.meta.get("backend", "?")), _when(run.started),
-             f"{done}/{failed}/{total}", wall, run.status]
+             f"{done}/{failed}/{total}", wall, run.status if detached is None else "detached"]
         )  # fmt: skip
     _table(["run", "name", "backend", "started", "done/failed/total", "wall", "status"], rows)
     return 0
@@ -93,17 +94,18 @@ def _list(args: argparse.Namespace) -> int:
 @said_as("levers9 runs: error", 2)
 def _show(args: argparse.Namespace) -> int:
     run = run_reader.find_run(args.run)
-    cells = run.cells()
+    detached = slurm_collect.detached_cells(run)
+    cells = run.cells() if detached is None else detached
     print(f"{run.name_on_disk}: {run.meta.get('function', '?')} on {run.meta.get('backend', '?')}, "
-          f"started {_when(run.started)}, {run.status}")  # fmt: skip
+          f"started {_when(run.started)}, {run.status if detached is None else 'detached'}")  # fmt: skip
     rows = []
     for cell in cells:
         took = "" if cell.took is None else say_duration(cell.took, tenths=True)
         state = "done (reused)" if cell.reused else cell.state
         if cell.attempt > 1:
             state += f" (attempt {cell.attempt})"
-        rows.append([f"#{cell.index}", cell.args, state, cell.card, took, cell.error])
-    _table(["cell", "arguments", "state", "card", "duration", "error"], rows)
+        rows.append([f"#{cell.index}", cell.args, state, cell.card, took, cell.error or cell.value])
+    _table(["cell", "arguments", "state", "card", "duration", "error" if detached is None else "error or value"], rows)
     if run.skipped_events:
         print(f"levers9 runs: skipped {run.skipped_events} line(s) of {run.path / run_reader.EVENTS_FILE} that are not "
               f"as levers9 writes them (cut short by a crash, or edited); the states above leave them out",
@@ -187,6 +189,12 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
     for row in [header, *rows]:
         cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths, strict=True)] + [str(row[-1])]
         print("  ".join(cells).rstrip())
+
+
+def _counts(cells: Sequence[run_reader.CellState]) -> tuple[int, int, int]:
+    """(done, failed, total) of `cells`."""
+    states = [cell.state for cell in cells]
+    return states.count("done"), states.count("failed"), len(states)
 
 
 def _when(stamp: float) -> str:

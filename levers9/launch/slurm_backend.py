@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from concurrent.futures import Future
@@ -32,6 +33,7 @@ from typing import Any
 
 import submitit
 
+from levers9 import state_files
 from levers9.errors import (
     FailureKind,
     JobConfigError,
@@ -40,9 +42,11 @@ from levers9.errors import (
 )
 from levers9.launch import job_process, outcomes, slurm_collect, slurm_nodes, slurm_options, slurm_task
 from levers9.launch.backend import Batch
+from levers9.launch.cell_keys import cell_key, function_key
 from levers9.launch.cells import Cell
 from levers9.launch.lanes import dispatch
 from levers9.launch.outcomes import Cancelled
+from levers9.launch.run_reader import RESULTS
 from levers9.launch.settings import load_settings
 from levers9.launch.slurm_follow import POLL_S, Follower, Reaper, Tracker
 from levers9.launch.slurm_nodes import SlurmPlan
@@ -62,6 +66,7 @@ class SlurmBackend:
     def submit(self, batch: Batch) -> list[Future[Any]]:
         """Check some node(s) could hold the job, submit every cell at once (one job array for several), and
         follow them; one Future per cell."""
+        _check_room(batch)
         spec = batch.spec
         settings = load_settings()
         options = slurm_options.merged(spec.slurm, {k: getattr(settings, k) for k in slurm_options.SETTING_KEYS})
@@ -72,7 +77,8 @@ class SlurmBackend:
         limit = int(options.get("max_running", slurm_nodes.capacity(plan, spec, nodes)))
         submitter = Submitter(batch, plan, options, batch.folder.path / "slurm", limit)
         follower = Follower(batch)
-        cells = [SlurmCell(batch, cell, submitter, follower, func_blob) for cell in batch.cells]
+        keep = function_key(batch.func) if "detach" in options else None  # a detached job stores its value itself
+        cells = [SlurmCell(batch, cell, submitter, follower, func_blob, keep) for cell in batch.cells]
         trackers = submitter.submit_all([c.payload(1) for c in cells], cells)
         for cell, tracker in zip(cells, trackers, strict=True):
             cell.first = tracker
@@ -82,6 +88,20 @@ class SlurmBackend:
         follower.start()
         dispatch(batch, cells, min(len(cells), 2 * limit, 64))
         return [c.future for c in cells]
+
+
+def _check_room(batch: Batch) -> None:
+    """JobConfigError before anything is submitted if the run folder's disk is full or over its quota: every job
+    writes its output and result there (under slurm/), and would fail for it."""
+    losses = batch.folder.losses
+    full = losses.error if losses.unrecorded else state_files.room_for(batch.folder.path)
+    if full is not None and full.errno in state_files.FULL:
+        raise JobConfigError(
+            f"the run folder {batch.folder.path} {state_files.why(full)}: SLURM jobs write their output and result "
+            f"there (under slurm/), so nothing was submitted. Expected room for at least "
+            f"{state_files.ROOM_PROBE >> 20} MiB. {state_files.MOVE_IT} that every node shares (LEVERS9_STATE_DIR="
+            f"{os.environ.get('LEVERS9_STATE_DIR', '(not set: the default under your home)')})."
+        )
 
 
 class Submitter:
@@ -136,6 +156,8 @@ class Submitter:
             raise _submit_error(exc) from exc
         if "detach" not in self.options:  # detached: the caller's exit or death leaves them running
             self.reaper.add(jobs[0].job_id.split("_")[0])
+        else:
+            slurm_collect.mark_detached(self.folder)
         for cell, job in zip(cells, jobs, strict=True):
             slurm_collect.record(self.folder, cell.cell.index, str(job.job_id))
         return [Tracker(self, cell, str(job.job_id), 1) for cell, job in zip(cells, jobs, strict=True)]
@@ -172,10 +194,12 @@ class SlurmCell:
     """One cell: its first attempt is already submitted (in the array); retries are single jobs."""
 
     def __init__(self, batch: Batch, cell: Cell, submitter: Submitter, follower: Follower,
-                 func_blob: bytes) -> None:  # fmt: skip
+                 func_blob: bytes, fn_key: str | None) -> None:  # fmt: skip
         self.batch, self.cell, self.submitter, self.follower = batch, cell, submitter, follower
         self.label = batch.cell_label(cell)
         self.func_blob = func_blob
+        # where resume looks for this cell's value (run_folder.RunRecord.store), for a detached job to write
+        self.result_path = "" if fn_key is None else str(batch.folder.path / RESULTS / f"{cell_key(fn_key, cell)}.pkl")
         self.first: Tracker | None = None
         self.current: Tracker | None = None
         try:
@@ -201,6 +225,7 @@ class SlurmCell:
             "tasks": self.submitter.plan.nodes * self.submitter.plan.tasks,
             "requeue": "requeue" in self.submitter.options,  # at the time limit's early signal (slurm_task.py)
             "folder": str(self.submitter.folder),
+            "result_path": self.result_path,
         }
 
     def _on_done(self, future: Future[Any]) -> None:

@@ -12,6 +12,12 @@ A detached job is still stopped by an explicit cancel (Ctrl-C of a caller that w
 map early, a future's cancel). The backend records each cell's latest SLURM job id in the run's
 `slurm/jobs.json` when it submits it; the result is the job's task 0 report (submitit's result file),
 read once squeue no longer shows the job running.
+
+A detached run's folder says so (`slurm/detached`), and its jobs store their own value where resume
+looks (`results/<cell key>.pkl`, written by the job's task 0, as the caller's record does): a resume finds
+a finished detached cell and does not submit it again, whether or not its caller lived to see it end.
+Once the caller is gone, `levers9 runs` and `levers9 runs show` read each cell's state from SLURM
+(`detached_cells`): pending, running, done (with its value) or failed, as `levers9 runs result` does.
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ from levers9.launch import run_reader
 from levers9.procs.failure import rebuild, unship_value
 
 JOBS_FILE = "jobs.json"
+DETACHED_FILE = "detached"  # in a run's slurm/ folder: its jobs outlive their caller
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+         "DEADLINE")  # fmt: skip
+VALUE_CHARS = 200  # of a value's repr shown by `levers9 runs show`
 POLL_S = 1.0
 _lock = threading.Lock()
 
@@ -49,10 +59,96 @@ def record(folder: Path, index: int, job_id: str) -> None:
         os.replace(fresh, path)
 
 
+def mark_detached(folder: Path) -> None:
+    """Note in `folder` (a run's slurm/) that its jobs outlive their caller."""
+    (folder / DETACHED_FILE).write_bytes(b"")
+
+
+def is_detached(run_path: Path) -> bool:
+    """True if the run in `run_path` submitted detached SLURM jobs."""
+    return (run_path / "slurm" / DETACHED_FILE).is_file()
+
+
+def job_states(job_ids: list[str]) -> dict[str, str] | None:
+    """job id -> SLURM's state (PENDING, RUNNING, COMPLETED, ...) for those squeue still shows; None if squeue
+    gives no answer (then nothing is concluded from a job's absence)."""
+    try:
+        done = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-j", ",".join(job_ids), "-o", "%i|%T"],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:  # squeue refuses ids it no longer knows; ask for them one at a time then
+        if len(job_ids) == 1:
+            return {} if "Invalid job id" in done.stderr else None
+        states: dict[str, str] = {}
+        for job_id in job_ids:
+            one = job_states([job_id])
+            if one is None:
+                return None
+            states.update(one)
+        return states
+    return dict(line.split("|", 1) for line in done.stdout.splitlines() if "|" in line)
+
+
 def _running(job_id: str) -> bool:
-    done = subprocess.run(["squeue", "-h", "-r", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60)
-    return done.returncode == 0 and any(state not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
-                                                      "OUT_OF_MEMORY", "PREEMPTED") for state in done.stdout.split())  # fmt: skip
+    states = job_states([job_id])
+    return states is not None and states.get(job_id, "COMPLETED") not in ENDED
+
+
+def _jobs(folder: Path) -> dict[str, str]:
+    """cell index (as text) -> the SLURM job id of its latest attempt, from `folder`/jobs.json ({} if none)."""
+    try:
+        jobs = json.loads((folder / JOBS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in jobs.items()} if isinstance(jobs, dict) else {}
+
+
+def _report(folder: Path, job_id: str) -> Any:
+    """The TaskReport of task 0 of `job_id` (None if it has not written one, or it cannot be read)."""
+    from submitit.core import utils as submitit_utils  # here: `levers9 runs` itself needs no submitit
+
+    from levers9.launch import slurm_task
+
+    path = folder / f"{job_id}_0_result.pkl"
+    if not path.exists():
+        return None
+    with contextlib.suppress(Exception):
+        status, value = submitit_utils.pickle_load(path)
+        if status == "success" and isinstance(value, slurm_task.TaskReport):
+            return value
+    return None
+
+
+def detached_cells(run: run_reader.Run) -> list[run_reader.CellState] | None:
+    """The cells of `run` with what SLURM says of each one's job, if it is a detached run whose caller is gone
+    (else None: its record says it all): pending, running, done (its value in `value`) or failed (`error` says
+    how). A cell without a job keeps its recorded state; squeue without an answer leaves a cell without a
+    report as its record has it."""
+    if run.ended is not None or run.alive or not is_detached(run.path):
+        return None
+    cells = {cell.index: cell for cell in run.cells()}
+    folder = run.path / "slurm"
+    jobs = {int(i): job for i, job in _jobs(folder).items() if i.isdigit() and int(i) in cells}
+    states = job_states(sorted(set(jobs.values()))) if jobs else {}
+    for index, job_id in jobs.items():
+        cell = cells[index]
+        report = _report(folder, job_id)
+        if report is not None and report.failure is None:
+            cell.state, cell.error = "done", ""
+            with contextlib.suppress(Exception):
+                cell.value = repr(unship_value(report.value, f"the return value of SLURM job {job_id}"))[:VALUE_CHARS]
+        elif report is not None:
+            cell.state, cell.error = "failed", f"{report.failure.exc_type}: {report.failure.message}".splitlines()[0]
+        elif states is None:
+            continue
+        elif job_id in states and states[job_id] not in ENDED:
+            cell.state = "pending" if states[job_id] == "PENDING" else "running"
+            cell.card = f"SLURM job {job_id}"
+        else:
+            ended = states.get(job_id, "gone from squeue")
+            cell.state, cell.error = "failed", f"SLURM job {job_id} ended ({ended}) without a result"
+    return [cells[i] for i in sorted(cells)]
 
 
 def result(run: str, cell: int = 0, timeout: float | None = None) -> Any:
@@ -61,14 +157,12 @@ def result(run: str, cell: int = 0, timeout: float | None = None) -> Any:
     ended without a result; JobTimeout when it still runs after `timeout`."""
     found = run_reader.find_run(run)
     folder = found.path / "slurm"
-    try:
-        jobs = json.loads((folder / JOBS_FILE).read_text())
-        job_id = jobs[str(cell)]
-    except (OSError, ValueError, KeyError):
+    job_id = _jobs(folder).get(str(cell), "")
+    if not job_id:
         raise Levers9Error(
             f"run {found.name_on_disk} has no SLURM job of cell {cell} ({folder / JOBS_FILE} lists none). Expected a "
             f"run of @job(backend='slurm'); `levers9 runs show {found.name_on_disk}` lists its cells."
-        ) from None
+        )
     report_path = folder / f"{job_id}_0_result.pkl"
     deadline = None if timeout is None else time.monotonic() + timeout
     while not report_path.exists() and _running(job_id):
@@ -76,14 +170,7 @@ def result(run: str, cell: int = 0, timeout: float | None = None) -> Any:
             raise JobTimeout(f"SLURM job {job_id} (run {found.name_on_disk}, cell {cell}) still runs after {timeout:g} s. "
                              f"Wait longer (--timeout), or see its output with `levers9 runs logs`.")  # fmt: skip
         time.sleep(POLL_S)
-    from submitit.core import utils as submitit_utils  # here: `levers9 runs` itself needs no submitit
-
-    from levers9.launch import slurm_task
-
-    report = None
-    with contextlib.suppress(Exception):
-        status, value = submitit_utils.pickle_load(report_path)
-        report = value if status == "success" and isinstance(value, slurm_task.TaskReport) else None
+    report = _report(folder, job_id)
     where = f"SLURM job {job_id} (run {found.name_on_disk}, cell {cell})"
     if report is None:
         raise JobCrashed(

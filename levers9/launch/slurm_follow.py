@@ -24,6 +24,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 from submitit.core import utils as submitit_utils
 
+from levers9 import state_files
+from levers9.distributed.detect import expand_nodelist
 from levers9.errors import FailureKind, JobCrashed, JobFailure, JobTimeout
 from levers9.launch import outcomes, slurm_nodes, slurm_task
 from levers9.launch.outcomes import Cancelled, OutputTail
@@ -147,6 +149,11 @@ class Tracker:
         self.timed_out = False
         self.peer_loss_at: float | None = None  # when a rank first reported losing a peer
         self.died: tuple[str, str, str] | None = None  # (node, tasks, how) of srun's "task N: Killed" line
+        self.said: SlurmSaid | None = None  # slurmstepd's "*** JOB ... CANCELLED AT ... ***" line, if it ended the job
+        self.oom_said = ""  # SLURM's own line on an out-of-memory kill in the job's cgroup
+        self.hint = ""  # what to change, said after the attempts when the ending calls for it
+        self.failed_node = ""  # the node srun says failed ('srun: error: Node failure on l9node2')
+        self.srun_tasks: dict[str, str] = {}  # node -> its tasks (ranks), from srun's lines on tasks that ended badly
         self.requeued = False  # SLURM requeued the job (scontrol requeue, preemption): its kills are not deaths
         self.queued_again = False  # ... and it was seen queued since
         self.ended_polls = 0
@@ -166,6 +173,7 @@ class Tracker:
                 self.queued_again = True
             elif self.requeued and self.queued_again:  # running again: resumes, as the user's checkpoint allows
                 self.requeued = self.queued_again = False
+                self.said, self.oom_said, self.failed_node, self.srun_tasks = None, "", "", {}
         if self.started_at is None and (self.state in RUNNING or any(p.exists() for p in self.results)
                                         or any(stream.offset for stream in self.streams)):
             self.started_at = time.monotonic()
@@ -219,6 +227,15 @@ class Tracker:
         losses = self.run.losses
         for stream in self.streams:
             for line in stream.read():
+                said = slurm_said(line)
+                if said is not None and self.died is None and (self.said is None or said.job > self.said.job):
+                    self.said = said  # the job's line rather than its step's; never levers9's cancel after a death
+                if not self.oom_said and _SLURM_OOM.search(line):
+                    self.oom_said = line.strip()
+                if (lost := _NODE_FAILURE.search(line)) is not None and not self.failed_node:
+                    self.failed_node = lost.group(1)
+                if (ended := srun_error(line)) is not None:
+                    self.srun_tasks.setdefault(ended[0], ended[1])
                 if any(word in line for word in REQUEUED_WORDS):
                     self.requeued = True
                 elif not self.requeued and self.died is None:
@@ -252,32 +269,111 @@ class Tracker:
                 f"{run.label} exceeded timeout={spec.timeout:g}s ({run.attempts}); SLURM job {self.job_id} on "
                 f"{self.node or '?'} was cancelled and its cards freed. Raise timeout= if it needs longer. {run.where}"
             )
-        if report is None and self.died is not None and not self.cell.stopped():
-            node, tasks, how = self.died
-            run.write_meta({**meta, "attempt": run.attempt, "killed_for": None, "died": how})
-            ended = f"killed by {SRUN_SIGNALS[how]}" if how in SRUN_SIGNALS else how.lower()
-            raise JobCrashed(
-                f"{run.label}: rank(s) {tasks} on {node} {ended} (srun: {how}) before returning; the other ranks "
-                f"lost them and SLURM job {self.job_id} was cancelled; {run.attempts}. A rank killed by a "
-                f"signal is most often the out-of-memory killer. Last output:\n{self.tail.last_output}\n{run.where}",
-                JobFailure(cell=self.cell.cell.index, pid=0, output_tail=self.tail.text, kind=FailureKind.CRASH),
-                kind=FailureKind.CRASH,
-            )
         if report is None:
             if self.cell.stopped():
                 raise Cancelled()
-            run.write_meta({**meta, "attempt": run.attempt, "killed_for": None})
-            kind = FailureKind.TIMEOUT if self.ended_state == "TIMEOUT" else FailureKind.CRASH
-            how = "reached its SLURM time limit" if kind is FailureKind.TIMEOUT else f"ended ({self.ended_state})"
+            run.write_meta({**meta, "attempt": run.attempt, "killed_for": None,
+                            **({"died": self.died[2]} if self.died is not None else {})})  # fmt: skip
+            kind, how = self._ending()
             message = (f"{run.label} (SLURM job {self.job_id} on {self.node or '?'}) {how} before returning; "
-                       f"{run.attempts}. Last output:\n{self.tail.last_output}\n{run.where}")  # fmt: skip
+                       f"{run.attempts}.{self.hint} Last output:\n{self.tail.last_output}\n{run.where}")  # fmt: skip
             if kind is FailureKind.TIMEOUT:
                 raise JobTimeout(message)
-            raise JobCrashed(message, JobFailure(cell=self.cell.cell.index, pid=0, output_tail=self.tail.text, kind=kind), kind=kind)
+            raise JobCrashed(message, JobFailure(cell=self.cell.cell.index, pid=0, output_tail=self.tail.text, kind=kind,
+                                                 oom_killed=bool(self.oom_said) or self.ended_state == "OUT_OF_MEMORY"),
+                             kind=kind)  # fmt: skip
         node = f"{report.node} as rank {report.rank} of {where}"
         outcome = Outcome(pid=report.pid, exitcode=0 if report.failure is None else 1, signal=None,
                           value=report.value, failure=report.failure, reported=True)  # fmt: skip
         return outcomes.finish(run, outcome, self.tail, spec.timeout, meta, node)
+
+    def _ending(self) -> tuple[FailureKind, str]:
+        """How a job that reported nothing ended, in SLURM's own words first (its state, slurmstepd's CANCELLED
+        line, its cgroup's oom-kill line), srun's word on a killed task after; out of memory only when SLURM says so."""
+        state, said = self.ended_state, self.said
+        due = said.due if said is not None else ""
+        quoted = f" (SLURM: {said.line})" if said is not None else f" (SLURM state {state})" if state else ""
+        ranks = f"; its rank(s) {self.died[1]} on {self.died[0]} were killed" if self.died is not None else ""
+        if due == "TIME LIMIT" or state == "TIMEOUT":
+            return FailureKind.TIMEOUT, f"reached its SLURM time limit{quoted}"
+        if due == "PREEMPTION" or state == "PREEMPTED":
+            return FailureKind.LOST, f"was preempted by SLURM (a job of higher priority took its node){quoted}{ranks}"
+        if due.startswith("NODE FAIL") or state == "NODE_FAIL" or self.failed_node:
+            node = self.failed_node or (said.node if said is not None else self.node or "?")
+            ranks_there = self.srun_tasks.get(node) or self._ranks_on(node)
+            on_it = f" (its rank(s) {ranks_there})" if ranks_there else ""
+            srun = f" (srun: Node failure on {self.failed_node})" if self.failed_node else ""
+            return FailureKind.LOST, (f"lost its node {node}{on_it}, which SLURM marked failed{srun}{quoted}; the "
+                                      f"other ranks were stopped with it")  # fmt: skip
+        full = state_files.room_for(self.submitter.folder)
+        if full is not None:  # what the job could not write there (its result, its output) cost it
+            for half_written in self.submitter.folder.glob(f"{self.job_id}_*.save_tmp"):
+                with contextlib.suppress(OSError):
+                    half_written.unlink()
+            self.hint = (f" {state_files.MOVE_IT} that every node shares (LEVERS9_STATE_DIR="
+                         f"{os.environ.get('LEVERS9_STATE_DIR', '(not set: the default under your home)')}), then run it "
+                         f"again.")  # fmt: skip
+            return FailureKind.CRASH, (f"ended ({state or 'no state'}) without a result it could write, its run folder "
+                                       f"{self.submitter.folder} {state_files.why(full)},")  # fmt: skip
+        if self.oom_said or state == "OUT_OF_MEMORY":
+            where = f"rank(s) {self.died[1]} on {self.died[0]}" if self.died is not None else "a task"
+            memory = f"; raise memory= (now {self.submitter.batch.spec.memory_mib} MiB)" \
+                if self.submitter.batch.spec.memory_mib else ""  # fmt: skip
+            return FailureKind.CRASH, (f"ran out of memory: {where} killed by the out-of-memory killer "
+                                       f"(SLURM: {self.oom_said or 'OUT_OF_MEMORY'}){memory}")  # fmt: skip
+        if said is not None:
+            who = f" {said.more}" if "by" in said.more.split() else " (scancel: by a user, an admin or a script; not by levers9)"
+            return FailureKind.CRASH, f"was cancelled in SLURM{who} at {said.at}{quoted}"
+        if self.died is not None:
+            node, tasks, how = self.died
+            ended = f"killed by {SRUN_SIGNALS[how]}" if how in SRUN_SIGNALS else how.lower()
+            return FailureKind.CRASH, (f"had rank(s) {tasks} on {node} {ended} (srun: {how}) with no word from SLURM on "
+                                       f"why (no CANCELLED line, no oom-kill event: see that node's kernel log); the "
+                                       f"other ranks lost them and the job was cancelled")  # fmt: skip
+        return FailureKind.CRASH, f"ended ({state or 'no state'})"
+
+
+    def _ranks_on(self, node: str) -> str:
+        """The ranks SLURM placed on `node` ('2-3'), from the job's node list and its tasks per node (srun's block
+        placement: the first node's tasks are ranks 0 to n-1); '' if the node is not one of the job's."""
+        with contextlib.suppress(Exception):
+            nodes = expand_nodelist(self.node)
+            if node in nodes:
+                per = self.submitter.plan.tasks
+                first = nodes.index(node) * per
+                return f"{first}-{first + per - 1}" if per > 1 else str(first)
+        return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmSaid:
+    """slurmstepd's own line on a job or step it ended: where, when, why (its DUE TO), by whom if it says."""
+
+    line: str
+    job: bool  # the job's line (its step's says the same of the step)
+    node: str
+    at: str
+    due: str  # "" for a cancel (scancel); "TIME LIMIT", "PREEMPTION", "NODE FAILURE", "JOB REQUEUE", ...
+    more: str  # its words after those, if any
+
+
+# '*** JOB 5 ON l9node1 CANCELLED AT 2026-12-06T22:50:22 ***', with ' DUE TO TIME LIMIT' (PREEMPTION, NODE FAILURE,
+# JOB REQUEUE) when SLURM itself ended it, and more words after a comma (', SEE SLURMCTLD LOG FOR DETAILS', or who
+# cancelled it where a SLURM version says)
+_SLURM_CANCELLED = re.compile(r"\*\*\* (JOB|STEP) \S+ ON (\S+) CANCELLED AT (\S+)(?: DUE TO ([A-Z][A-Z_ ]*[A-Z]))?,?(.*?) \*\*\*")
+# SLURM's cgroup plugin: 'Detected 1 oom_kill event in StepId=5.0. Some of the step tasks have been OOM Killed.'
+_SLURM_OOM = re.compile(r"Detected \d+ oom[-_]kill events?")
+# srun, when a node of the job's step is lost: 'srun: error: Node failure on l9node2'
+_NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
+
+
+def slurm_said(line: str) -> SlurmSaid | None:
+    """slurmstepd's CANCELLED line in `line`, parsed; None if there is none."""
+    match = _SLURM_CANCELLED.search(line)
+    if match is None:
+        return None
+    return SlurmSaid(match.group(0), match.group(1) == "JOB", match.group(2), match.group(3), match.group(4) or "",
+                     match.group(5).strip())
 
 
 # srun's words for a task ended by a signal (the strsignal text of slurmstepd) -> the signal's name

@@ -69,6 +69,8 @@ def cluster_nodes(partition: str | None) -> list[SlurmNode]:
     """The nodes of `partition` (all partitions when None), from sinfo; JobConfigError if sinfo cannot answer."""
     command = ["sinfo", "-h", "-N", "-o", "%N|%G|%c|%P|%t"] + (["-p", partition] if partition else [])
     done = _slurm(command, "read the cluster's nodes")
+    if partition and not done.stdout.strip():  # sinfo answers nothing for a partition that does not exist
+        check_partitions(partition)
     nodes: list[SlurmNode] = []
     for line in done.stdout.splitlines():
         name, gres, cpus, part, state = (line.split("|") + ["", "", "", "", ""])[:5]
@@ -76,6 +78,20 @@ def cluster_nodes(partition: str | None) -> list[SlurmNode]:
             nodes.append(SlurmNode(name, _gres_gpus(gres), int(cpus) if cpus.isdigit() else 1, part.rstrip("*"), state,
                                    _gres_types(gres)))  # fmt: skip
     return nodes
+
+
+def check_partitions(partition: str) -> None:
+    """JobConfigError naming the cluster's partitions if `partition` (one, or several with commas) names one that
+    does not exist; before anything is submitted."""
+    known = sorted({line.strip().rstrip("*") for line in _slurm(["sinfo", "-h", "-o", "%R"], "list the partitions")
+                    .stdout.splitlines() if line.strip()})  # fmt: skip
+    missing = [name for name in partition.split(",") if name.strip() and name.strip() not in known]
+    if missing:
+        raise JobConfigError(
+            f"slurm={{'partition': {partition!r}}}: this cluster has no partition {', '.join(map(repr, missing))}; its "
+            f"partitions are: {', '.join(known) or 'none'} (sinfo). Set slurm={{'partition': ...}} (or partition in the "
+            f"[slurm] table of workspace.toml) to one of them, or leave it out for the cluster's default."
+        )
 
 
 def _slurm(command: list[str], what: str) -> subprocess.CompletedProcess[str]:

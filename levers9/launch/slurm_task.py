@@ -24,6 +24,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
+
 from levers9 import distributed as dist
 from levers9 import runtime
 from levers9.distributed.restarts import attempt_env
@@ -32,6 +34,7 @@ from levers9.launch.scratch import remove_scratch_dir, scratch_dir
 from levers9.launch.spec import JobSpec
 from levers9.procs.failure import FailureRecord, capture, exit_status, ship_value, unship
 from levers9.runtime import Runtime
+from levers9.state_files import write_atomic
 
 REQUEUE_WORDS = "nears its time limit: requeued"  # what the task prints (the caller's follower reads it)
 
@@ -63,7 +66,11 @@ def run_task(payload: dict[str, Any]) -> TaskReport:
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     job_dir = scratch_dir("slurm", int(payload["index"]), int(payload["attempt"]))
     try:
-        value = ship_value(_call(payload, job_dir), "the job's return value")
+        returned = _call(payload, job_dir)
+        if rank == 0 and payload.get("result_path"):
+            _store_for_resume(Path(payload["result_path"]), returned)
+        value = ship_value(returned, "the job's return value")
+        del returned
         report = TaskReport(rank, node, os.getpid(), value=value)
     except SystemExit as exc:
         report = TaskReport(rank, node, os.getpid(), failure=capture(exc, exit_status(exc)))
@@ -76,6 +83,16 @@ def run_task(payload: dict[str, Any]) -> TaskReport:
         sys.stderr.flush()
         os._exit(0)  # no result file: what a handler's sys.exit() left is not this cell's outcome
     return report
+
+
+def _store_for_resume(path: Path, value: Any) -> None:
+    """Keep a detached job's value where resume looks for it (as the caller's RunRecord.store does); a disk
+    that refuses it costs resume, never the job."""
+    try:
+        write_atomic(path, cloudpickle.dumps(value))
+    except Exception as exc:
+        print(f"levers9: the value of this job was not kept for resume at {path} ({type(exc).__name__}: {exc})",
+              file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _early_signal_ignored(_signum: int, _frame: Any) -> None:
