@@ -14,18 +14,25 @@ started). `--rank-exit-status` exits with the failing rank's own status instead 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
-import logging
 import os
+import secrets
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
-from levers9 import distributed as dist
 from levers9.distributed import script as scripts
-from levers9.distributed import slurm_gang
+from levers9.distributed import slurm_gang, torchrun_agent
+from levers9.distributed.detect import LEVERS9_RUN_ID_PREFIX
+from levers9.distributed.restarts import LAST_ATTEMPT
+from levers9.distributed.running import RunOptions, run_with
+from levers9.distributed.started_ranks import STOP_GRACE_S
+from levers9.distributed.torchrun_agent import TorchrunAgent
 from levers9.errors import ConfigError, LauncherEnvError, RankFailed, signal_name
-
-log = logging.getLogger("levers9.run")
+from levers9.retries import TORCHRUN_RESTART_ON
 
 MULTI_NODE_FIX = (
     "levers9 run starts every rank on this machine. To run across several machines today, start the script "
@@ -36,6 +43,7 @@ MULTI_NODE_FIX = (
     "`srun --ntasks-per-node=1 levers9 run --nproc-per-node 8 train.py`."
 )
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "")
+HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's default --signals-to-handle
 
 
 def _both(name: str) -> list[str]:
@@ -71,23 +79,47 @@ def register(sub: Any) -> None:
     same.add_argument("--nnodes", default="1", help="1 (or 1:1) only")
     same.add_argument(*_both("node-rank"), dest="node_rank", default="0", help="0 only")
     same.add_argument(*_both("master-addr"), dest="master_addr", default=None, help="this machine only (ignored)")
-    same.add_argument(*_both("master-port"), dest="master_port", default=None,
-                      help="ignored: the rendezvous store binds a free loopback port, so nothing collides")
+    same.add_argument(*_both("master-port"), dest="master_port", type=int, default=None,
+                      help="the port the ranks see as MASTER_PORT (their store), when it is free; else a free one, said")
     for name in ("rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf"):
         same.add_argument(*_both(name), dest=name.replace("-", "_"), default=None, help="this machine only")
     same.add_argument(*_both("max-restarts"), dest="max_restarts", type=int, default=0,
-                      help="start every rank again after a crash, lost peer or stall, up to N times")
+                      help="start every rank again after any failure (as torchrun), up to N times; --restart-on narrows it")
     same.add_argument(*_both("start-method"), dest="start_method", choices=("spawn", "fork", "forkserver"),
                       default=None, help="default: fork where safe (fast), fresh interpreters otherwise")
     same.add_argument(*_both("local-ranks-filter"), dest="local_ranks_filter", default="",
                       help="show only these ranks' output on the console, e.g. 0 or 0,2")
     same.add_argument(*_both("log-dir"), dest="log_dir", default=None,
-                      help="also write each rank's output to a fresh private folder in LOG_DIR: "
-                           "LOG_DIR/levers9-<time>-<random>/<rank>/stdout.log and stderr.log")
-    same.add_argument("-r", "--redirects", default="0", help="accepted: the console always keeps every stream")
-    same.add_argument("-t", "--tee", default="0", help="accepted: with --log-dir, output is always teed")
-    for name in ("monitor-interval", "role"):
-        same.add_argument(*_both(name), dest=name.replace("-", "_"), default=None, help="accepted, no effect")
+                      help="torchrun's log folder: LOG_DIR/<run id>_<random>/attempt_<n>/<local rank>/ with error.json, "
+                           "and {stdout,stderr}.log for the streams --redirects/--tee name")
+    same.add_argument("-r", "--redirects", default="0",
+                      help="streams written to the log files only: 1 stdout, 2 stderr, 3 both, or per local rank (0:1,1:2)")
+    same.add_argument("-t", "--tee", default="0",
+                      help="streams written to the log files and the console, after '[<role><local rank>]:'")
+    same.add_argument(*_both("monitor-interval"), dest="monitor_interval", type=float, default=None,
+                      help="accepted, no effect: levers9 is told of every exit at once")
+    same.add_argument("--role", default="default", help="the ranks' ROLE_NAME, and the --tee prefix")
+    same.add_argument(*_both("run-path"), dest="run_path", action="store_true",
+                      help="run SCRIPT with runpy.run_path (takes precedence over -m and --no-python)")
+    same.add_argument(*_both("event-log-handler"), dest="event_log_handler", default="null",
+                      help="null only: levers9 run has no torchelastic agent, so none of its events happen")
+    for stream in ("stdout", "stderr"):
+        same.add_argument(*_both(f"duplicate-{stream}-filters"), dest=f"duplicate_{stream}_filters", default="",
+                          help=f"copy teed {stream} lines holding one of these words (comma-separated) to "
+                               f"attempt_<n>/filtered_{stream}.log")
+    same.add_argument(*_both("local-addr"), dest="local_addr", default=None,
+                      help="this machine's loopback only (every rank meets on loopback)")
+    same.add_argument(*_both("logs-specs"), dest="logs_specs", default=None,
+                      help="a torchrun.logs_specs entry point: the LogsSpecs class that places the log files")
+    same.add_argument(*_both("numa-binding"), dest="numa_binding", default=None,
+                      help="not accepted: levers9 binds no rank to CPUs")
+    same.add_argument(*_both("signals-to-handle"), dest="signals_to_handle", default=",".join(HANDLED_SIGNALS),
+                      help="signals that stop every rank (with its grace) and end levers9 run, e.g. SIGTERM,SIGUSR1")
+    same.add_argument(*_both("shutdown-timeout"), dest="shutdown_timeout", type=float, default=None,
+                      help="seconds each rank gets between SIGTERM and SIGKILL when stopped (default: "
+                           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 5)")
+    same.add_argument(*_both("virtual-local-rank"), dest="virtual_local_rank", action="store_true",
+                      help="LOCAL_RANK 0 in every rank, and CUDA_VISIBLE_DEVICES its own card only")
     own = parser.add_argument_group("levers9's own options")
     own.add_argument("--timeout", type=float, metavar="SECONDS", help="stop every rank after this long (exit 1)")
     own.add_argument(
@@ -99,7 +131,8 @@ def register(sub: Any) -> None:
                      help="exit with the failing rank's own status (N for sys.exit(N), 128+N for signal N, 143 after "
                           "SIGTERM to levers9 run) instead of torchrun's 1")
     own.add_argument("--restart-on", default=None, metavar="KINDS",
-                     help="what a restart may cure, e.g. crash,comm,lost,stall (the default) or crash,comm,lost,stall,exception")
+                     help=f"the failures --max-restarts restarts after (default, as torchrun: {','.join(TORCHRUN_RESTART_ON)}; "
+                          f"--timeout's is left out), e.g. crash,comm,lost to leave exceptions and exit codes out")
     own.add_argument("--restart-delay", type=float, default=None, metavar="SECONDS",
                      help="wait this long between attempts (default 1)")
     parser.add_argument("script", metavar="SCRIPT_OR_MODULE", help="the training script (or module with -m)")
@@ -143,85 +176,229 @@ def _slurm_step_across_nodes() -> bool:
 
 def main(args: argparse.Namespace) -> int:
     """Run the script on every rank; the exit status follows torchrun's rules."""
+    agent: TorchrunAgent | None = None
     try:
         across_nodes = _slurm_step_across_nodes()
         if not across_nodes:
             _refuse_multi_node(args)
-        if args.master_port is not None:
-            log.info("--master-port %s ignored: the rendezvous store binds a free loopback port", args.master_port)
+        _refuse_without_meaning_here(args)
+        console_ranks = _console_ranks(args.local_ranks_filter)
+        files_asked = args.redirects not in ("0", "") or args.tee not in ("0", "")
         target = scripts.prepare(
             args.script,
             args.script_args,
-            module=args.module,
-            no_python=args.no_python,
-            log_dir=args.log_dir,
-            console_ranks=_console_ranks(args.local_ranks_filter),
+            module=args.module and not args.run_path,
+            no_python=args.no_python and not args.run_path,
+            run_path=args.run_path,
+            console_ranks=None if files_asked else console_ranks,  # with files, torch's LogsSpecs filters (below)
             what="levers9 run",
         )
         count, backend = scripts.resolve_nprocs(args.nproc_per_node, None, flag="--nproc-per-node")
-        target = scripts.with_log_folder(target, "levers9 run")
         scripts.say_one_thread_each(count)
+        agent = _agent(args, console_ranks)
         gang = None
         if across_nodes:  # srun with one task per node: this task starts its node's share (slurm_gang.py)
             gang = slurm_gang.gang_of_step(os.environ, count)
-        call = functools.partial(
-            dist.run,
-            scripts.run_script_target,
-            target,
+        options = RunOptions(
             nprocs=count if gang is None else gang.world_size,
             backend=backend,
             timeout=args.timeout,
             stall_timeout=args.stall_timeout,
             start_method="spawn" if args.start_method == "forkserver" else args.start_method,
             prefix_output=not args.no_prefix,
+            stop_grace=_stop_grace(args.shutdown_timeout),
             max_restarts=args.max_restarts,
-            restart_on=None if args.restart_on is None else tuple(k.strip() for k in args.restart_on.split(",") if k.strip()),
+            restart_on=TORCHRUN_RESTART_ON if args.restart_on is None else _restart_words(args.restart_on),
             restart_delay=args.restart_delay,
             init_group=False,  # the script makes its own group, as under torchrun
+            what="levers9 run",
+            agent=agent,
         )
-        if gang is None:
-            call()
-        else:
-            slurm_gang.run_as_node(gang, slurm_gang.launcher_job(gang), {}, call)
+        call = functools.partial(run_with, scripts.run_script_target, target, options)
+        with stops_on(_signals(args.signals_to_handle)):
+            if gang is None:
+                call()
+            else:
+                slurm_gang.run_as_node(gang, slurm_gang.launcher_job(gang), {}, call)
     except (ConfigError, LauncherEnvError) as exc:
         if scripts.failure_of(exc) is not None:  # raised on a rank (e.g. init_process_group's world_size)
-            return _report_failure(exc)
+            return _report_failure(exc, agent)
         print(f"levers9 run: error: {str(exc).removeprefix('levers9 run: ')}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("levers9 run: interrupted; every rank was stopped.", file=sys.stderr)
         return 130
-    except SystemExit as exc:  # SIGTERM or SIGHUP to this process (see procs.watch.exit_on_terminate)
+    except SystemExit as exc:  # SIGTERM, SIGHUP or another --signals-to-handle signal to this process
         if not (isinstance(exc.code, int) and exc.code > 128):
             raise
         print(f"levers9 run: got {signal_name(exc.code - 128)}; every rank was stopped.", file=sys.stderr)
         return exc.code if args.rank_exit_status else 1  # torchrun's agent exits 1 here too
     except BaseException as exc:  # noqa: BLE001 - a rank's failure becomes the exit status
-        code = _report_failure(exc)
+        code = _report_failure(exc, agent)
         return code if args.rank_exit_status else 1
+    finally:
+        if agent is not None:
+            agent.close()
     return 0
 
 
-def _report_failure(exc: BaseException) -> int:
-    """Print the failing rank's headline and its own traceback; return that rank's own exit status (1 for an
-    exception, N for sys.exit(N), 128+N for signal N)."""
+def _agent(args: argparse.Namespace, console_ranks: tuple[int, ...] | None) -> TorchrunAgent:
+    """What torchrun's agent would give this run's ranks besides their variables (levers9.distributed.torchrun_agent)."""
+    try:
+        specs = torchrun_agent.logs_specs(args.logs_specs, args.log_dir, args.redirects, args.tee,
+                                          None if console_ranks is None else set(console_ranks))  # fmt: skip
+    except ValueError as exc:
+        raise ConfigError(
+            f"--redirects {args.redirects!r} / --tee {args.tee!r} / --logs-specs {args.logs_specs!r}: {exc}. Expected "
+            f"0 to 3 (1 stdout, 2 stderr, 3 both), or per local rank as 0:1,1:2, and a torchrun.logs_specs entry point "
+            f"that is installed; pass e.g. --tee 3."
+        ) from None
+    except OSError as exc:
+        raise ConfigError(
+            f"--log-dir {args.log_dir}: cannot make a log folder there ({exc.strerror or exc}). Expected a folder you "
+            f"can write; pass another --log-dir, or leave it out."
+        ) from None
+    return TorchrunAgent(
+        specs,
+        role=args.role,
+        prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+        stdout_filters=torchrun_agent.split_filters(args.duplicate_stdout_filters),
+        stderr_filters=torchrun_agent.split_filters(args.duplicate_stderr_filters),
+        virtual_local_rank=args.virtual_local_rank,
+        master_port=args.master_port,
+        run_id=f"{LEVERS9_RUN_ID_PREFIX}{os.getpid()}-{secrets.token_hex(4)}",
+        made_root=torchrun_agent.root_made_for(specs, args.log_dir),
+    )
+
+
+def _restart_words(text: str) -> tuple[str, ...]:
+    return tuple(word.strip() for word in text.split(",") if word.strip())
+
+
+def _stop_grace(shutdown_timeout: float | None) -> float:
+    """Seconds between SIGTERM and SIGKILL: --shutdown-timeout, else TORCH_ELASTIC_SHUTDOWN_TIMEOUT (torchrun's
+    variable), else levers9's 5."""
+    if shutdown_timeout is not None:
+        return shutdown_timeout
+    text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    if text is None:
+        return STOP_GRACE_S
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(
+            f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={text!r}; expected seconds, e.g. 30. Set a number, or pass --shutdown-timeout."
+        ) from None
+
+
+def _refuse_without_meaning_here(args: argparse.Namespace) -> None:
+    """ConfigError for torchrun options that have no meaning for levers9 run on one machine, each saying why."""
+    if args.local_addr is not None and args.local_addr not in LOCAL_HOSTS:
+        raise ConfigError(
+            f"--local-addr {args.local_addr}: the address other nodes reach this one by; levers9 run's ranks all meet "
+            f"on this machine's loopback, so it has no meaning here. Expected localhost or 127.0.0.1; drop it. "
+            f"{MULTI_NODE_FIX}"
+        )
+    if args.event_log_handler != "null":
+        raise ConfigError(
+            f"--event-log-handler {args.event_log_handler}: torchrun's agent records its own events (rendezvous, "
+            f"restarts) through it, and levers9 run has no such agent, so there are none to record. Expected null "
+            f"(the default); drop it. levers9 run says each restart on stderr."
+        )
+    if args.numa_binding is not None:
+        raise ConfigError(
+            f"--numa-binding {args.numa_binding}: levers9 run binds no rank to CPUs. Expected it left out; bind "
+            f"inside the script (os.sched_setaffinity), or run this job with torchrun."
+        )
+    if args.monitor_interval is not None and args.monitor_interval <= 0:
+        raise ConfigError(f"--monitor-interval {args.monitor_interval}; expected seconds > 0, e.g. 0.1.")
+
+
+def _signals(text: str) -> tuple[signal.Signals, ...]:
+    """--signals-to-handle as signals; ConfigError naming an unknown one."""
+    found = []
+    for name in _restart_words(text):
+        number = getattr(signal, name.upper(), None)
+        if not isinstance(number, signal.Signals) or name.upper().startswith("SIG_"):
+            raise ConfigError(
+                f"--signals-to-handle names {name!r}, which is not a signal; expected names such as "
+                f"{','.join(HANDLED_SIGNALS)},SIGUSR1. Pass e.g. --signals-to-handle SIGTERM,SIGUSR1."
+            )
+        if number in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError(f"--signals-to-handle names {name}, which no process can handle; drop it.")
+        found.append(number)
+    return tuple(found)
+
+
+@contextlib.contextmanager
+def stops_on(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
+    """While the ranks run: each of `signals` that would otherwise kill or stop levers9 run (SIGQUIT, SIGUSR1, ...)
+    stops every rank with its grace and ends levers9 run, as SIGTERM does (procs.watch.exit_on_terminate, which
+    always covers SIGTERM and SIGHUP; Ctrl-C always stops them too). Handlers are put back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    replaced = {}
+    for signum in signals:
+        if signum is not signal.SIGINT and signal.getsignal(signum) is signal.SIG_DFL:
+            replaced[signum] = signal.signal(signum, _stop_for_signal)
+    try:
+        yield
+    finally:
+        for signum, handler in replaced.items():
+            signal.signal(signum, handler)
+
+
+def _stop_for_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _report_failure(exc: BaseException, agent: TorchrunAgent | None) -> int:
+    """Print the failing rank's headline and its own traceback (or, where it left none, its error file's), why it
+    was not restarted, and return that rank's own exit status (1 for an exception, N for sys.exit(N), 128+N for
+    signal N)."""
     failure = scripts.failure_of(exc)
+    restarts = _restart_account(exc)
     if failure is None:
-        if isinstance(exc, RankFailed):  # a timeout or a stall: the report says where every rank was
-            print(str(exc).replace("distributed.run", "levers9 run", 1), file=sys.stderr, flush=True)
+        if isinstance(exc, RankFailed):  # a timeout or a stall: the report says where every rank was (and the attempts)
+            notes = [line for line in restarts if line.startswith("levers9 run: not restarted")]
+            print("\n".join([_ours(str(exc)), *notes]), file=sys.stderr, flush=True)
             return 1
         import traceback  # one rank, run in place: the script's own exception
 
         print(scripts.user_traceback("".join(traceback.format_exception(exc))), file=sys.stderr)
         return 1
     wrapper = exc if exc.__cause__ is None else exc.__cause__
-    headline = str(wrapper).split("\n", 1)[0].replace("distributed.run:", "levers9 run:", 1)
-    lines = [headline]
+    text = str(wrapper).split(LAST_ATTEMPT, 1)[-1].lstrip("\n")  # after restarts: the last attempt's report
+    lines = [_ours(text.split("\n", 1)[0])]
+    error_file = agent.error_report(failure.rank) if agent is not None else ""
     if failure.traceback:
         lines += ["", f"Traceback from rank {failure.rank}:", scripts.user_traceback(failure.traceback).rstrip()]
-    elif "\n" in str(wrapper):
-        lines += ["", str(wrapper).split("\n", 1)[1].strip()]
+        lines += [error_file.split("\n", 1)[0]] if error_file else []
+    elif error_file:
+        lines += ["", f"From rank {failure.rank}'s error file (torch's @record):", error_file]
+    elif "\n" in text:
+        lines += ["", text.split("\n", 1)[1].strip()]
     code = scripts.exit_code_for(exc)
-    lines += ["", f"levers9 run: rank {failure.rank}'s exit status was {code}."]
+    lines += ["", *restarts, f"levers9 run: rank {failure.rank}'s exit status was {code}."]
     print("\n".join(lines), file=sys.stderr, flush=True)
     return code
+
+
+def _restart_account(exc: BaseException) -> list[str]:
+    """Why the failure was not restarted, and the attempts before it, as restarts.py wrote them (a note on the
+    error, or the top of a levers9 error's message above its last attempt's report); [] when nothing was said."""
+    said = []
+    for note in getattr(exc, "__notes__", ()):
+        if note.startswith("levers9: not restarted"):
+            said.append("levers9 run: " + note.removeprefix("levers9: "))
+        elif note.startswith("levers9: levers9 run: "):
+            said.append(note.removeprefix("levers9: "))
+    wrapper = exc if exc.__cause__ is None else exc.__cause__
+    if LAST_ATTEMPT in str(wrapper):
+        said.append(str(wrapper).split(LAST_ATTEMPT, 1)[0].rstrip())
+    return said
+
+
+def _ours(text: str) -> str:
+    return text.replace("distributed.run:", "levers9 run:", 1).replace("distributed.run ", "levers9 run ", 1)
