@@ -77,7 +77,8 @@ def run(
         stall_timeout: Seconds; ranks levers9 started are stopped with `StallError` once none issued
             or completed a collective for that long while one waited, naming where each one is.
             Refused under a launcher and in place, and when torch's flight recorder is off.
-        start_method: "fork" or "spawn" (fresh interpreters); default: fork where that is safe.
+        start_method: "fork" or "spawn" (fresh interpreters); default: fork where that is safe. Given
+            for a world of one, that one rank is started that way instead of running in place.
         prefix_output: Put "[rank N] " before lines from ranks other than 0 (default on).
         disable_quirks: Quirk row ids to switch off (an unknown id is a ConfigError listing the known ones).
         stop_grace: Seconds (default 5) ranks get between SIGTERM and SIGKILL when a sibling failed, on timeout,
@@ -183,8 +184,9 @@ def run_with(fn: Callable[..., Any], cfg: Any, options: RunOptions) -> Any:
         job = current_job()
         if options.max_restarts is None and job is not None:
             policy = dataclasses.replace(policy, max_retries=job.max_restarts)  # @job(max_restarts=...)
-        if layout.nprocs == 1 and not policy.max_retries and options.start_method is None and (job is None or job.gang is None):
-            # a restartable world of one, or one asked to start a certain way, runs as a started rank
+        if (layout.nprocs == 1 and not policy.max_retries and options.start_method is None and options.agent is None
+                and (job is None or job.gang is None)):  # fmt: skip
+            # a restartable world of one, one asked to start a certain way, or levers9 run's, runs as a started rank
             held.close()
             return _run_in_place(call, layout, options)
         if options.stall_timeout is None and job is not None:
