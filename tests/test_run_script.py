@@ -233,7 +233,7 @@ def _log_tree(root: Path) -> dict[str, str]:
 
 
 # Two launches, each starting both ranks twice and importing torch in them: about 30 s on 2 busy cores for torchrun's.
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_a_rank_that_raises_under_max_restarts_resumes_from_its_checkpoint_as_under_torchrun(tmp_path: Path) -> None:
     """torch's elastic example, rank 1 raising OSError in epoch 1, --max-restarts 1: both launchers start every rank
     again, resume at epoch 1 from the checkpoint and finish with the same weights; their --log-dir trees (one folder
@@ -241,10 +241,15 @@ def test_a_rank_that_raises_under_max_restarts_resumes_from_its_checkpoint_as_un
     script = str(SCRIPTS / "elastic_resume.py")
     results = {}
     for name, launch in (("levers9", levers9_run), ("torchrun", torchrun)):
-        work, logs = tmp_path / name / "work", tmp_path / name / "logs"
-        work.mkdir(parents=True)
-        done = launch("--nproc-per-node", "2", "--max-restarts", "1", "--tee", "1", "--log-dir", str(logs),
-                      script, str(work), timeout=240)  # fmt: skip
+        for reference_try in ("", "again"):
+            work, logs = tmp_path / name / reference_try / "work", tmp_path / name / reference_try / "logs"
+            work.mkdir(parents=True)
+            done = launch("--nproc-per-node", "2", "--max-restarts", "1", "--tee", "1", "--log-dir", str(logs),
+                          script, str(work), timeout=240)  # fmt: skip
+            # torchrun's own restarted group failed once here (its rank 1 exited 1 in attempt 1, the issue's stale
+            # rendezvous port): the reference runs once more, levers9 run never does
+            if done.returncode == 0 or name == "levers9":
+                break
         assert done.returncode == 0, done.stderr[-3000:]
         results[name] = (done, _log_tree(logs))
     (ours, our_tree), (theirs, their_tree) = results["levers9"], results["torchrun"]
@@ -278,14 +283,14 @@ def test_max_restarts_restarts_after_any_failure_and_says_why_it_stops(mode: str
 
 @pytest.mark.timeout(120)
 def test_restart_on_narrows_max_restarts_and_says_in_one_line_why_a_failure_was_not_restarted() -> None:
-    done = levers9_run("--nproc-per-node", "2", "--max-restarts", "1", "--restart-on", "crash,comm",
+    done = levers9_run("--nproc-per-node", "2", "--max-restarts", "1", "--restart-on", "crash,exit",
                        str(SCRIPTS / "fail.py"), "raise", timeout=100)  # fmt: skip
     assert done.returncode == 1, done.stderr[-3000:]
     assert "attempt 1 of 2 failed" not in done.stderr
     (why,) = [line for line in done.stderr.splitlines() if "not restarted" in line]
     assert why.startswith("levers9 run: not restarted (--max-restarts 1): it was a 'exception' failure and "
-                          "--restart-on crash,comm leaves that out"), why  # fmt: skip
-    assert "Pass --restart-on crash,comm,exception to restart on it too." in why
+                          "--restart-on crash,exit leaves that out"), why  # fmt: skip
+    assert "Pass --restart-on crash,exit,exception to restart on it too." in why
 
 
 # About 10 s for torchrun's launch on 2 busy cores; the three levers9 launches fork.
