@@ -1,14 +1,16 @@
 """`levers9 run`: torchrun --standalone on one machine, on distributed.run's ranks.
 
-    levers9 run [--nproc-per-node N|gpu|cpu|auto] [-m | --no-python] SCRIPT_OR_MODULE [args...]
+    levers9 run [--nproc-per-node N|gpu|cpu|auto] [-m | --no-python | --run-path] [options] SCRIPT [args...]
 
-torchrun's single-node spellings are accepted (both `--nproc-per-node` and `--nproc_per_node`);
-options that only make sense across machines are refused with how to run across several today.
+Every option of `torchrun --help` is accepted in both spellings (`--nproc-per-node`, `--nproc_per_node`) with
+torchrun's meaning on one machine (restarts after any failure, its log folder, error files, role and prefixes:
+distributed/torchrun_agent.py), or refused, before anything starts, with why it has no meaning here; options
+that only make sense across machines are refused with how to run across several today.
 The exit status is torchrun's: 0 when every rank succeeded, 1 when any rank failed (an exception,
-sys.exit(N), a signal, a timeout or stall) and when levers9 run itself got SIGTERM or SIGHUP and stopped
-every rank (each given its SIGTERM and grace period first), 2 for a bad command line (nothing was
-started). `--rank-exit-status` exits with the failing rank's own status instead (N for sys.exit(N),
-128+N for signal N, 143 or 129 after SIGTERM or SIGHUP).
+sys.exit(N), a signal, a timeout or stall) and when levers9 run itself got SIGTERM or SIGHUP (or a signal of
+--signals-to-handle) and stopped every rank (each given its SIGTERM and grace period first), 2 for a bad command
+line (nothing was started). `--rank-exit-status` exits with the failing rank's own status instead (N for
+sys.exit(N), 128+N for signal N, 143 or 129 after SIGTERM or SIGHUP).
 """
 
 from __future__ import annotations

@@ -246,8 +246,8 @@ def test_a_rank_that_raises_under_max_restarts_resumes_from_its_checkpoint_as_un
             work.mkdir(parents=True)
             done = launch("--nproc-per-node", "2", "--max-restarts", "1", "--tee", "1", "--log-dir", str(logs),
                           script, str(work), timeout=240)  # fmt: skip
-            # torchrun's own restarted group failed once here (its rank 1 exited 1 in attempt 1, the stale
-            # rendezvous port): the reference runs once more, levers9 run never does
+            # torchrun's own restarted group failed once here (its rank 1 exited 1 in the second attempt; the cause
+            # was not found): the reference runs once more, levers9 run never does
             if done.returncode == 0 or name == "levers9":
                 break
         assert done.returncode == 0, done.stderr[-3000:]
