@@ -193,33 +193,32 @@ OTHER_UID = 65534  # nobody: another local user
 
 @pytest.mark.timeout(60)
 def test_log_dir_in_a_shared_folder_never_writes_through_what_another_user_planted(tmp_path: Path) -> None:
-    """--log-dir gets a fresh private folder per run (as torchrun makes), so a symlink another user put at
-    the predictable <log dir>/0/stdout.log appends nothing to the victim's file."""
+    """--log-dir gets a fresh private folder per run (torchrun's `<run id>_<random>`, 0700), so a symlink another
+    user put at a predictable path appends nothing to the victim's file, and each rank's teed log is its own (0600)."""
     shared = tmp_path / "shared"  # like /tmp: anyone may create things in it
     shared.mkdir()
     shared.chmod(0o1777)
     victim = tmp_path / "private.txt"
     victim.write_text("the victim's own\n")
     victim.chmod(0o600)
-    planted = shared / "0"
-    planted.mkdir()
+    planted = shared / "attempt_0" / "0"
+    planted.mkdir(parents=True)
     (planted / "stdout.log").symlink_to(victim)
-    for path in (planted, planted / "stdout.log"):
+    for path in (planted.parent, planted, planted / "stdout.log"):
         os.lchown(path, OTHER_UID, OTHER_UID)
     script = tmp_path / "hello.py"
     script.write_text("import os\nprint('hello from rank', os.environ['RANK'], flush=True)\n")
-    done = levers9_run("--nproc-per-node", "2", "--log-dir", str(shared), str(script), timeout=60)
+    done = levers9_run("--nproc-per-node", "2", "--tee", "1", "--log-dir", str(shared), str(script), timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert victim.read_text() == "the victim's own\n"
-    (fresh,) = [p for p in shared.iterdir() if p.name.startswith("levers9-")]
-    assert str(fresh) in done.stderr  # said where the logs went
+    (fresh,) = [p for p in shared.iterdir() if p.name.startswith("levers9-")]  # <run id>_<random>
     info = os.lstat(fresh)
     assert info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) == 0o700 and stat.S_ISDIR(info.st_mode)
     for rank in (0, 1):
-        log = fresh / str(rank) / "stdout.log"
+        log = fresh / "attempt_0" / str(rank) / "stdout.log"
         assert log.read_text() == f"hello from rank {rank}\n"
         assert stat.S_IMODE(log.stat().st_mode) == 0o600
-        assert stat.S_IMODE((fresh / str(rank)).stat().st_mode) == 0o700
+        assert f"[default{rank}]:hello from rank {rank}\n" in done.stdout  # and teed to the console
 
 
 # -- torchrun's restarts, files, variables and options, side by side ----------------------------
