@@ -16,14 +16,11 @@ sys.exit(N), 128+N for signal N, 143 or 129 after SIGTERM or SIGHUP).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import secrets
 import signal
 import sys
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 from levers9.distributed import script as scripts
@@ -217,7 +214,7 @@ def main(args: argparse.Namespace) -> int:
             agent=agent,
         )
         call = functools.partial(run_with, scripts.run_script_target, target, options)
-        with stops_on(_signals(args.signals_to_handle)):
+        with torchrun_agent.stops_on(_signals(args.signals_to_handle)):
             if gang is None:
                 call()
             else:
@@ -330,29 +327,6 @@ def _signals(text: str) -> tuple[signal.Signals, ...]:
             raise ConfigError(f"--signals-to-handle names {name}, which no process can handle; drop it.")
         found.append(number)
     return tuple(found)
-
-
-@contextlib.contextmanager
-def stops_on(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
-    """While the ranks run: each of `signals` that would otherwise kill or stop levers9 run (SIGQUIT, SIGUSR1, ...)
-    stops every rank with its grace and ends levers9 run, as SIGTERM does (procs.watch.exit_on_terminate, which
-    always covers SIGTERM and SIGHUP; Ctrl-C always stops them too). Handlers are put back afterwards."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    replaced = {}
-    for signum in signals:
-        if signum is not signal.SIGINT and signal.getsignal(signum) is signal.SIG_DFL:
-            replaced[signum] = signal.signal(signum, _stop_for_signal)
-    try:
-        yield
-    finally:
-        for signum, handler in replaced.items():
-            signal.signal(signum, handler)
-
-
-def _stop_for_signal(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
 
 
 def _report_failure(exc: BaseException, agent: TorchrunAgent | None) -> int:

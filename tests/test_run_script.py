@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from levers9.errors import ConfigError, RankCrashed
 from levers9.launch import job
 from levers9.launch.settings import update_settings
 from tests import scriptfns
-from tests.proc_util import board_folders_of, children_of, left_behind
+from tests.proc_util import board_folders_of, children_of, left_behind, wait_gone
 
 pytestmark = pytest.mark.launchers
 
@@ -405,6 +407,75 @@ def test_every_torchrun_option_means_what_it_means_to_torchrun(
             {path: sorted(text.splitlines()) for path, text in _log_tree(tmp_path / name).items()} for name in runs
         )
         assert ours_tree == theirs_tree
+
+
+@pytest.mark.timeout(120)
+def test_signals_to_handle_stops_every_rank_with_its_grace(tmp_path: Path) -> None:
+    """--signals-to-handle SIGTERM,SIGUSR1: SIGUSR1 to levers9 run stops every rank as SIGTERM would (each rank's
+    SIGTERM handler saves) and levers9 run exits 1, as torchrun's agent does; a signal left out is not caught."""
+    script = str(SCRIPTS / "saves_on_sigterm.py")
+    for listed in (True, False):
+        folder = tmp_path / str(listed)
+        folder.mkdir()
+        handled = ["--signals-to-handle", "SIGTERM,SIGUSR1"] if listed else []
+        with subprocess.Popen([sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2", *handled, script,
+                               str(folder)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as launcher:  # fmt: skip
+            try:
+                while not all((folder / f"ready.{rank}").exists() for rank in (0, 1)):
+                    assert launcher.poll() is None, launcher.communicate()
+                    time.sleep(0.05)
+                launcher.send_signal(signal.SIGUSR1)
+                out, err = launcher.communicate(timeout=60)
+            finally:
+                launcher.kill()
+        if listed:
+            assert launcher.returncode == 1, err[-2000:]
+            assert "levers9 run: got SIGUSR1; every rank was stopped." in err
+            assert sorted(p.name for p in folder.glob("saved.*")) == ["saved.0", "saved.1"]
+            assert (folder / "saved.1").read_text() == "SIGTERM"
+        else:
+            assert launcher.returncode == -signal.SIGUSR1, err[-2000:]  # SIGUSR1's default: levers9 run ends
+            ranks = [int((folder / f"ready.{rank}").read_text()) for rank in (0, 1)]
+            assert wait_gone(ranks, 30) == []  # and its ranks end with it (their lifeline)
+
+
+@pytest.mark.fast
+def test_attempt_output_sends_each_stream_where_torchs_logs_dest_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redirected: the file only; teed: the file and the console after the header; neither: the console as levers9
+    writes it; /dev/null: nowhere. A filter copies whole teed lines, and a line longer than the cap on its start."""
+    from torch.distributed.elastic.multiprocessing.api import LogsDest
+
+    from levers9.distributed import torchrun_agent
+
+    monkeypatch.setattr(torchrun_agent, "FILTER_LINE_CHARS", 8)
+    written: list[tuple[str, str]] = []
+    monkeypatch.setattr(torchrun_agent.echo, "write", lambda stream, text: written.append((stream, text)))
+    levers9_console: list[tuple[int, str, str]] = []
+    out0, out1, err0 = (str(tmp_path / name) for name in ("out0", "out1", "err0"))
+    dest = LogsDest(stdouts={0: out0, 1: out1}, stderrs={0: err0, 1: ""}, tee_stdouts={1: out1}, tee_stderrs={},
+                    error_files={}, filtered_stdout=str(tmp_path / "filtered"), filtered_stderr="")  # fmt: skip
+    output = torchrun_agent.AttemptOutput(dest, {0: "[trainer0]:", 1: "[trainer1]:"},
+                                          lambda *piece: levers9_console.append(piece), ("apple",), ())  # fmt: skip
+    assert Path(out0).exists() and Path(err0).exists() and Path(tmp_path / "filtered").exists()  # made at the start
+    output(0, "stdout", "only in the file\n")
+    output(1, "stdout", "an apple ")
+    output(1, "stdout", "a day\n")  # pieces as RankSet hands them on: a line, or a piece of one
+    output(1, "stdout", "no fruit\n")
+    output(1, "stdout", "longapple line")
+    output(1, "stdout", " goes on\n")
+    output(1, "stderr", "to levers9's console\n")
+    output(0, "stderr", "an error\n")
+    output.close()
+    assert Path(out0).read_text() == "only in the file\n" and Path(err0).read_text() == "an error\n"
+    assert Path(out1).read_text() == "an apple a day\nno fruit\nlongapple line goes on\n"
+    assert "".join(text for _, text in written) == (
+        "[trainer1]:an apple a day\n[trainer1]:no fruit\n[trainer1]:longapple line goes on\n"
+    )
+    assert (tmp_path / "filtered").read_text() == "[trainer1]:an apple a day\n[trainer1]:longapple line goes on\n"
+    assert levers9_console == [(1, "stderr", "to levers9's console\n")]
+    assert torchrun_agent.split_filters("a,,b,c,") == ("a,b", "c")
+    assert torchrun_agent.virtual_local_rank_env(1, "4, 6") == {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "6"}
+    assert torchrun_agent.virtual_local_rank_env(1, None) == {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "1"}
 
 
 @pytest.mark.timeout(120)

@@ -37,6 +37,7 @@ from levers9.distributed.root_failure import rank_failed_behind
 from levers9.distributed.running import RunOptions, run_with
 from levers9.distributed.started_ranks import one_thread_each
 from levers9.distributed.store_server import hosted_store
+from levers9.distributed.torchrun_agent import default_handlers_in_rank
 from levers9.errors import ConfigError, FailureKind, RankCrashed, RankFailure
 from levers9.procs.failure import exit_status
 
@@ -273,6 +274,7 @@ def run_script_target(script: ScriptTarget) -> None:
         _run_script_in_place(script)
         return
     fresh_logging()  # the script starts with a fresh interpreter's root logger, as under torchrun
+    default_handlers_in_rank()  # and with the signal handlers a fresh process has (levers9 run --signals-to-handle)
     local = world.launch_info().local_rank
     if script.console_ranks is not None and local not in script.console_ranks:
         _silence_console()

@@ -19,8 +19,10 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import string
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -29,6 +31,7 @@ from levers9.procs.labelled import LabelledOutput
 
 PieceSink = Callable[[int, str, str], None]  # (global rank, "stdout" or "stderr", a line or a piece of one)
 CONSOLE = ""  # torch's LogsDest: this stream goes to the console
+FILTER_LINE_CHARS = 1 << 20  # a longer line is matched against --duplicate-std*-filters on its start
 
 
 @dataclasses.dataclass
@@ -111,6 +114,7 @@ class AttemptOutput:
         self.teed = LabelledOutput(echo.write)
         self._files: dict[str, TextIO] = {}
         self._partial: dict[tuple[int, str], str] = {}  # a teed stream's line so far, for the filters
+        self._decided: dict[tuple[int, str], bool] = {}  # a long line decided on its start: copied or not
         for path in [*dest.stdouts.values(), *dest.stderrs.values()]:  # made before any rank starts, as torchrun's are
             if path not in (CONSOLE, os.devnull):
                 self._file(path)
@@ -131,16 +135,31 @@ class AttemptOutput:
             self._filter(rank, stream, text)
 
     def _filter(self, rank: int, stream: str, text: str) -> None:
+        """Copy a teed line holding one of the stream's needles to its filtered file; a line is decided on its
+        first FILTER_LINE_CHARS (so no line is held whole), and the rest of it follows that decision."""
         needles = self.filters[stream]
         if not needles:
             return
-        line = self._partial.pop((rank, stream), "") + text
-        if not line.endswith("\n"):
-            self._partial[(rank, stream)] = line
+        key = (rank, stream)
+        decided = self._decided.get(key)
+        if decided is not None:  # the rest of a long line
+            if decided:
+                self._file(self._filtered(stream)).write(text)
+            if text.endswith("\n"):
+                del self._decided[key]
             return
-        if any(needle in line for needle in needles):
-            target = self.dest.filtered_stdout if stream == "stdout" else self.dest.filtered_stderr
-            self._file(target).write(self.headers[rank] + line)
+        line = self._partial.pop(key, "") + text
+        if not line.endswith("\n") and len(line) < FILTER_LINE_CHARS:
+            self._partial[key] = line
+            return
+        matched = any(needle in line for needle in needles)
+        if matched:
+            self._file(self._filtered(stream)).write(self.headers[rank] + line)
+        if not line.endswith("\n"):
+            self._decided[key] = matched
+
+    def _filtered(self, stream: str) -> str:
+        return str(self.dest.filtered_stdout if stream == "stdout" else self.dest.filtered_stderr)
 
     def _file(self, path: str) -> TextIO:
         if path not in self._files:
@@ -169,3 +188,35 @@ def root_made_for(specs: Any, log_dir: str | None) -> str | None:
     """The temporary root torch made for `specs` when no log folder was given (to remove at the end), else None."""
     root = getattr(specs, "root_log_dir", None)
     return None if log_dir or root is None or not Path(root).name.startswith("torchelastic_") else str(root)
+
+
+@contextlib.contextmanager
+def stops_on(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
+    """While the ranks run (--signals-to-handle): each of `signals` that would otherwise kill or stop levers9 run
+    (SIGQUIT, SIGUSR1, ...) raises SystemExit(128 + signal), so every rank is stopped with its grace and levers9 run
+    ends, as for SIGTERM (procs.watch.exit_on_terminate, which always covers SIGTERM and SIGHUP; Ctrl-C always stops
+    them too). A handler the caller installed stays; handlers are put back afterwards, and a forked rank puts the
+    default back before the script starts (`default_handlers_in_rank`)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    replaced = {signum: signal.signal(signum, _stop_for_signal) for signum in signals
+                if signum is not signal.SIGINT and signal.getsignal(signum) is signal.SIG_DFL}  # fmt: skip
+    try:
+        yield
+    finally:
+        for signum, handler in replaced.items():
+            signal.signal(signum, handler)
+
+
+def _stop_for_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def default_handlers_in_rank() -> None:
+    """In a rank forked while `stops_on` held: the signals it caught back to their default, as a fresh process has
+    them (the script's own signal.signal calls come after)."""
+    for signum in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):
+            if signal.getsignal(signum) is _stop_for_signal:
+                signal.signal(signum, signal.SIG_DFL)
