@@ -178,9 +178,12 @@ def logs_specs(name: str | None, log_dir: str | None, redirects: str, tee: str, 
     """The run's LogsSpecs, as torchrun makes it: the class `--logs-specs` names in the `torchrun.logs_specs` entry
     points (torch's DefaultLogsSpecs without it), given the log folder, redirects, tee and console filter."""
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Std
-    from torch.distributed.run import _get_logs_specs_class
 
-    cls = DefaultLogsSpecs if name is None else _get_logs_specs_class(name)
+    cls: type[Any] = DefaultLogsSpecs
+    if name is not None:  # torchrun's own look-up (0.3 s of imports, so only when asked)
+        from torch.distributed.run import _get_logs_specs_class
+
+        cls = _get_logs_specs_class(name)
     return cls(log_dir=log_dir, redirects=Std.from_str(redirects), tee=Std.from_str(tee), local_ranks_filter=console_ranks)
 
 
