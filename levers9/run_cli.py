@@ -347,12 +347,12 @@ def _report_failure(exc: BaseException, agent: TorchrunAgent | None) -> int:
     wrapper = exc if exc.__cause__ is None else exc.__cause__
     text = str(wrapper).split(LAST_ATTEMPT, 1)[-1].lstrip("\n")  # after restarts: the last attempt's report
     lines = [_ours(text.split("\n", 1)[0])]
-    error_file = agent.error_report(failure.rank) if agent is not None else ""
+    where, recorded = (agent.error_report(failure.rank) if agent is not None else None) or ("", "")
     if failure.traceback:
         lines += ["", f"Traceback from rank {failure.rank}:", scripts.user_traceback(failure.traceback).rstrip()]
-        lines += [error_file.split("\n", 1)[0]] if error_file else []
-    elif error_file:
-        lines += ["", f"From rank {failure.rank}'s error file (torch's @record):", error_file]
+        lines += [where] if where else []
+    elif recorded:
+        lines += ["", f"From rank {failure.rank}'s error file (torch's @record):", *([where] if where else []), recorded]
     elif "\n" in text:
         lines += ["", text.split("\n", 1)[1].strip()]
     code = scripts.exit_code_for(exc)

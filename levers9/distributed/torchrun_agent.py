@@ -66,21 +66,23 @@ class TorchrunAgent:
             return string.Template(self.prefix_template).safe_substitute(role_name=self.role, rank=rank, local_rank=local)
         return f"[{self.role}{local}]:"
 
-    def error_report(self, local_rank: int) -> str:
-        """What the rank's error file (written by torch's `@record`) says, as torchrun's summary shows it: its
-        message and traceback; "" when the rank wrote none."""
+    def error_report(self, local_rank: int) -> tuple[str, str] | None:
+        """What the rank's error file (written by torch's `@record`) says, as torchrun's summary shows it: the line
+        naming the file ("" when it is in the temporary folder removed at the end) and its traceback (or message);
+        None when the rank wrote none."""
         path = self.error_files.get(local_rank)
         if not path or not os.path.isfile(path):
-            return ""
+            return None
         try:
             with open(path) as f:
                 message = json.load(f).get("message", {})
         except (OSError, ValueError):
-            return ""
+            return None
+        where = "" if self.made_root is not None else f"error_file: {path}"
         if isinstance(message, str):
-            return f"error_file: {path}\n{message}"
+            return where, message.rstrip()
         stack = message.get("extraInfo", {}).get("py_callstack", "")
-        return f"error_file: {path}\n{stack or message.get('message', '')}".rstrip()
+        return where, str(stack or message.get("message", "")).rstrip()
 
     def close(self) -> None:
         """Remove the temporary root made for error files (none with --log-dir: that one stays, as torchrun's does)."""
