@@ -234,23 +234,25 @@ def _log_tree(root: Path) -> dict[str, str]:
 
 
 # Two launches, each starting both ranks twice and importing torch in them: about 30 s on 2 busy cores for torchrun's.
-@pytest.mark.timeout(420)
-def test_a_rank_that_raises_under_max_restarts_resumes_from_its_checkpoint_as_under_torchrun(tmp_path: Path) -> None:
+@pytest.mark.timeout(300)
+def test_a_rank_that_raises_under_max_restarts_resumes_from_its_checkpoint_as_under_torchrun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """torch's elastic example, rank 1 raising OSError in epoch 1, --max-restarts 1: both launchers start every rank
     again, resume at epoch 1 from the checkpoint and finish with the same weights; their --log-dir trees (one folder
     per attempt, the streams --tee names) are the same path for path, and hold the same lines."""
     script = str(SCRIPTS / "elastic_resume.py")
     results = {}
     for name, launch in (("levers9", levers9_run), ("torchrun", torchrun)):
-        for reference_try in ("", "again"):
-            work, logs = tmp_path / name / reference_try / "work", tmp_path / name / reference_try / "logs"
-            work.mkdir(parents=True)
-            done = launch("--nproc-per-node", "2", "--max-restarts", "1", "--tee", "1", "--log-dir", str(logs),
-                          script, str(work), timeout=240)  # fmt: skip
-            # torchrun's own restarted group failed once here (its rank 1 exited 1 in the second attempt; the cause
-            # was not found): the reference runs once more, levers9 run never does
-            if done.returncode == 0 or name == "levers9":
-                break
+        if name == "torchrun":
+            # torch 2.13's torchrun fails its own restart otherwise: the new ranks share the agent's store with the
+            # dead attempt's keys, and gloo dials the dead rank's old address (pytorch/pytorch#135712, #167288;
+            # benchmarks/bench_restart.py). This is the workaround from that issue; levers9 run needs none.
+            monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        work, logs = tmp_path / name / "work", tmp_path / name / "logs"
+        work.mkdir(parents=True)
+        done = launch("--nproc-per-node", "2", "--max-restarts", "1", "--tee", "1", "--log-dir", str(logs),
+                      script, str(work), timeout=240)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         results[name] = (done, _log_tree(logs))
     (ours, our_tree), (theirs, their_tree) = results["levers9"], results["torchrun"]
