@@ -421,8 +421,11 @@ def test_signals_to_handle_stops_every_rank_with_its_grace(tmp_path: Path) -> No
         folder = tmp_path / str(listed)
         folder.mkdir()
         handled = ["--signals-to-handle", "SIGTERM,SIGUSR1"] if listed else []
+        tmp = folder / "tmp"  # a levers9 run that SIGUSR1 ended leaves its error files' folder in $TMPDIR
+        tmp.mkdir()
         with subprocess.Popen([sys.executable, "-m", "levers9", "run", "--nproc-per-node", "2", *handled, script,
-                               str(folder)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as launcher:  # fmt: skip
+                               str(folder)], env={**_env(), "TMPDIR": str(tmp)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) as launcher:  # fmt: skip
             try:
                 while not all((folder / f"ready.{rank}").exists() for rank in (0, 1)):
                     assert launcher.poll() is None, launcher.communicate()
