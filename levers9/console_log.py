@@ -22,6 +22,14 @@ class _ConsoleHandler(logging.StreamHandler):  # type: ignore[type-arg,unused-ig
     """The command line's handler on the `levers9` logger (a class of its own, so it can be found and removed)."""
 
 
+class _Prefixed(logging.Formatter):
+    """`levers9: message`, or the message alone where it names its command already (`levers9 run: ...`)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return text if text.startswith("levers9 ") else f"levers9: {text}"
+
+
 @contextlib.contextmanager
 def console_handler(verbose: bool) -> Iterator[None]:
     """While the command runs: levers9's messages at INFO (DEBUG with `verbose`) on stderr as `levers9: message`,
@@ -30,7 +38,7 @@ def console_handler(verbose: bool) -> Iterator[None]:
     logger = logging.getLogger(LOGGER)
     level, propagate = logger.level, logger.propagate
     handler = _ConsoleHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("levers9: %(message)s"))
+    handler.setFormatter(_Prefixed("%(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG if verbose else logging.INFO)
     logger.propagate = False

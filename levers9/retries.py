@@ -34,6 +34,9 @@ LEGACY: Mapping[str, Mapping[str, frozenset[FailureKind]]] = {
     "on": {"crash": frozenset({K.CRASH, K.EXIT, K.LOST}), "exception": frozenset({K.EXCEPTION, K.COMM, K.STALL})},
 }
 DEFAULT_RESTART_ON = ("crash", "comm", "lost", "stall")
+# levers9 run's default, torchrun's rule: its agent restarts the workers after any failure it sees (a signal, an exit
+# code, an exception) and so does levers9 run; also after a stall levers9 found. Not after --timeout, which would repeat.
+TORCHRUN_RESTART_ON = ("crash", "exit", "exception", "comm", "lost", "stall")
 DEFAULT_RETRY_ON = ("crash", "exit", "lost", "timeout")
 DEFAULT_RESTART_DELAY_S = 1.0
 

@@ -1,34 +1,40 @@
 """`levers9 run`: torchrun on distributed.run's ranks, on one machine or on each of several.
 
-    levers9 run [--nproc-per-node N|gpu|cpu|auto] [-m | --no-python] SCRIPT_OR_MODULE [args...]
+    levers9 run [--nproc-per-node N|gpu|cpu|auto] [-m | --no-python | --run-path] [options] SCRIPT [args...]
     levers9 run --nnodes 2 --node-rank 0|1 --master-addr HOST --master-port P ... SCRIPT   # on each node
 
-torchrun's spellings are accepted (both `--nproc-per-node` and `--nproc_per_node`), and each option's PET_
-variable as torchrun reads it (torchrun_env.py). Across nodes (--nnodes, or srun with one task per node) this
-launcher is one node of the run: distributed/torchrun_nodes.py and distributed/slurm_gang.py.
+Every option of `torchrun --help` is accepted in both spellings (`--nproc-per-node`, `--nproc_per_node`) with
+torchrun's meaning (restarts after any failure, its log folder, error files, role and prefixes:
+distributed/torchrun_agent.py), or refused, before anything starts, with why it has no meaning here; each option's
+PET_ variable is read as torchrun reads it (torchrun_env.py). Across nodes (--nnodes, or srun with one task per
+node) this launcher is one node of the run: distributed/torchrun_nodes.py and distributed/slurm_gang.py.
 The exit status is torchrun's: 0 when every rank succeeded, 1 when any rank failed (an exception,
-sys.exit(N), a signal, a timeout or stall) and when levers9 run itself got SIGTERM or SIGHUP and stopped
-every rank (each given its SIGTERM and grace period first), 2 for a bad command line (nothing was
-started). `--rank-exit-status` exits with the failing rank's own status instead (N for sys.exit(N),
-128+N for signal N, 143 or 129 after SIGTERM or SIGHUP).
+sys.exit(N), a signal, a timeout or stall) and when levers9 run itself got SIGTERM or SIGHUP (or a signal of
+--signals-to-handle) and stopped every rank (each given its SIGTERM and grace period first), 2 for a bad command
+line (nothing was started). `--rank-exit-status` exits with the failing rank's own status instead (N for
+sys.exit(N), 128+N for signal N, 143 or 129 after SIGTERM or SIGHUP).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import logging
 import os
+import secrets
+import signal
 import sys
 from typing import Any
 
-from levers9 import distributed as dist
 from levers9 import torchrun_env
 from levers9.distributed import script as scripts
-from levers9.distributed import slurm_gang, torchrun_nodes
+from levers9.distributed import slurm_gang, torchrun_agent, torchrun_nodes
+from levers9.distributed.detect import LEVERS9_RUN_ID_PREFIX
+from levers9.distributed.restarts import LAST_ATTEMPT
+from levers9.distributed.running import RunOptions, run_with
+from levers9.distributed.started_ranks import STOP_GRACE_S
+from levers9.distributed.torchrun_agent import TorchrunAgent
 from levers9.errors import ConfigError, LauncherEnvError, RankFailed, signal_name
-
-log = logging.getLogger("levers9.run")
+from levers9.retries import TORCHRUN_RESTART_ON
 
 MULTI_NODE_FIX = (
     "With --nnodes 1, levers9 run starts every rank on this machine. To run across several machines, start it on "
@@ -38,6 +44,7 @@ MULTI_NODE_FIX = (
     "SLURM, `srun --ntasks-per-node=1 levers9 run --nproc-per-node 8 train.py` with that secret exported."
 )
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "")
+HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's default --signals-to-handle
 
 
 def _both(name: str) -> list[str]:
@@ -75,26 +82,50 @@ def register(sub: Any) -> None:
     same.add_argument(*_both("node-rank"), dest="node_rank", default="0", help="this node's number (static rendezvous)")
     same.add_argument(*_both("master-addr"), dest="master_addr", default=None,
                       help="across nodes: node 0's address (default 127.0.0.1)")
-    same.add_argument(*_both("master-port"), dest="master_port", default=None,
-                      help="across nodes: node 0's port for levers9's store (default 29500); on one machine "
-                           "ignored: the store binds a free loopback port, so nothing collides")
+    same.add_argument(*_both("master-port"), dest="master_port", type=int, default=None,
+                      help="the port the ranks see as MASTER_PORT: across nodes, node 0's store (default 29500); on one "
+                           "machine, the ranks' store when it is free, else a free one, said")
     for name, say in (("rdzv-backend", "static (default) or c10d"), ("rdzv-endpoint", "c10d: HOST[:PORT] of the host"),
                       ("rdzv-id", "the run's id, the same on every node"),
                       ("rdzv-conf", "join_timeout=SECONDS (default 600), is_host=0|1")):  # fmt: skip
         same.add_argument(*_both(name), dest=name.replace("-", "_"), default=None, help=say)
     same.add_argument(*_both("max-restarts"), dest="max_restarts", type=int, default=0,
-                      help="start every rank again after a crash, lost peer or stall, up to N times")
+                      help="start every rank again after any failure (as torchrun), up to N times; --restart-on narrows it")
     same.add_argument(*_both("start-method"), dest="start_method", choices=("spawn", "fork", "forkserver"),
                       default=None, help="default: fork where safe (fast), fresh interpreters otherwise")
     same.add_argument(*_both("local-ranks-filter"), dest="local_ranks_filter", default="",
                       help="show only these ranks' output on the console, e.g. 0 or 0,2")
     same.add_argument(*_both("log-dir"), dest="log_dir", default=None,
-                      help="also write each rank's output to a fresh private folder in LOG_DIR: "
-                           "LOG_DIR/levers9-<time>-<random>/<rank>/stdout.log and stderr.log")
-    same.add_argument("-r", "--redirects", default="0", help="accepted: the console always keeps every stream")
-    same.add_argument("-t", "--tee", default="0", help="accepted: with --log-dir, output is always teed")
-    for name in ("monitor-interval", "role"):
-        same.add_argument(*_both(name), dest=name.replace("-", "_"), default=None, help="accepted, no effect")
+                      help="torchrun's log folder: LOG_DIR/<run id>_<random>/attempt_<n>/<local rank>/ with error.json, "
+                           "and {stdout,stderr}.log for the streams --redirects/--tee name")
+    same.add_argument("-r", "--redirects", default="0",
+                      help="streams written to the log files only: 1 stdout, 2 stderr, 3 both, or per local rank (0:1,1:2)")
+    same.add_argument("-t", "--tee", default="0",
+                      help="streams written to the log files and the console, after '[<role><local rank>]:'")
+    same.add_argument(*_both("monitor-interval"), dest="monitor_interval", type=float, default=None,
+                      help="accepted, no effect: levers9 is told of every exit at once")
+    same.add_argument("--role", default="default", help="the ranks' ROLE_NAME, and the --tee prefix")
+    same.add_argument(*_both("run-path"), dest="run_path", action="store_true",
+                      help="run SCRIPT with runpy.run_path (takes precedence over -m and --no-python)")
+    same.add_argument(*_both("event-log-handler"), dest="event_log_handler", default="null",
+                      help="null only: levers9 run has no torchelastic agent, so none of its events happen")
+    for stream in ("stdout", "stderr"):
+        same.add_argument(*_both(f"duplicate-{stream}-filters"), dest=f"duplicate_{stream}_filters", default="",
+                          help=f"copy teed {stream} lines holding one of these words (comma-separated) to "
+                               f"attempt_<n>/filtered_{stream}.log")
+    same.add_argument(*_both("local-addr"), dest="local_addr", default=None,
+                      help="this machine's loopback only (every rank meets on loopback)")
+    same.add_argument(*_both("logs-specs"), dest="logs_specs", default=None,
+                      help="a torchrun.logs_specs entry point: the LogsSpecs class that places the log files")
+    same.add_argument(*_both("numa-binding"), dest="numa_binding", default=None,
+                      help="not accepted: levers9 binds no rank to CPUs")
+    same.add_argument(*_both("signals-to-handle"), dest="signals_to_handle", default=",".join(HANDLED_SIGNALS),
+                      help="signals that stop every rank (with its grace) and end levers9 run, e.g. SIGTERM,SIGUSR1")
+    same.add_argument(*_both("shutdown-timeout"), dest="shutdown_timeout", type=float, default=None,
+                      help="seconds each rank gets between SIGTERM and SIGKILL when stopped (default: "
+                           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 5)")
+    same.add_argument(*_both("virtual-local-rank"), dest="virtual_local_rank", action="store_true",
+                      help="LOCAL_RANK 0 in every rank, and CUDA_VISIBLE_DEVICES its own card only")
     own = parser.add_argument_group("levers9's own options")
     own.add_argument("--timeout", type=float, metavar="SECONDS", help="stop every rank after this long (exit 1)")
     own.add_argument(
@@ -106,7 +137,8 @@ def register(sub: Any) -> None:
                      help="exit with the failing rank's own status (N for sys.exit(N), 128+N for signal N, 143 after "
                           "SIGTERM to levers9 run) instead of torchrun's 1")
     own.add_argument("--restart-on", default=None, metavar="KINDS",
-                     help="what a restart may cure, e.g. crash,comm,lost,stall (the default) or crash,comm,lost,stall,exception")
+                     help=f"the failures --max-restarts restarts after (default, as torchrun: {','.join(TORCHRUN_RESTART_ON)}; "
+                          f"--timeout's is left out), e.g. crash,comm,lost to leave exceptions and exit codes out")
     own.add_argument("--restart-delay", type=float, default=None, metavar="SECONDS",
                      help="wait this long between attempts (default 1)")
     parser.add_argument("script", metavar="SCRIPT_OR_MODULE", help="the training script (or module with -m)")
@@ -151,96 +183,218 @@ def _slurm_step_across_nodes() -> bool:
 
 def main(args: argparse.Namespace) -> int:
     """Run the script on every rank; the exit status follows torchrun's rules."""
+    agent: TorchrunAgent | None = None
     try:
         torchrun_env.check(args)
         layout = torchrun_nodes.layout_of(args)  # None for one node
         across_nodes = _slurm_step_across_nodes()
         if layout is None and not across_nodes:
             _refuse_multi_node(args)
-        if args.master_port is not None and layout is None:
-            log.info("--master-port %s ignored: the rendezvous store binds a free loopback port", args.master_port)
+        _refuse_without_meaning_here(args)
+        console_ranks = _console_ranks(args.local_ranks_filter)
+        files_asked = args.redirects not in ("0", "") or args.tee not in ("0", "")
         target = scripts.prepare(
             args.script,
             args.script_args,
-            module=args.module,
-            no_python=args.no_python,
-            log_dir=args.log_dir,
-            console_ranks=_console_ranks(args.local_ranks_filter),
+            module=args.module and not args.run_path,
+            no_python=args.no_python and not args.run_path,
+            run_path=args.run_path,
+            console_ranks=None if files_asked else console_ranks,  # with files, torch's LogsSpecs filters (below)
             what="levers9 run",
         )
         count, backend = scripts.resolve_nprocs(args.nproc_per_node, None, flag="--nproc-per-node")
-        target = scripts.with_log_folder(target, "levers9 run")
         scripts.say_one_thread_each(count)
+        agent = _agent(args, console_ranks, one_node=layout is None)
         place = None
         if layout is not None:  # --nnodes N (or PET_NNODES): this launcher is one node of N (torchrun_nodes.py)
             place = torchrun_nodes.join(layout, count)
         elif across_nodes:  # srun with one task per node: this task starts its node's share (slurm_gang.py)
             gang = slurm_gang.gang_of_step(os.environ, count)
             place = torchrun_nodes.NodePlace(gang, slurm_gang.launcher_job(gang))
-        call = functools.partial(
-            dist.run,
-            scripts.run_script_target,
-            target,
+        options = RunOptions(
             nprocs=count if place is None else place.gang.world_size,
             backend=backend,
             timeout=args.timeout,
             stall_timeout=args.stall_timeout,
             start_method="spawn" if args.start_method == "forkserver" else args.start_method,
             prefix_output=not args.no_prefix,
+            stop_grace=_stop_grace(args.shutdown_timeout),
             max_restarts=args.max_restarts,
-            restart_on=None if args.restart_on is None else tuple(k.strip() for k in args.restart_on.split(",") if k.strip()),
+            restart_on=TORCHRUN_RESTART_ON if args.restart_on is None else _restart_words(args.restart_on),
             restart_delay=args.restart_delay,
             init_group=False,  # the script makes its own group, as under torchrun
+            caller="levers9 run",
+            agent=agent,
         )
-        if place is None:
-            call()
-        else:
-            slurm_gang.run_as_node(place.gang, place.job, {}, call, place.server)
+        call = functools.partial(run_with, scripts.run_script_target, target, options)
+        with torchrun_agent.stops_on(_signals(args.signals_to_handle)):
+            if place is None:
+                call()
+            else:
+                slurm_gang.run_as_node(place.gang, place.job, {}, call, place.server)
     except (ConfigError, LauncherEnvError) as exc:
         if scripts.failure_of(exc) is not None:  # raised on a rank (e.g. init_process_group's world_size)
-            return _report_failure(exc)
+            return _report_failure(exc, agent)
         print(f"levers9 run: error: {str(exc).removeprefix('levers9 run: ')}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("levers9 run: interrupted; every rank was stopped.", file=sys.stderr)
         return 130
-    except SystemExit as exc:  # SIGTERM or SIGHUP to this process (see procs.watch.exit_on_terminate)
+    except SystemExit as exc:  # SIGTERM, SIGHUP or another --signals-to-handle signal to this process
         if not (isinstance(exc.code, int) and exc.code > 128):
             raise
         print(f"levers9 run: got {signal_name(exc.code - 128)}; every rank was stopped.", file=sys.stderr)
         return exc.code if args.rank_exit_status else 1  # torchrun's agent exits 1 here too
     except BaseException as exc:  # noqa: BLE001 - a rank's failure becomes the exit status
-        code = _report_failure(exc)
+        code = _report_failure(exc, agent)
         return code if args.rank_exit_status else 1
+    finally:
+        if agent is not None:
+            agent.close()
     return 0
 
 
 ALSO_FAILED = "\nAlso failed, after the root cause:\n"  # where each other failed rank's report begins (root_failure.py)
 
 
-def _report_failure(exc: BaseException) -> int:
-    """Print the failing rank's headline and its own traceback; return that rank's own exit status (1 for an
-    exception, N for sys.exit(N), 128+N for signal N)."""
+def _agent(args: argparse.Namespace, console_ranks: tuple[int, ...] | None, *, one_node: bool) -> TorchrunAgent:
+    """What torchrun's agent would give this run's ranks besides their variables (levers9.distributed.torchrun_agent).
+    Across nodes --master-port is node 0's store (torchrun_nodes.py), not a port for this node's ranks."""
+    try:
+        specs = torchrun_agent.logs_specs(args.logs_specs, args.log_dir, args.redirects, args.tee,
+                                          None if console_ranks is None else set(console_ranks))  # fmt: skip
+    except ValueError as exc:
+        raise ConfigError(
+            f"--redirects {args.redirects!r} / --tee {args.tee!r} / --logs-specs {args.logs_specs!r}: {exc}. Expected "
+            f"0 to 3 (1 stdout, 2 stderr, 3 both), or per local rank as 0:1,1:2, and a torchrun.logs_specs entry point "
+            f"that is installed; pass e.g. --tee 3."
+        ) from None
+    except OSError as exc:
+        raise ConfigError(
+            f"--log-dir {args.log_dir}: cannot make a log folder there ({exc.strerror or exc}). Expected a folder you "
+            f"can write; pass another --log-dir, or leave it out."
+        ) from None
+    return TorchrunAgent(
+        specs,
+        role=args.role,
+        prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+        stdout_filters=torchrun_agent.split_filters(args.duplicate_stdout_filters),
+        stderr_filters=torchrun_agent.split_filters(args.duplicate_stderr_filters),
+        virtual_local_rank=args.virtual_local_rank,
+        master_port=args.master_port if one_node else None,
+        run_id=f"{LEVERS9_RUN_ID_PREFIX}{os.getpid()}-{secrets.token_hex(4)}",
+        made_root=torchrun_agent.root_made_for(specs, args.log_dir),
+    )
+
+
+def _restart_words(text: str) -> tuple[str, ...]:
+    return tuple(word.strip() for word in text.split(",") if word.strip())
+
+
+def _stop_grace(shutdown_timeout: float | None) -> float:
+    """Seconds between SIGTERM and SIGKILL: --shutdown-timeout, else TORCH_ELASTIC_SHUTDOWN_TIMEOUT (torchrun's
+    variable), else levers9's 5."""
+    if shutdown_timeout is not None:
+        return shutdown_timeout
+    text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    if text is None:
+        return STOP_GRACE_S
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(
+            f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={text!r}; expected seconds, e.g. 30. Set a number, or pass --shutdown-timeout."
+        ) from None
+
+
+def _refuse_without_meaning_here(args: argparse.Namespace) -> None:
+    """ConfigError for torchrun options that have no meaning for levers9 run on one machine, each saying why."""
+    if args.local_addr is not None and args.local_addr not in LOCAL_HOSTS:
+        raise ConfigError(
+            f"--local-addr {args.local_addr}: the address other nodes reach this one by; levers9 run's ranks all meet "
+            f"on this machine's loopback, so it has no meaning here. Expected localhost or 127.0.0.1; drop it. "
+            f"{MULTI_NODE_FIX}"
+        )
+    if args.event_log_handler != "null":
+        raise ConfigError(
+            f"--event-log-handler {args.event_log_handler}: torchrun's agent records its own events (rendezvous, "
+            f"restarts) through it, and levers9 run has no such agent, so there are none to record. Expected null "
+            f"(the default); drop it. levers9 run says each restart on stderr."
+        )
+    if args.numa_binding is not None:
+        raise ConfigError(
+            f"--numa-binding {args.numa_binding}: levers9 run binds no rank to CPUs. Expected it left out; bind "
+            f"inside the script (os.sched_setaffinity), or run this job with torchrun."
+        )
+    if args.monitor_interval is not None and args.monitor_interval <= 0:
+        raise ConfigError(f"--monitor-interval {args.monitor_interval}; expected seconds > 0, e.g. 0.1.")
+
+
+def _signals(text: str) -> tuple[signal.Signals, ...]:
+    """--signals-to-handle as signals; ConfigError naming an unknown one."""
+    found = []
+    for name in _restart_words(text):
+        number = getattr(signal, name.upper(), None)
+        if not isinstance(number, signal.Signals) or name.upper().startswith("SIG_"):
+            raise ConfigError(
+                f"--signals-to-handle names {name!r}, which is not a signal; expected names such as "
+                f"{','.join(HANDLED_SIGNALS)},SIGUSR1. Pass e.g. --signals-to-handle SIGTERM,SIGUSR1."
+            )
+        if number in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError(f"--signals-to-handle names {name}, which no process can handle; drop it.")
+        found.append(number)
+    return tuple(found)
+
+
+def _report_failure(exc: BaseException, agent: TorchrunAgent | None) -> int:
+    """Print the failing rank's headline and its own traceback (or, where it left none, its error file's), why it
+    was not restarted, and return that rank's own exit status (1 for an exception, N for sys.exit(N), 128+N for
+    signal N)."""
     failure = scripts.failure_of(exc)
+    restarts = _restart_account(exc)
     if failure is None:
-        if isinstance(exc, RankFailed):  # a timeout or a stall: the report says where every rank was
-            print(str(exc).replace("distributed.run", "levers9 run", 1), file=sys.stderr, flush=True)
+        if isinstance(exc, RankFailed):  # a timeout or a stall: the report says where every rank was (and the attempts)
+            notes = [line for line in restarts if line.startswith("levers9 run: not restarted")]
+            print("\n".join([_ours(str(exc)), *notes]), file=sys.stderr, flush=True)
             return 1
         import traceback  # one rank, run in place: the script's own exception
 
         print(scripts.user_traceback("".join(traceback.format_exception(exc))), file=sys.stderr)
         return 1
     wrapper = exc if exc.__cause__ is None else exc.__cause__
-    headline = str(wrapper).split("\n", 1)[0].replace("distributed.run:", "levers9 run:", 1)
-    lines = [headline]
+    text = str(wrapper).split(LAST_ATTEMPT, 1)[-1].lstrip("\n")  # after restarts: the last attempt's report
+    lines = [_ours(text.split("\n", 1)[0])]
+    where, recorded = (agent.error_report(failure.rank) if agent is not None else None) or ("", "")
     if failure.traceback:
         lines += ["", f"Traceback from rank {failure.rank}:", scripts.user_traceback(failure.traceback).rstrip()]
-    elif "\n" in str(wrapper):
-        lines += ["", str(wrapper).split("\n", 1)[1].strip()]
-    also = ALSO_FAILED + ALSO_FAILED.join(str(wrapper).split(ALSO_FAILED)[1:])  # each other failed rank's report, once
+        lines += [where] if where else []
+    elif recorded:
+        lines += ["", f"From rank {failure.rank}'s error file (torch's @record):", *([where] if where else []), recorded]
+    elif "\n" in text:
+        lines += ["", text.split("\n", 1)[1].strip()]
+    also = ALSO_FAILED + ALSO_FAILED.join(text.split(ALSO_FAILED)[1:])  # each other failed rank's report, once
     if failure.traceback and also != ALSO_FAILED:
         lines += [scripts.user_traceback(also).rstrip()]
     code = scripts.exit_code_for(exc)
-    lines += ["", f"levers9 run: rank {failure.rank}'s exit status was {code}."]
+    lines += ["", *restarts, f"levers9 run: rank {failure.rank}'s exit status was {code}."]
     print("\n".join(lines), file=sys.stderr, flush=True)
     return code
+
+
+def _restart_account(exc: BaseException) -> list[str]:
+    """Why the failure was not restarted, and the attempts before it, as restarts.py wrote them (a note on the
+    error, or the top of a levers9 error's message above its last attempt's report); [] when nothing was said."""
+    said = []
+    for note in getattr(exc, "__notes__", ()):
+        if note.startswith("levers9: not restarted"):
+            said.append("levers9 run: " + note.removeprefix("levers9: "))
+        elif note.startswith("levers9: levers9 run: "):
+            said.append(note.removeprefix("levers9: "))
+    wrapper = exc if exc.__cause__ is None else exc.__cause__
+    if LAST_ATTEMPT in str(wrapper):
+        said.append(str(wrapper).split(LAST_ATTEMPT, 1)[0].rstrip())
+    return said
+
+
+def _ours(text: str) -> str:
+    return text.replace("distributed.run:", "levers9 run:", 1).replace("distributed.run ", "levers9 run ", 1)

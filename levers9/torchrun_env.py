@@ -4,8 +4,8 @@ torchrun's parser reads every option's default from `PET_` + its destination in 
 distributed/argparse_util.py: `env` for an option with a value, `check_env` for a flag, where "1" is on and "0"
 off); a flag on the command line wins. Kubeflow's PyTorchJob and TrainJob start `torchrun train.py` with nothing but
 PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT, so `levers9 run` reads them the
-same way: a drop-in that ignored them would run a world of one on each node. A PET_ variable of a torchrun option
-that `levers9 run` does not take is refused by name, as the option is.
+same way: a drop-in that ignored them would run a world of one on each node. `levers9 run` takes every torchrun
+option (a PET_ variable's value is then checked as the option's is).
 """
 
 from __future__ import annotations
@@ -37,11 +37,9 @@ def read_pet_variables(parser: argparse.ArgumentParser, env: Mapping[str, str]) 
     still wins); what cannot be honoured is noted for `check`: the PET_ variable of a torchrun option `parser` does
     not take, a flag's variable that is not a whole number, a value outside the option's choices."""
     problems = []
-    taken = set()
     for action in parser._actions:
         if action.dest not in TORCHRUN_OPTIONS:
             continue
-        taken.add(action.dest)
         name = variable(action.dest)
         if name not in env:
             continue
@@ -55,11 +53,6 @@ def read_pet_variables(parser: argparse.ArgumentParser, env: Mapping[str, str]) 
             problems.append(f"{name}={text!r}; expected one of {', '.join(map(str, action.choices))}")
         else:
             action.default = text  # argparse converts a default string by the option's type, as a flag's value
-    unaccepted = sorted(variable(d) for d in TORCHRUN_OPTIONS if d not in taken and variable(d) in env)
-    if unaccepted:
-        problems.append(f"{', '.join(unaccepted)} set, but levers9 run does not take the torchrun option(s) they "
-                        f"stand for; expected only the PET_ variables of options levers9 run takes (`levers9 run "
-                        f"--help`)")  # fmt: skip
     parser.set_defaults(**{PROBLEMS: problems})
 
 

@@ -295,7 +295,7 @@ def test_pet_variables_are_read_as_torchrun_reads_them(monkeypatch: pytest.Monke
 
 @pytest.mark.fast
 @pytest.mark.parametrize(("pet", "needles"), [
-    ({"PET_LOCAL_ADDR": "10.0.0.7"}, ["PET_LOCAL_ADDR set", "does not take the torchrun option", "Unset it"]),
+    ({"PET_LOCAL_ADDR": "10.0.0.7"}, ["--local-addr 10.0.0.7", "Expected localhost or 127.0.0.1; drop it"]),
     ({"PET_STANDALONE": "yes"}, ["PET_STANDALONE='yes'", "expected 1 or 0"]),
     ({"PET_START_METHOD": "thread"}, ["PET_START_METHOD='thread'", "expected one of spawn, fork, forkserver"]),
     ({"PET_NNODES": "2"}, ["levers9 run across 2 nodes (--nnodes 2) needs LEVERS9_GANG_SECRET", "it is unset",

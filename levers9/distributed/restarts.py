@@ -35,6 +35,7 @@ from levers9.errors import (
 from levers9.procs import waits
 from levers9.retries import RetryPolicy, run_with_retries, word_for, words_adding
 
+LAST_ATTEMPT = "\n\nThe last attempt's error in full:\n"  # after restarts, where the last attempt's report begins
 FIRST_LINE_CHARS = 160  # of a failure's message, in the one-line account of an attempt
 
 log = logging.getLogger("levers9.distributed")
@@ -72,12 +73,13 @@ def run_attempts(
     ranks: int,
     timeout: float | None,
     stall_timeout: float | None,
+    caller: str = "distributed.run",
 ) -> T:
     """`start(env)` until an attempt returns; a failure the policy restarts is logged, waited out and retried.
 
     `start` runs one attempt with the extra rank variables `env` and returns rank 0's value or raises
     the attempt's root failure, having stopped every rank. The final failure is raised with every
-    attempt's root cause listed, oldest first.
+    attempt's root cause listed, oldest first. `caller` names the caller in every message ("levers9 run").
     """
     history: list[FailedAttempt] = []
     began = [time.monotonic()]
@@ -94,9 +96,9 @@ def run_attempts(
     def before_retry(number: int, exc: BaseException, kind: FailureKind) -> bool:
         failed = record(exc)
         log.warning(
-            "distributed.run: attempt %d of %d failed after %.1f s (work since its last checkpoint is lost): "
+            "%s: attempt %d of %d failed after %.1f s (work since its last checkpoint is lost): "
             "%s [%s]; every rank was stopped; starting all %d ranks again in %g s (restart %d of %d)",
-            number, policy.max_retries + 1, failed.seconds, failed.cause, word(kind), ranks, policy.delay(number + 1),
+            caller, number, policy.max_retries + 1, failed.seconds, failed.cause, word(kind), ranks, policy.delay(number + 1),
             number, policy.max_retries,
         )  # fmt: skip
         return True
@@ -105,7 +107,7 @@ def run_attempts(
         return run_with_retries(policy, attempt, kind_of_error=kind_of_error, before_retry=before_retry, wait=waits.sleep)
     except Exception as exc:
         record(exc)
-        final = final_error(exc, history, policy)
+        final = final_error(exc, history, policy, caller)
         if final is exc:
             raise
         raise final from None
@@ -142,7 +144,7 @@ def _phrase(failure: RankFailure) -> str:
     return phrase
 
 
-def final_error(exc: Exception, attempts: list[FailedAttempt], policy: RetryPolicy) -> Exception:
+def final_error(exc: Exception, attempts: list[FailedAttempt], policy: RetryPolicy, caller: str = "distributed.run") -> Exception:
     """The error run raises: `exc` itself after one attempt; after restarts, the same type carrying the history.
 
     levers9's own errors get the history at the top of their message and the last attempt's full
@@ -151,29 +153,30 @@ def final_error(exc: Exception, attempts: list[FailedAttempt], policy: RetryPoli
     last = attempts[-1]
     if len(attempts) == 1:
         if policy.max_retries and last.kind is not None:
-            add_note(exc, f"levers9: not restarted (max_restarts={policy.max_retries}): {_why_not(last.kind, policy)}")
+            count = _arg(caller, "max_restarts", policy.max_retries)
+            add_note(exc, f"levers9: not restarted ({count}): {_why_not(last.kind, policy, caller)}")
         return exc
     history = "\n".join(f"  {attempt.line()}" for attempt in attempts)
     if policy.retries(last.kind):
         headline = (
-            f"distributed.run: every attempt failed ({len(attempts)} attempts, max_restarts={policy.max_retries}); "
+            f"{caller}: every attempt failed ({len(attempts)} attempts, {_arg(caller, 'max_restarts', policy.max_retries)}); "
             f"restarting all ranks did not cure it, so the cause is probably not transient. Expected an attempt to "
-            f"finish; fix the cause of the last failure below, or pass a larger max_restarts= if the failures are "
-            f"rare and unrelated."
+            f"finish; fix the cause of the last failure below, or pass a larger {_arg(caller, 'max_restarts', '')} if "
+            f"the failures are rare and unrelated."
         )
     else:
         headline = (
-            f"distributed.run: attempt {len(attempts)} failed after {len(attempts) - 1} restart(s) and was not "
-            f"restarted: {_why_not(last.kind, policy)}"
+            f"{caller}: attempt {len(attempts)} failed after {len(attempts) - 1} restart(s) and was not "
+            f"restarted: {_why_not(last.kind, policy, caller)}"
         )
     text = f"{headline}\nRoot causes, oldest first:\n{history}"
     if isinstance(exc, RankFailed) and type(exc).__init__ is RankFailed.__init__:
-        return type(exc)(f"{text}\n\nThe last attempt's error in full:\n{exc}", exc.failure)
+        return type(exc)(f"{text}{LAST_ATTEMPT}{exc}", exc.failure)
     add_note(exc, f"levers9: {text}")
     return exc
 
 
-def _why_not(kind: FailureKind | None, policy: RetryPolicy) -> str:
+def _why_not(kind: FailureKind | None, policy: RetryPolicy, caller: str = "distributed.run") -> str:
     if kind is None:
         return "the failure came before any rank ran fn, and a restart cannot cure it."
     if kind is FailureKind.QUEUE:
@@ -185,7 +188,17 @@ def _why_not(kind: FailureKind | None, policy: RetryPolicy) -> str:
         "exit": "a rank that chose its own exit code usually chooses it again at the same step",
         "timeout": "a run longer than timeout= would time out again",
     }.get(name, "it was left out")
+    wider = words_adding(policy.on, kind, "restart_on")
     return (
-        f"it was a '{name}' failure and restart_on={policy.on!r} leaves that out ({reason}). "
-        f"Pass restart_on={words_adding(policy.on, kind, 'restart_on')!r} to restart on it too."
+        f"it was a '{name}' failure and {_arg(caller, 'restart_on', policy.on)} leaves that out ({reason}). "
+        f"Pass {_arg(caller, 'restart_on', wider)} to restart on it too."
     )
+
+
+def _arg(caller: str, keyword: str, value: object) -> str:
+    """`keyword` set to `value` as the caller spells it: `restart_on=('crash',)` for distributed.run, `--restart-on crash`
+    on levers9 run's command line (an empty `value`: the keyword alone)."""
+    if not caller.startswith("levers9 "):
+        return f"{keyword}={value!r}" if value != "" else f"{keyword}="
+    shown = ",".join(value) if isinstance(value, tuple) else str(value)
+    return f"--{keyword.replace('_', '-')} {shown}".rstrip()

@@ -78,7 +78,8 @@ def run(
         stall_timeout: Seconds; ranks levers9 started are stopped with `StallError` once none issued
             or completed a collective for that long while one waited, naming where each one is.
             Refused under a launcher and in place, and when torch's flight recorder is off.
-        start_method: "fork" or "spawn" (fresh interpreters); default: fork where that is safe.
+        start_method: "fork" or "spawn" (fresh interpreters); default: fork where that is safe. Given
+            for a world of one, that one rank is started that way instead of running in place.
         prefix_output: Put "[rank N] " before lines from ranks other than 0 (default on).
         disable_quirks: Quirk row ids to switch off (an unknown id is a ConfigError listing the known ones).
         stop_grace: Seconds (default 5) ranks get between SIGTERM and SIGKILL when a sibling failed, on timeout,
@@ -136,6 +137,8 @@ class RunOptions:
     restart_on: Sequence[str] | None = None
     restart_delay: float | None = None
     init_group: bool = True
+    caller: str = "distributed.run"  # the caller's name in messages ("levers9 run")
+    agent: Any = None  # levers9 run's TorchrunAgent: torchrun's files, role, prefixes and port for ranks started here
 
     def check(self) -> RetryPolicy:
         """ConfigError for the first bad keyword, before anything starts; the restart policy they make."""
@@ -188,7 +191,9 @@ def run_with(fn: Callable[..., Any], cfg: Any, options: RunOptions) -> Any:
         job = current_job()
         if options.max_restarts is None and job is not None:
             policy = dataclasses.replace(policy, max_retries=job.max_restarts)  # @job(max_restarts=...)
-        if layout.nprocs == 1 and not policy.max_retries and (job is None or job.gang is None):  # a restartable world of one runs as a started rank
+        if (layout.nprocs == 1 and not policy.max_retries and options.start_method is None and options.agent is None
+                and (job is None or job.gang is None)):  # fmt: skip
+            # a restartable world of one, one asked to start a certain way, or levers9 run's, runs as a started rank
             held.close()
             return _run_in_place(call, layout, options)
         if options.stall_timeout is None and job is not None:
@@ -223,7 +228,7 @@ def _run_under_launcher(call: Callable[[], Any], info: detect.LaunchInfo, option
 
 def _run_in_place(call: Callable[[], Any], layout: Layout, options: RunOptions) -> Any:
     """fn in this process as a world of one, quirks applied; its value."""
-    _refuse_started_ranks_only("in place", stall_timeout=options.stall_timeout, start_method=options.start_method)
+    _refuse_started_ranks_only("in place", stall_timeout=options.stall_timeout)
     from levers9.distributed.hardware import quirks  # loads on use, not with levers9.distributed
 
     quirks.apply_quirks(local_world_size=1, backend=layout.backend, is_main=True, disabled=options.disable_quirks)
@@ -238,7 +243,8 @@ def _run_ranks_here(fn: Callable[..., Any], cfg: Any, call: Callable[..., Any], 
     env = started_ranks.ranks_env_with_diagnostics(layout, options.disable_quirks, options.diagnostics)
     shipped = None if method.forks else started_ranks.shipped_call(fn, cfg, call, method)
     ranks = started_ranks.StartedRanks(call, shipped, layout, env, method, options.timeout, options.stall_timeout,
-                                       options.prefix, options.stop_grace, make_group=options.init_group)  # fmt: skip
+                                       options.prefix, options.stop_grace, make_group=options.init_group,
+                                       caller=options.caller, agent=options.agent)  # fmt: skip
     return started_ranks.start_attempts(ranks, policy)
 
 

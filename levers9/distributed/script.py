@@ -23,6 +23,7 @@ import tempfile
 import time
 import traceback
 import types
+import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -36,6 +37,7 @@ from levers9.distributed.root_failure import rank_failed_behind
 from levers9.distributed.running import RunOptions, run_with
 from levers9.distributed.started_ranks import one_thread_each
 from levers9.distributed.store_server import hosted_store
+from levers9.distributed.torchrun_agent import default_handlers_in_rank
 from levers9.errors import ConfigError, FailureKind, RankCrashed, RankFailure
 from levers9.procs.failure import exit_status
 
@@ -47,7 +49,8 @@ _LIBRARY_FILES = (str(Path(__file__).resolve().parent.parent), runpy.__file__, "
 class ScriptTarget:
     """What every rank runs, and how: shipped to the ranks as distributed.run's cfg."""
 
-    kind: str  # "path" (a .py file, or a folder or zip with __main__.py), "module" (-m) or "program" (--no-python)
+    kind: str  # "path" (a .py file, or a folder or zip with __main__.py), "module" (-m), "program" (--no-python) or
+    # "run_path" (torchrun's --run-path: runpy.run_path)
     name: str  # absolute path, module name or program
     typed: str = ""  # the path as given, for sys.argv[0] (as `python path` keeps it)
     argv: tuple[str, ...] = ()
@@ -140,6 +143,7 @@ def prepare(
     log_dir: str | None = None,
     console_ranks: Sequence[int] | None = None,
     what: str = "distributed.run_script",
+    run_path: bool = False,
 ) -> ScriptTarget:
     """A checked ScriptTarget, or ConfigError naming what is missing and how to fix it."""
     refuse_inside_a_rank(what)
@@ -175,7 +179,7 @@ def prepare(
                 f"{what}: script {target!r} does not exist{folder} (looked in {os.getcwd()}). Expected a path to a "
                 f"Python file, or a folder or zip with __main__.py; check the path, or pass a module with -m.{hint}"
             )
-        kind, name = "path", str(path.resolve())
+        kind, name = ("run_path", target) if run_path else ("path", str(path.resolve()))
     return ScriptTarget(
         kind,
         name,
@@ -270,6 +274,7 @@ def run_script_target(script: ScriptTarget) -> None:
         _run_script_in_place(script)
         return
     fresh_logging()  # the script starts with a fresh interpreter's root logger, as under torchrun
+    default_handlers_in_rank()  # and with the signal handlers a fresh process has (levers9 run --signals-to-handle)
     local = world.launch_info().local_rank
     if script.console_ranks is not None and local not in script.console_ranks:
         _silence_console()
@@ -290,8 +295,11 @@ def _run_as_main(script: ScriptTarget) -> None:
         runpy.run_module(script.name, run_name="__main__", alter_sys=True)
         return
     sys.argv = [script.typed or script.name, *script.argv]
-    if os.path.isdir(script.name):  # a folder (or zip) with __main__.py: runpy puts it first on sys.path
+    if script.kind == "run_path":  # torchrun --run-path: runpy.run_path on the path as given
         runpy.run_path(script.name, run_name="__main__")
+        return
+    if os.path.isdir(script.name) or zipfile.is_zipfile(script.name):  # a folder or zip (a zipapp, pex, shiv) with
+        runpy.run_path(script.name, run_name="__main__")  # __main__.py: runpy puts it first on sys.path, as python does
         return
     sys.path.insert(0, os.path.dirname(script.name))
     main = types.ModuleType("__main__")

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from levers9.context import current_job
 from levers9.distributed import restarts, stalls
@@ -30,8 +30,11 @@ from levers9.procs import start
 from levers9.procs.failure import process_limit_note, ship, unpicklable_part
 from levers9.procs.held_heap import held_heap
 from levers9.procs.outcome import Outcome, StopReason, root_cause
-from levers9.procs.watch import exit_on_terminate
+from levers9.procs.watch import Child, exit_on_terminate
 from levers9.retries import RetryPolicy
+
+if TYPE_CHECKING:
+    from levers9.distributed.torchrun_agent import TorchrunAgent
 
 STOP_GRACE_S = 5.0  # default stop_grace: SIGTERM, then SIGKILL after this long
 
@@ -66,7 +69,7 @@ def start_attempts(ranks: StartedRanks, policy: RetryPolicy) -> Any:
     with exit_on_terminate():  # SIGTERM to this process stops the ranks with stop_grace, as Ctrl-C does
         try:
             return restarts.run_attempts(policy, lambda attempt_env: _RanksAttempt(ranks, attempt_env).run(), ranks=ranks.layout.nprocs,
-                                         timeout=ranks.timeout, stall_timeout=ranks.stall_timeout)  # fmt: skip
+                                         timeout=ranks.timeout, stall_timeout=ranks.stall_timeout, caller=ranks.caller)  # fmt: skip
         except (OSError, RuntimeError) as exc:  # a rank or a thread of this process's that could not be started
             if rank_failed_behind(exc) is None and (note := process_limit_note(exc)):
                 add_note(exc, note)
@@ -138,7 +141,8 @@ class StartedRanks:
     make_group: bool = True  # every rank joins the group before fn
     torchrun_env: bool = True  # ranks get torchrun's worker variables and the parent's store (mp.spawn's: neither)
     pass_rank: bool = False  # fn(rank), as mp.spawn calls it
-    caller: str = "distributed.run"  # who started them, in failures' words: "spawn" raises what mp.spawn raises
+    caller: str = "distributed.run"  # who started them, in messages ("levers9 run"); "spawn" raises what mp.spawn raises
+    agent: TorchrunAgent | None = None  # levers9 run's: torchrun's files, role, prefixes, port, run id (torchrun_agent.py)
 
     @property
     def diagnostics(self) -> bool:
@@ -152,26 +156,33 @@ class _RanksAttempt:
     def __init__(self, ranks: StartedRanks, attempt_env: dict[str, str]) -> None:
         self.ranks = ranks
         self.attempt_env = attempt_env  # TORCHELASTIC_RESTART_COUNT / _MAX_RESTARTS of this attempt
-        # pieces of long lines, never one held whole; on a terminal, what each read brings, and the bytes as written
-        self.rank_set = RankSet(RankOutput(ranks.prefix_output), terminal=True)
-        self.children = self.rank_set.children
+        self.rank_set: RankSet  # made by run(), once the attempt's variables are known
+        self.children: list[Child] = []
         self.where = ""  # where each rank was, asked just before a timeout or stall stopped them
 
     def run(self) -> Any:
         ranks, nprocs = self.ranks, self.ranks.layout.nprocs
-        with contextlib.ExitStack() as cleanup:  # unwound last to first: ranks stopped, store, pipes, folder
+        with contextlib.ExitStack() as cleanup:  # unwound last to first: ranks stopped, pipes, log files, store, folder
             folder = stalls.BoardFolder(nprocs) if ranks.diagnostics else None
             if folder is not None:
                 cleanup.callback(folder.remove)
+            agent = ranks.agent
+            preferred, run_id = (None, None) if agent is None else (agent.master_port, agent.run_id)
+            port = cleanup.enter_context(hosted_store(preferred_port=preferred)) if ranks.torchrun_env else None
+            envs = {rank: {**ranks.env, **({} if port is None else {**rank_vars(rank, nprocs, port, run_id=run_id),
+                                                                   **self.attempt_env})} for rank in range(nprocs)}  # fmt: skip
+            # pieces of long lines, never one held whole; on a terminal, what each read brings, and the bytes as written
+            sink: Callable[[int, str, str], None] = RankOutput(ranks.prefix_output)
+            if agent is not None and port is not None:
+                output = agent.attempt(envs, sink)  # torchrun's files for this attempt (and their variables)
+                cleanup.callback(output.close)
+                sink = output
+            self.rank_set = RankSet(sink, terminal=True)
+            self.children = self.rank_set.children
             cleanup.callback(self.rank_set.close)
-            port = cleanup.enter_context(hosted_store()) if ranks.torchrun_env else None
             cleanup.callback(self.rank_set.stop, ranks.stop_grace)
-
-            def env_of(rank: int) -> dict[str, str]:
-                return {**ranks.env, **({} if port is None else {**rank_vars(rank, nprocs, port), **self.attempt_env})}
-
             self.rank_set.start(Share(0, nprocs, nprocs, ranks.layout.backend, ranks.call if ranks.shipped is None
-                                      else ranks.shipped, ranks.method, env_of, None if folder is None else str(folder.path),
+                                      else ranks.shipped, ranks.method, envs.__getitem__, None if folder is None else str(folder.path),
                                       current_job(), make_group=ranks.make_group, pass_rank=ranks.pass_rank,
                                       stdin_rank0=ranks.torchrun_env))  # fmt: skip
             if folder is not None:

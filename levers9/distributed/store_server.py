@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
+import logging
 import os
 import socket
 from collections.abc import Iterator
 from typing import Any
+
+log = logging.getLogger("levers9.distributed")
 
 
 def serve_store(host: str, port: int = 0) -> tuple[Any, int]:
@@ -30,11 +34,23 @@ def serve_store(host: str, port: int = 0) -> tuple[Any, int]:
 
 
 @contextlib.contextmanager
-def hosted_store(host: str = "127.0.0.1") -> Iterator[int]:
+def hosted_store(host: str = "127.0.0.1", preferred_port: int | None = None) -> Iterator[int]:
     """A rendezvous store on a loopback port this process bound itself (port 0: nothing collides, nothing
     reachable from other hosts), for as long as the block runs; yields its port. A run across nodes passes
-    node 0's address as `host` instead."""
-    store, port = serve_store(host)
+    node 0's address as `host` instead. `preferred_port` (levers9 run --master-port) is used when it is free;
+    when it is taken, a free port is, and a warning says so."""
+    store, port = None, 0
+    if preferred_port:
+        try:
+            store, port = serve_store(host, preferred_port)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+    if store is None:
+        store, port = serve_store(host)
+        if preferred_port:
+            log.warning("--master-port %d is in use on %s; the ranks get MASTER_PORT=%d, a free port, instead",
+                        preferred_port, host, port)  # fmt: skip
     try:
         yield port
     finally:
