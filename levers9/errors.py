@@ -10,8 +10,6 @@ Classes also derive from the builtin a caller would naturally catch (ValueError,
     ├── NotShippableError (TypeError)       fn, cfg, an argument or a result cannot cross a process boundary
     ├── RankFailed (RuntimeError)           a rank of distributed.run failed; .failure says which and how
     │   ├── RankCrashed                     it exited with a code or died by a signal, no Python exception
-    │   │   └── ProcessExited               `spawn`'s: also torch's ProcessExitedException (distributed/spawn_errors.py)
-    │   ├── ProcessRaised                   `spawn`'s process raised: also torch's ProcessRaisedException (same file)
     │   ├── RunTimeout (TimeoutError)       the run outlived timeout=
     │   ├── StallError                      ranks stopped making progress in a collective
     │   └── NodeLost                        a node of a multi-node run went silent (its agent died or froze)
@@ -26,6 +24,10 @@ Classes also derive from the builtin a caller would naturally catch (ValueError,
         ├── JobTimeout (TimeoutError)       the job outlived its timeout=
         ├── RemoteError (RuntimeError)      the job raised an exception whose type cannot be rebuilt here
         └── RunFormatError (RuntimeError)   a run folder written by a newer levers9 (or not a run folder)
+
+`distributed.spawn` raises two subclasses that are torch's types too (distributed/spawn_errors.py, which imports
+torch): ProcessRaised (a RankFailed and torch's ProcessRaisedException) and ProcessExited (a RankCrashed and
+torch's ProcessExitedException), so code written for mp.spawn catches them.
 """
 
 from __future__ import annotations
