@@ -43,16 +43,25 @@ def address(config: pytest.Config) -> str:
         for key in saved:
             del os.environ[key]
         os.environ["TMPDIR"] = root
-        ray.init(
-            num_cpus=2,
-            num_gpus=CARDS,
-            resources={f"levers9_{TYPE}": CARDS},
-            include_dashboard=False,
-            log_to_driver=False,
-            object_store_memory=200 * 2**20,
-            _temp_dir=os.path.join(root, "r"),
-            _system_config=dict(WORKERS_AT_NICE_0),  # a copy: ray.init adds its own keys to the dict it is given
-        )
+        for tries_left in (1, 0):
+            try:
+                ray.init(
+                    num_cpus=2,
+                    num_gpus=CARDS,
+                    resources={f"levers9_{TYPE}": CARDS},
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    object_store_memory=200 * 2**20,
+                    _temp_dir=os.path.join(root, "r"),
+                    _system_config=dict(WORKERS_AT_NICE_0),  # a copy: ray.init adds its own keys to the dict given
+                )
+                break
+            except Exception as exc:
+                # Ray waits a fixed 30 s for its raylet to register (ray/_private/node.py), which a 2-core machine
+                # busy with two other pytest workers once exceeded in CI: start the cluster once more, never a test
+                if tries_left == 0 or "timed out during startup" not in str(exc):
+                    raise
+                ray.shutdown()
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise

@@ -28,6 +28,7 @@ from typing import Any, TextIO
 
 from levers9.procs import echo
 from levers9.procs.labelled import LabelledOutput
+from levers9.procs.watch import TERMINATING_SIGNALS, ExitOnFirstSignal
 
 PieceSink = Callable[[int, str, str], None]  # (global rank, "stdout" or "stderr", a line or a piece of one)
 CONSOLE = ""  # torch's LogsDest: this stream goes to the console
@@ -205,8 +206,10 @@ def stops_on(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    replaced = {signum: signal.signal(signum, _stop_for_signal) for signum in signals
-                if signum is not signal.SIGINT and signal.getsignal(signum) is signal.SIG_DFL}  # fmt: skip
+    stop = ExitOnFirstSignal()  # the same rule as SIGTERM's: only the first signal counts, the grace is kept
+    replaced = {signum: signal.signal(signum, stop) for signum in signals
+                if signum is not signal.SIGINT and signum not in TERMINATING_SIGNALS
+                and signal.getsignal(signum) is signal.SIG_DFL}  # fmt: skip
     try:
         yield
     finally:
@@ -214,14 +217,10 @@ def stops_on(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-def _stop_for_signal(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def default_handlers_in_rank() -> None:
     """In a rank forked while `stops_on` held: the signals it caught back to their default, as a fresh process has
     them (the script's own signal.signal calls come after)."""
     for signum in signal.valid_signals():
         with contextlib.suppress(OSError, ValueError):
-            if signal.getsignal(signum) is _stop_for_signal:
+            if isinstance(signal.getsignal(signum), ExitOnFirstSignal):
                 signal.signal(signum, signal.SIG_DFL)

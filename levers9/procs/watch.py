@@ -168,7 +168,7 @@ def exit_on_terminate() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    handler = _ExitOnFirstSignal()
+    handler = ExitOnFirstSignal()
     replaced = {signum: signal.signal(signum, handler) for signum in TERMINATING_SIGNALS
                 if signal.getsignal(signum) is signal.SIG_DFL}  # fmt: skip
     try:
@@ -178,7 +178,7 @@ def exit_on_terminate() -> Iterator[None]:
             signal.signal(signum, previous)
 
 
-class _ExitOnFirstSignal:
+class ExitOnFirstSignal:
     """A signal handler that raises SystemExit(128 + signal) the first time, and ignores the signals after it."""
 
     def __init__(self) -> None:

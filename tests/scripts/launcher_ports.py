@@ -10,7 +10,10 @@ def listening(pid: int) -> list[str]:
     """host:port of every TCP socket `pid` listens on (from /proc/net/tcp and tcp6)."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
-        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # closed since it was listed: the launcher opens and closes pipes as ranks start
+            continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
     found = []
