@@ -121,7 +121,10 @@ def test_two_launchers_give_torchruns_world_and_variables(form: str) -> None:
     assert [e.returncode for e in ours] == [0, 0], ours[0].stderr[-2000:] + ours[1].stderr[-2000:]
     mine, torchruns = ranks_seen(ours), ranks_seen(theirs)
     assert sorted(mine) == sorted(torchruns) == [0, 1, 2, 3]
-    assert "NODE_RANK" not in ours[1].stdout  # every node's rank output is printed on node 0, named by its rank
+    # every node's rank output is printed on node 0, named by its rank: under c10d node 0 is whichever launcher
+    # bound the endpoint first (the second one started can win on a busy machine), statically the first
+    printed_by = [i for i, ended in enumerate(ours) if "NODE_RANK" in ended.stdout]
+    assert printed_by == [0] or (form == "c10d" and printed_by == [1]), printed_by
     # c10d numbers the nodes as they join, so which launcher is node 0 may differ (each rank's place may not), and
     # torchrun's ranks get the hosting agent's host name where levers9's get the endpoint's address
     join_order = {"GROUP_RANK", "LOCAL_RANK", "MASTER_ADDR"} if form == "c10d" else set()

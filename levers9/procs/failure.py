@@ -159,7 +159,9 @@ def raise_rank_exception(message: str, failure: Any, report: FailureRecord, note
     if not isinstance(original, Exception):  # not rebuilt, or a KeyboardInterrupt sent to that rank alone: the
         raise RankFailed(message, failure)  # caller was not interrupted, and `except Exception` must catch the rank's failure
     add_note(original, note)
-    raise original from RankFailed(message if beside_note is None else beside_note, failure)
+    if beside_note is None or sys.version_info < (3, 11):  # 3.10 prints no notes: there the cause says it all
+        beside_note = message
+    raise original from RankFailed(beside_note, failure)
 
 
 def send(fd: int, message: tuple[Any, ...]) -> None:
