@@ -21,14 +21,13 @@ import os
 import shutil
 import signal
 import string
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
 from levers9.procs import echo
 from levers9.procs.labelled import LabelledOutput
-from levers9.procs.watch import TERMINATING_SIGNALS, ExitOnFirstSignal
+from levers9.procs.watch import TERMINATING_SIGNALS, ExitOnFirstSignal, exit_on_terminate
 
 PieceSink = Callable[[int, str, str], None]  # (global rank, "stdout" or "stderr", a line or a piece of one)
 CONSOLE = ""  # torch's LogsDest: this stream goes to the console
@@ -203,18 +202,8 @@ def stops_on(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
     ends, as for SIGTERM (procs.watch.exit_on_terminate, which always covers SIGTERM and SIGHUP; Ctrl-C always stops
     them too). A handler the caller installed stays; handlers are put back afterwards, and a forked rank puts the
     default back before the script starts (`default_handlers_in_rank`)."""
-    if threading.current_thread() is not threading.main_thread():
+    with exit_on_terminate(tuple(s for s in signals if s is not signal.SIGINT and s not in TERMINATING_SIGNALS)):
         yield
-        return
-    stop = ExitOnFirstSignal()  # the same rule as SIGTERM's: only the first signal counts, the grace is kept
-    replaced = {signum: signal.signal(signum, stop) for signum in signals
-                if signum is not signal.SIGINT and signum not in TERMINATING_SIGNALS
-                and signal.getsignal(signum) is signal.SIG_DFL}  # fmt: skip
-    try:
-        yield
-    finally:
-        for signum, handler in replaced.items():
-            signal.signal(signum, handler)
 
 
 def default_handlers_in_rank() -> None:

@@ -157,19 +157,20 @@ TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
-def exit_on_terminate() -> Iterator[None]:
+def exit_on_terminate(signals: tuple[signal.Signals, ...] = TERMINATING_SIGNALS) -> Iterator[None]:
     """While this block waits for children in the main thread: SIGTERM or SIGHUP, which by default kill this
     process at once (its children then die by SIGKILL with it), raise SystemExit(128 + signal) instead, so the
     waiting code stops its children with their grace period first and a child's own SIGTERM handler can save
     a checkpoint (torchrun's agent does the same). Only the first one counts: a second SIGTERM or SIGHUP (a
     closed terminal sends two, a scheduler may repeat its SIGTERM) comes while the children are being stopped
     and must not cut their grace short; a second Ctrl-C (SIGINT) still does. A handler the caller installed is
-    left in place; outside the main thread, where Python runs no signal handler, nothing changes."""
+    left in place; outside the main thread, where Python runs no signal handler, nothing changes. `signals`: others
+    that stop the children the same way (`levers9 run --signals-to-handle`)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     handler = ExitOnFirstSignal()
-    replaced = {signum: signal.signal(signum, handler) for signum in TERMINATING_SIGNALS
+    replaced = {signum: signal.signal(signum, handler) for signum in signals
                 if signal.getsignal(signum) is signal.SIG_DFL}  # fmt: skip
     try:
         yield
