@@ -47,7 +47,6 @@ def begin_forked() -> None:
     logging = sys.modules.get("logging")
     if logging is not None:
         atexit.register(logging.shutdown)  # what `import logging` registers in a fresh interpreter
-    relay_signals_to_main()
 
 
 _wakeup_pipe: tuple[int, ...] = ()  # this process's relay pipe, once it has one
