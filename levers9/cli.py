@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 
 from levers9 import __version__
@@ -54,8 +56,26 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     with console_handler(args.verbose):  # the `levers9` logger only: a script's root logger stays its own
-        status: int = args.handler(args)
+        try:
+            status: int = args.handler(args)
+        finally:
+            _let_go_of_a_gone_stdout()
     return status
+
+
+def _let_go_of_a_gone_stdout() -> None:
+    """Flush sys.stdout now; where its reader has gone (`levers9 run train.py | head`, said once already), point it
+    at /dev/null, so that the interpreter's own flush at exit does not fail again on bytes still buffered and make
+    the exit status 120 (seen on Python 3.14; the recipe is the one in the `signal` module's "Note on SIGPIPE")."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+    except Exception:  # noqa: BLE001 - None, closed or not a stream: the interpreter's exit says nothing of those either
+        pass
 
 
 if __name__ == "__main__":
