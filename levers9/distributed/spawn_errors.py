@@ -5,6 +5,10 @@ exited with a code or died by a signal) and reads `.error_index`, `.error_pid`, 
 code written for levers9 catches `RankFailed` and reads `.failure` and `.kind`. These two classes are both, and
 their message is mp.spawn's ("-- Process 1 terminated with the following error:" and the process's traceback),
 with levers9's report of the other processes below it. Loaded with `spawn` (it imports torch), not with levers9.
+
+Each is made by mp.spawn's own `__init__` (it sets `msg`, `error_index`, `error_pid` ...), then given its failure.
+RankFailed's `__init__` is not called: its `super().__init__(message)` would reach mp.spawn's with the message
+alone on Python 3.14, whose built-in exception types no longer define an `__init__` of their own.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ class ProcessRaised(RankFailed, ProcessRaisedException):
     """A process of `spawn` raised: mp.spawn's ProcessRaisedException, and levers9's RankFailed."""
 
     def __init__(self, msg: str, error_index: int, error_pid: int, failure: RankFailure | None = None) -> None:
-        RankFailed.__init__(self, msg, failure)
-        self.msg, self.error_index, self.error_pid = msg, error_index, error_pid
+        ProcessRaisedException.__init__(self, msg, error_index, error_pid)
+        self.failure = failure
 
     def __reduce__(self) -> tuple[type[ProcessRaised], tuple[str, int, int, RankFailure | None]]:
         return type(self), (self.msg, self.error_index, self.error_pid, self.failure)
@@ -31,9 +35,8 @@ class ProcessExited(RankCrashed, ProcessExitedException):
 
     def __init__(self, msg: str, error_index: int, error_pid: int, exit_code: int, signal_name: str | None = None,
                  failure: RankFailure | None = None) -> None:  # fmt: skip
-        RankCrashed.__init__(self, msg, failure)
-        self.msg, self.error_index, self.error_pid = msg, error_index, error_pid
-        self.exit_code, self.signal_name = exit_code, signal_name
+        ProcessExitedException.__init__(self, msg, error_index, error_pid, exit_code, signal_name)
+        self.failure = failure
 
     def __reduce__(self) -> tuple[type[ProcessExited], tuple[str, int, int, int, str | None, RankFailure | None]]:
         return type(self), (self.msg, self.error_index, self.error_pid, self.exit_code, self.signal_name, self.failure)
