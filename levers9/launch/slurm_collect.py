@@ -39,8 +39,9 @@ from levers9.procs.failure import rebuild, unship_value
 
 JOBS_FILE = "jobs.json"
 DETACHED_FILE = "detached"  # in a run's slurm/ folder: its jobs outlive their caller
-ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
-         "DEADLINE")  # fmt: skip
+# the states of a job SLURM is done with (squeue's %T)
+ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+                   "DEADLINE", "SPECIAL_EXIT", "REVOKED"})  # fmt: skip
 VALUE_CHARS = 200  # of a value's repr shown by `levers9 runs show`
 POLL_S = 1.0
 _lock = threading.Lock()
@@ -69,30 +70,35 @@ def is_detached(run_path: Path) -> bool:
     return (run_path / "slurm" / DETACHED_FILE).is_file()
 
 
-def job_states(job_ids: list[str]) -> dict[str, str] | None:
-    """job id -> SLURM's state (PENDING, RUNNING, COMPLETED, ...) for those squeue still shows; None if squeue
-    gives no answer (then nothing is concluded from a job's absence)."""
+def queue_states(job_ids: list[str] | None = None) -> dict[str, tuple[str, str, str]] | None:
+    """job id ('123', '123_4' for array elements) -> (state, reason, nodes) as squeue shows them, of `job_ids`, else
+    of every job of this user; None when squeue gives no answer (then nothing is concluded from a job's absence).
+    levers9's one reader of squeue (slurm_reaper.py, a script that imports nothing of levers9's, keeps its own)."""
+    which = ["-u", str(os.getuid())] if job_ids is None else ["-j", ",".join(job_ids)]
     try:
-        done = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-j", ",".join(job_ids), "-o", "%i|%T"],
+        done = subprocess.run(["squeue", "-h", "-r", "-t", "all", *which, "-o", "%i|%T|%r|%N"],
                               capture_output=True, text=True, timeout=60)  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if done.returncode != 0:  # squeue refuses ids it no longer knows; ask for them one at a time then
-        if len(job_ids) == 1:
+    if done.returncode != 0:
+        if not job_ids:
+            return None
+        if len(job_ids) == 1:  # squeue refuses ids it no longer knows: one at a time, then
             return {} if "Invalid job id" in done.stderr else None
-        states: dict[str, str] = {}
+        states: dict[str, tuple[str, str, str]] = {}
         for job_id in job_ids:
-            one = job_states([job_id])
+            one = queue_states([job_id])
             if one is None:
                 return None
             states.update(one)
         return states
-    return dict(line.split("|", 1) for line in done.stdout.splitlines() if "|" in line)
+    shown = (line.split("|") for line in done.stdout.splitlines())
+    return {parts[0]: (parts[1], parts[2], parts[3]) for parts in shown if len(parts) == 4}
 
 
 def _running(job_id: str) -> bool:
-    states = job_states([job_id])
-    return states is not None and states.get(job_id, "COMPLETED") not in ENDED
+    states = queue_states([job_id])
+    return states is not None and states.get(job_id, ("COMPLETED", "", ""))[0] not in ENDED
 
 
 def _jobs(folder: Path) -> dict[str, str]:
@@ -130,7 +136,8 @@ def detached_cells(run: run_reader.Run) -> list[run_reader.CellState] | None:
     cells = {cell.index: cell for cell in run.cells()}
     folder = run.path / "slurm"
     jobs = {int(i): job for i, job in _jobs(folder).items() if i.isdigit() and int(i) in cells}
-    states = job_states(sorted(set(jobs.values()))) if jobs else {}
+    shown = queue_states(sorted(set(jobs.values()))) if jobs else {}
+    states = None if shown is None else {job_id: state for job_id, (state, _, _) in shown.items()}
     for index, job_id in jobs.items():
         cell = cells[index]
         report = _report(folder, job_id)

@@ -29,6 +29,7 @@ from levers9.distributed.detect import expand_nodelist
 from levers9.errors import FailureKind, JobCrashed, JobFailure, JobTimeout
 from levers9.launch import outcomes, slurm_nodes, slurm_task
 from levers9.launch.outcomes import Cancelled, OutputTail
+from levers9.launch.slurm_collect import ENDED, queue_states
 from levers9.procs.outcome import Outcome
 from levers9.state_files import AppendLog
 
@@ -40,8 +41,6 @@ log = logging.getLogger("levers9.launch.slurm")
 
 POLL_S = 0.25  # seconds between reads of the live jobs' output and result files
 STATES_EVERY_S = 1.0  # seconds between squeue calls (each one costs slurmctld an RPC)
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
-         "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}  # fmt: skip
 RUNNING = {"RUNNING", "COMPLETING", "STOPPED", "SUSPENDED", "SIGNALING", "STAGE_OUT"} | ENDED
 # lines of a job's output that say it is requeued: SLURM's (scontrol requeue, preemption) and slurm_task.py's own
 REQUEUED_WORDS = ("DUE TO JOB REQUEUE", "DUE TO PREEMPTION", slurm_task.REQUEUE_WORDS)
@@ -425,7 +424,7 @@ class Follower:
             if live:
                 states = None
                 if time.monotonic() - asked >= STATES_EVERY_S:
-                    states, asked = squeue_states(), time.monotonic()
+                    states, asked = queue_states(), time.monotonic()
                 for tracker in live:
                     try:
                         tracker.poll(states)
@@ -437,21 +436,3 @@ class Follower:
             self.wake.clear()
         if self.reaper is not None:  # the helper exits once the stops it was asked for are done
             self.reaper.close()
-
-
-def squeue_states() -> dict[str, tuple[str, str, str]] | None:
-    """job id ('123', '123_4' for array elements) -> (state, reason, nodes), for this user's jobs; None when
-    squeue gives no answer (then nothing is concluded from a job's absence)."""
-    try:
-        done = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-u", str(os.getuid()), "-o", "%i|%T|%r|%N"],
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if done.returncode != 0:
-        return None
-    states = {}
-    for line in done.stdout.splitlines():
-        parts = line.split("|")
-        if len(parts) == 4:
-            states[parts[0]] = (parts[1], parts[2], parts[3])
-    return states

@@ -22,6 +22,7 @@ import threading
 import time
 
 POLL_S = 0.5  # how often a stopped job is looked for in squeue during its grace
+# slurm_collect.ENDED, copied: this script imports nothing of levers9's (tests/test_slurm_plan.py holds them equal)
 ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
          "PREEMPTED", "REVOKED", "SPECIAL_EXIT"}  # fmt: skip
 
