@@ -29,7 +29,7 @@ def _rank_report() -> dict[str, Any]:
     total = torch.tensor([float(dist.rank())])
     td.all_reduce(total)
     return {"rank": dist.rank(), "world": dist.world_size(), "node_rank": dist.node_rank(),
-            "node": os.environ.get("SLURMD_NODENAME"), "sum": total.item()}  # fmt: skip
+            "node": os.environ.get("SLURMD_NODENAME"), "sum": total.item(), "master_port": os.environ.get("MASTER_PORT")}  # fmt: skip
 
 
 def train(_cfg: Any = None) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from levers9.cli import main as cli_main
+from levers9.distributed import slurm_env
 from levers9.errors import InfeasibleJobError, JobConfigError, JobCrashed, JobTimeout, WorkspacePolicyError
 from levers9.launch import job, run_reader
 from levers9.launch.settings import update_settings
@@ -182,6 +184,36 @@ def test_more_cards_than_a_node_is_one_training_across_nodes(on_slurm: None) -> 
     assert [(r["rank"], r["node_rank"], r["node"], r["world"], r["sum"]) for r in ranks] == [
         (0, 0, "l9node1", 4, 6.0), (1, 0, "l9node1", 4, 6.0), (2, 1, "l9node2", 4, 6.0), (3, 1, "l9node2", 4, 6.0),
     ]  # fmt: skip
+
+
+def test_a_training_across_nodes_meets_where_rank_0_bound_not_where_anyone_can_derive(
+    on_slurm: None, env: dict[str, str]
+) -> None:
+    """Another process listens first, on every address, on the port SLURM's job id gives (10000 + id % 20000, what
+    the ranks met on before) for each of the next job ids: the training runs, on a port rank 0 bound itself, and no
+    rank connects to the squatter."""
+    probe = subprocess.run(["sbatch", "--parsable", "--wrap", "true"], env=env, capture_output=True, text=True,
+                           check=True, timeout=60)  # fmt: skip
+    next_ids = range(int(probe.stdout.strip().split(";")[0]) + 1, int(probe.stdout.strip().split(";")[0]) + 6)
+    derived = {slurm_env.master_port({"SLURM_JOB_ID": str(job_id)}) for job_id in next_ids}
+    squatters = []
+    try:
+        for port in derived:
+            squatter = socket.socket()
+            squatters.append(squatter)
+            squatter.bind(("0.0.0.0", port))
+            squatter.listen(16)
+            squatter.setblocking(False)
+        ranks = job(slurmfns.train, gpu_count=4, backend="slurm").remote()["ranks"]
+        for squatter in squatters:
+            with pytest.raises(BlockingIOError):
+                squatter.accept()  # nothing connected
+    finally:
+        for squatter in squatters:
+            squatter.close()
+    assert [(r["rank"], r["world"], r["sum"]) for r in ranks] == [(0, 4, 6.0), (1, 4, 6.0), (2, 4, 6.0), (3, 4, 6.0)]
+    ports = {r["master_port"] for r in ranks}
+    assert len(ports) == 1 and int(str(ports.pop())) not in derived
 
 
 def test_a_job_of_cards_on_one_node_starts_a_rank_per_card(on_slurm: None) -> None:

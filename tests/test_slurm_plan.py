@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import socket
+from pathlib import Path
+
 import pytest
 
-from levers9.errors import InfeasibleJobError, JobConfigError
+from levers9.errors import InfeasibleJobError, JobConfigError, LauncherEnvError
 from levers9.launch import job
 from levers9.launch.slurm_nodes import SlurmNode, SlurmPlan, _gres_gpus, _gres_types, plan_job
 from levers9.launch.slurm_options import merged, sbatch_options
@@ -83,3 +86,42 @@ def test_slurm_options_are_checked_at_decoration() -> None:
 def test_sbatch_options_as_submitit_takes_them() -> None:
     assert sbatch_options("--exclusive --constraint=a100 --gres-flags enforce-binding") == {
         "exclusive": True, "constraint": "a100", "gres-flags": "enforce-binding"}  # fmt: skip
+
+
+def test_the_reapers_own_copy_of_the_ended_states_is_the_one_readers() -> None:
+    """slurm_reaper.py runs as a script of its own (it imports nothing of levers9's), so it keeps a copy of the states
+    of a job SLURM is done with: the same set as the one squeue reader's."""
+    import importlib.util
+
+    from levers9.launch import slurm_collect, slurm_follow
+
+    spec = importlib.util.spec_from_file_location("levers9_slurm_reaper", slurm_follow.REAPER)
+    assert spec is not None and spec.loader is not None
+    reaper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reaper)
+    assert set(reaper.ENDED) == set(slurm_collect.ENDED)
+
+
+def test_the_ranks_of_a_job_across_nodes_meet_where_rank_0_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 serves the store on a port it bound, names it in the job's folder, and rank 1 reads it there; both get
+    the same variables, the secret among them. A MASTER_PORT from env= that is taken is one error naming it."""
+    from levers9.distributed.group import STORE_SECRET_VAR
+    from levers9.launch import slurm_task
+
+    monkeypatch.setattr(slurm_task, "_served", [])
+    for name, value in {"SLURM_JOB_ID": "77", "SLURMD_NODENAME": "localhost", "SLURM_PROCID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    rank0 = slurm_task._meeting_place(str(tmp_path), "s" * 32)
+    assert (tmp_path / "77_0_store").read_text() == f"127.0.0.1 {rank0['MASTER_PORT']}"
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    assert slurm_task._meeting_place(str(tmp_path), "s" * 32) == rank0
+    assert rank0[STORE_SECRET_VAR] == "s" * 32 and rank0["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        monkeypatch.setenv("SLURM_PROCID", "0")
+        monkeypatch.setenv("MASTER_PORT", str(taken.getsockname()[1]))
+        with pytest.raises(LauncherEnvError, match=r"the port is MASTER_PORT=\d+ from the job's env=.*drop MASTER_PORT"):
+            slurm_task._meeting_place(str(tmp_path / "other"), "s" * 32)

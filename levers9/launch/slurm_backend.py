@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import secrets
 import sys
 import time
 from concurrent.futures import Future
@@ -226,6 +227,7 @@ class SlurmCell:
             "requeue": "requeue" in self.submitter.options,  # at the time limit's early signal (slurm_task.py)
             "folder": str(self.submitter.folder),
             "result_path": self.result_path,
+            "secret": secrets.token_hex(16),  # the group's keys start with it (slurm_task._meeting_place)
         }
 
     def _on_done(self, future: Future[Any]) -> None:

@@ -5,13 +5,16 @@ distributed.run inside reads, as on a workstation) and calls the function. A job
 task per card, started by SLURM's srun (no levers9 agent runs there: SLURM is the launcher); each task is a
 rank, and the function runs in every rank through `distributed.run`, which finds the world SLURM made
 (levers9.distributed.detect). A restart of a job across nodes (max_restarts=) is a new job whose ranks see
-TORCHELASTIC_RESTART_COUNT one higher, as under torchrun (slurm_backend.py). Every task reports
+TORCHELASTIC_RESTART_COUNT one higher, as under torchrun (slurm_backend.py). The ranks of a job across nodes
+meet on a store rank 0 serves on a port it bound itself (`_meeting_place`), under a secret only the job's payload
+holds, not on a port derived from the job id (which anyone who reads squeue could take first). Every task reports
 back a TaskReport (its value, or its failure with the traceback) in submitit's result file, never an
 exception of its own, so the caller sees the job's exception with its type.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -20,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -28,7 +32,10 @@ import cloudpickle
 
 from levers9 import distributed as dist
 from levers9 import runtime
+from levers9.distributed import group
 from levers9.distributed.restarts import attempt_env
+from levers9.distributed.store_server import serve_store
+from levers9.errors import LauncherEnvError
 from levers9.launch import job_process
 from levers9.launch.scratch import remove_scratch_dir, scratch_dir
 from levers9.launch.spec import JobSpec
@@ -37,6 +44,8 @@ from levers9.runtime import Runtime
 from levers9.state_files import write_atomic
 
 REQUEUE_WORDS = "nears its time limit: requeued"  # what the task prints (the caller's follower reads it)
+MEET_WAIT_S = 300.0  # how long a rank waits for rank 0's store to be named (rank 0 may start later: its node's import)
+_served: list[Any] = []  # rank 0's rendezvous store: it serves for as long as this task lives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,5 +158,49 @@ def _call(payload: dict[str, Any], job_dir: Path) -> Any:
     if int(payload["tasks"]) == 1:
         return job_process.JobTarget(func, args, kwargs, context).call()
     os.environ.update(attempt_env(int(payload.get("restart", 0)), spec.max_restarts))  # this rank's restart count
+    os.environ.update(_meeting_place(payload["folder"], payload.get("secret", "")))
     runtime.begin(Runtime(job=context))
     return dist.run(functools.partial(func, *args, **kwargs))
+
+
+def _meeting_place(folder: str, secret: str) -> dict[str, str]:
+    """Where this job's ranks make their group: rank 0 serves a store on its node's address, on a port it bound
+    itself (or MASTER_PORT, if the job's env= names one), and names it in the job's folder (the user's alone, on
+    the file system every node shares); every other rank waits for that name. The group's keys start with
+    `secret` (group.py), so a process of another user that connects cannot read or stand in for them. The
+    variables every rank gets: MASTER_ADDR and MASTER_PORT, as torchrun's ranks, and the store's and secret's."""
+    job_id, run = os.environ.get("SLURM_JOB_ID", "0"), os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
+    named = Path(folder) / f"{job_id}_{run}_store"  # a requeued run of the job meets on a store of its own
+    if os.environ.get("SLURM_PROCID", "0") == "0":
+        address = socket.gethostbyname(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+        asked = os.environ.get("MASTER_PORT", "")
+        try:
+            store, port = serve_store(address, int(asked) if asked.isdigit() else 0)
+        except OSError as exc:
+            raise LauncherEnvError(
+                f"rank 0 could not serve the ranks' store on {address}:{asked} ({type(exc).__name__}: {exc}); the "
+                f"port is MASTER_PORT={asked} from the job's env=. Expected a free port there: drop MASTER_PORT from "
+                f"env= and levers9 binds a free one itself."
+            ) from exc
+        _served.append(store)
+        write_atomic(named, f"{address} {port}".encode())
+    else:
+        address, port = _wait_for_name(named)
+    meet = {"MASTER_ADDR": address, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    return {**meet, group.STORE_SECRET_VAR: secret} if secret else meet  # none in a job an older levers9 submitted
+
+
+def _wait_for_name(named: Path) -> tuple[str, int]:
+    """(address, port) of rank 0's store, once rank 0 has written them to `named`."""
+    deadline = time.monotonic() + MEET_WAIT_S
+    while True:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            address, port = named.read_text().split()
+            return address, int(port)
+        if time.monotonic() > deadline:
+            raise LauncherEnvError(
+                f"rank 0 of SLURM job {os.environ.get('SLURM_JOB_ID')} did not name its store in {named} within "
+                f"{MEET_WAIT_S:g} s. Expected rank 0 started (its output, `sacct -j {os.environ.get('SLURM_JOB_ID')}`) "
+                f"and the job's folder on a file system every node of the job shares."
+            )
+        time.sleep(0.05)
