@@ -267,50 +267,54 @@ def test_only_a_run_across_nodes_listens_beyond_loopback_and_only_on_the_master_
 
 @dataclasses.dataclass(frozen=True)
 class Host:
-    """A network namespace standing for a machine: its name, its one interface and that interface's address."""
+    """A network namespace standing for a machine: the process that holds it, its one interface and that address."""
 
-    namespace: str
+    holder: subprocess.Popen[bytes]
     interface: str
     address: str
 
     def run(self, command: list[str]) -> list[str]:
-        """`command` as it runs on this host (`ip netns exec` execs it: the pid and process group are its own)."""
-        return ["ip", "netns", "exec", self.namespace, *command]
+        """`command` as it runs on this host (nsenter execs it: the pid and process group are its own)."""
+        return ["nsenter", f"--net=/proc/{self.holder.pid}/ns/net", *command]
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+def _run_checked(command: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, f"{' '.join(command)}: {done.stderr}"
 
 
 @pytest.fixture
 def two_hosts() -> Iterator[list[Host]]:
     """Two network namespaces, each with loopback and one end of a veth pair (10.231.0.1 and .2): as far as a launcher
-    can tell, two machines on one network, neither reaching the other's loopback. Needs root and `ip netns` (CI has
-    both); elsewhere the tests say why they cannot run. Removed afterwards, cable and all."""
+    can tell, two machines on one network, neither reaching the other's loopback. Each is held by a process that
+    reads its stdin (`unshare --net`), so it ends with the test, or with pytest; no named namespace and no mount is
+    left behind. Needs root, `unshare` and `ip` (CI has them); elsewhere the tests say why they cannot run."""
     if os.geteuid() != 0:
-        pytest.skip("two network namespaces need root (`ip netns add`); CI runs as root")
+        pytest.skip("two network namespaces need root (`unshare --net`); CI runs as root")
     tag = f"l9{os.getpid() % 100000}"
-    hosts = [Host(f"{tag}a", f"{tag}va", "10.231.0.1"), Host(f"{tag}b", f"{tag}vb", "10.231.0.2")]
-    made: list[str] = []
+    holders: list[subprocess.Popen[bytes]] = []
     try:
+        for _ in range(2):
+            holders.append(subprocess.Popen(["unshare", "--net", "sh", "-c", "read _"], stdin=subprocess.PIPE,
+                                            stderr=subprocess.PIPE))  # fmt: skip
+        ours = os.readlink("/proc/self/ns/net")
+        for holder in holders:  # unshare has made the namespace once the holder's link names another
+            while os.readlink(f"/proc/{holder.pid}/ns/net") == ours:
+                if holder.poll() is not None:
+                    pytest.skip(f"`unshare --net` failed on this machine: {holder.stderr.read().decode().strip()}")  # type: ignore[union-attr]
+                time.sleep(0.01)
+        hosts = [Host(holders[0], f"{tag}va", "10.231.0.1"), Host(holders[1], f"{tag}vb", "10.231.0.2")]
+        _run_checked(["ip", "link", "add", hosts[0].interface, "type", "veth", "peer", "name", hosts[1].interface])
         for host in hosts:
-            added = _ip("netns", "add", host.namespace)
-            if added.returncode != 0:
-                pytest.skip(f"`ip netns add` failed on this machine: {added.stderr.strip()}")
-            made.append(host.namespace)
-        steps = [("link", "add", hosts[0].interface, "type", "veth", "peer", "name", hosts[1].interface)]
-        for host in hosts:
-            steps += [("link", "set", host.interface, "netns", host.namespace),
-                      ("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.interface),
-                      ("-n", host.namespace, "link", "set", "lo", "up"),
-                      ("-n", host.namespace, "link", "set", host.interface, "up")]  # fmt: skip
-        for step in steps:
-            done = _ip(*step)
-            assert done.returncode == 0, f"ip {' '.join(step)}: {done.stderr}"
+            _run_checked(["ip", "link", "set", host.interface, "netns", str(host.holder.pid)])
+            _run_checked(host.run(["ip", "addr", "add", f"{host.address}/24", "dev", host.interface]))
+            _run_checked(host.run(["ip", "link", "set", "lo", "up"]))
+            _run_checked(host.run(["ip", "link", "set", host.interface, "up"]))
         yield hosts
     finally:
-        for namespace in made:  # the veth pair goes with its namespaces
-            _ip("netns", "del", namespace)
+        for holder in holders:  # the namespaces end with their holders, and the veth pair with them
+            holder.stdin.close()  # type: ignore[union-attr]
+            holder.wait(timeout=30)
 
 
 def _static_on(hosts: list[Host], launcher: list[str], port: int, *extra: str) -> Callable[[int], list[str]]:
