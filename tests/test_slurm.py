@@ -192,9 +192,10 @@ def test_a_training_across_nodes_meets_where_rank_0_bound_not_where_anyone_can_d
     """Another process listens first, on every address, on the port SLURM's job id gives (10000 + id % 20000, what
     the ranks met on before) for each of the next job ids: the training runs, on a port rank 0 bound itself, and no
     rank connects to the squatter."""
-    probe = subprocess.run(["sbatch", "--parsable", "--wrap", "true"], env=env, capture_output=True, text=True,
-                           check=True, timeout=60)  # fmt: skip
-    next_ids = range(int(probe.stdout.strip().split(";")[0]) + 1, int(probe.stdout.strip().split(";")[0]) + 6)
+    probe = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "--wrap", "true"], env=env,
+                           capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
+    last_id = int(probe.stdout.strip().split(";")[0])
+    next_ids = range(last_id + 1, last_id + 6)
     derived = {slurm_env.master_port({"SLURM_JOB_ID": str(job_id)}) for job_id in next_ids}
     squatters = []
     try:
