@@ -357,6 +357,23 @@ def test_a_rank_raising_on_the_other_host_is_named_with_that_hosts_address(two_h
     assert abs(node0.at - node1.at) < 15, "one launcher outlived the other by more than a few seconds"
 
 
+@pytest.mark.timeout(300)
+def test_c10d_across_two_hosts_makes_the_host_of_the_endpoint_node_0(two_hosts: list[Host]) -> None:
+    """The same c10d command on both hosts: only host 0 has the endpoint's address, so its launcher hosts and is node 0.
+    levers9 alone here: torchrun's two c10d launchers, given the same command and each its GLOO_SOCKET_IFNAME, hung
+    until killed in this setup (its ranks are handed the hosting agent's host name, which these namespaces, sharing
+    the machine's /etc/hosts, resolve to loopback); on the loopback test above they run side by side."""
+    c10d = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"{two_hosts[0].address}:29400", "--rdzv-id", "job7"]  # fmt: skip
+    ours = launch_nodes(lambda i: two_hosts[i].run([*LEVERS9, *c10d, SCRIPT]), lambda i: SECRET)
+    assert [e.returncode for e in ours] == [0, 0], ours[0].stderr[-2000:] + ours[1].stderr[-2000:]
+    mine = ranks_seen(ours)
+    assert sorted(mine) == [0, 1, 2, 3] and "NODE_RANK" not in ours[1].stdout
+    assert {(r["sum"], r["world"], r["MASTER_ADDR"]) for r in mine.values()} == {(10.0, 4, "10.231.0.1")}
+    assert [(mine[rank]["GROUP_RANK"], mine[rank]["LOCAL_RANK"]) for rank in range(4)] == [
+        ("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]  # fmt: skip
+
+
 # ---- the options and PET_* variables, parsed as torchrun parses them (no process started) ----------------------
 
 
@@ -427,3 +444,4 @@ def test_c10d_endpoints_and_ranges(caplog: pytest.LogCaptureFixture) -> None:
     assert torchrun_nodes.layout_of(_ours("--nnodes", "1", "train.py")) is None
     with pytest.raises(ConfigError, match="expected HOST:PORT"):
         torchrun_nodes.layout_of(_ours("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", ":29400", "x.py"))
+
