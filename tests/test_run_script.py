@@ -653,8 +653,11 @@ if __name__ == "__main__":
 
 
 def _spawn_caller(code: str, spawner: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", code, spawner], env=env, capture_output=True, text=True, timeout=150)
+    """`code` run with `spawner` as its argument, in a $TMPDIR of its own, removed afterwards: mp.spawn leaves a
+    pytorch-errorfile-*.pickle there for each process that raised."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "TMPDIR": tmp, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        return subprocess.run([sys.executable, "-c", code, spawner], env=env, capture_output=True, text=True, timeout=150)
 
 
 @pytest.mark.timeout(200)
