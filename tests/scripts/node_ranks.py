@@ -10,12 +10,9 @@ import sys
 import torch
 import torch.distributed as td
 
-NAMES = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS",
-)
+# torchrun's variables, read as the one-node script reads them (this script's folder is sys.path[0])
+from worker_env import NAMES
+
 if __name__ == "__main__":
     td.init_process_group("gloo")
     rank = td.get_rank()
