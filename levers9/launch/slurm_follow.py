@@ -140,6 +140,7 @@ class Tracker:
         ]
         self.results = [folder / f"{job_id}_{t}_result.pkl" for t in range(tasks)]
         self.state, self.reason, self.node = "PENDING", "", ""
+        self.placed_on = ""  # the job's node list as it started: squeue drops a failed node from it afterwards
         self.started_at: float | None = None
         self.started = threading.Event()
         self.done = threading.Event()
@@ -166,6 +167,7 @@ class Tracker:
             reason_before = self.reason
             self.state, self.reason, node = state
             self.node = node or self.node
+            self.placed_on = self.placed_on or (node if self.state == "RUNNING" else "")
             if self.state == "PENDING" and self.reason != reason_before:
                 self.submitter.batch.events.waiting(self.cell.cell, slurm_nodes.pending_words(self.submitter.plan, self.reason))
             if self.requeued and self.state not in RUNNING:
@@ -173,6 +175,7 @@ class Tracker:
             elif self.requeued and self.queued_again:  # running again: resumes, as the user's checkpoint allows
                 self.requeued = self.queued_again = False
                 self.said, self.oom_said, self.failed_node, self.srun_tasks = None, "", "", {}
+                self.placed_on = ""  # a new allocation
         if self.started_at is None and (self.state in RUNNING or any(p.exists() for p in self.results)
                                         or any(stream.offset for stream in self.streams)):
             self.started_at = time.monotonic()
@@ -336,7 +339,7 @@ class Tracker:
         """The ranks SLURM placed on `node` ('2-3'), from the job's node list and its tasks per node (srun's block
         placement: the first node's tasks are ranks 0 to n-1); '' if the node is not one of the job's."""
         with contextlib.suppress(Exception):
-            nodes = expand_nodelist(self.node)
+            nodes = expand_nodelist(self.placed_on or self.node)
             if node in nodes:
                 per = self.submitter.plan.tasks
                 first = nodes.index(node) * per
