@@ -114,14 +114,14 @@ def test_the_ranks_of_a_job_across_nodes_meet_where_rank_0_names(tmp_path: Path,
     monkeypatch.delenv("MASTER_PORT", raising=False)
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     rank0 = slurm_task._meeting_place(str(tmp_path), "s" * 32)
-    assert (tmp_path / "77_0_store").read_text() == f"127.0.0.1 {rank0['MASTER_PORT']}"
+    assert (tmp_path / "77_0_store").read_text() == f"localhost {rank0['MASTER_PORT']}"
     monkeypatch.setenv("SLURM_PROCID", "1")
     assert slurm_task._meeting_place(str(tmp_path), "s" * 32) == rank0
     assert rank0[STORE_SECRET_VAR] == "s" * 32 and rank0["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
+        taken.bind(("0.0.0.0", 0))
         taken.listen(1)
         monkeypatch.setenv("SLURM_PROCID", "0")
         monkeypatch.setenv("MASTER_PORT", str(taken.getsockname()[1]))
-        with pytest.raises(LauncherEnvError, match=r"the port is MASTER_PORT=\d+ from the job's env=.*drop MASTER_PORT"):
+        with pytest.raises(LauncherEnvError, match=r"the port is MASTER_PORT=\d+, from the job's env=.*drop MASTER_PORT"):
             slurm_task._meeting_place(str(tmp_path / "other"), "s" * 32)

@@ -164,39 +164,42 @@ def _call(payload: dict[str, Any], job_dir: Path) -> Any:
 
 
 def _meeting_place(folder: str, secret: str) -> dict[str, str]:
-    """Where this job's ranks make their group: rank 0 serves a store on its node's address, on a port it bound
-    itself (or MASTER_PORT, if the job's env= names one), and names it in the job's folder (the user's alone, on
-    the file system every node shares); every other rank waits for that name. The group's keys start with
-    `secret` (group.py), so a process of another user that connects cannot read or stand in for them. The
-    variables every rank gets: MASTER_ADDR and MASTER_PORT, as torchrun's ranks, and the store's and secret's."""
+    """Where this job's ranks make their group: rank 0 serves a store on a port it bound itself (or MASTER_PORT, if
+    the job's environment names one) and names its node and port in the job's folder (the user's alone, on the file
+    system every node shares); every other rank waits for that name. The group's keys start with `secret`
+    (group.py), so a process of another user that connects cannot read or stand in for them. The store listens on
+    every address of rank 0's node, as torch's own rendezvous store does, and the other ranks reach it by the node's
+    name, as SLURM's node list gives it (a name that resolves to loopback on rank 0's own node, as Debian's 127.0.1.1
+    does, changes nothing). The variables every rank gets: MASTER_ADDR and MASTER_PORT, as torchrun's ranks, and
+    the store's and secret's."""
     job_id, run = os.environ.get("SLURM_JOB_ID", "0"), os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
     named = Path(folder) / f"{job_id}_{run}_store"  # a requeued run of the job meets on a store of its own
     if os.environ.get("SLURM_PROCID", "0") == "0":
-        address = socket.gethostbyname(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         asked = os.environ.get("MASTER_PORT", "")
         try:
-            store, port = serve_store(address, int(asked) if asked.isdigit() else 0)
+            store, port = serve_store("0.0.0.0", int(asked) if asked.isdigit() else 0)
         except OSError as exc:
             raise LauncherEnvError(
-                f"rank 0 could not serve the ranks' store on {address}:{asked} ({type(exc).__name__}: {exc}); the "
-                f"port is MASTER_PORT={asked} from the job's env=. Expected a free port there: drop MASTER_PORT from "
-                f"env= and levers9 binds a free one itself."
+                f"rank 0 could not serve the ranks' store on {host} at port {asked} ({type(exc).__name__}: {exc}); the "
+                f"port is MASTER_PORT={asked}, from the job's env= or the environment it was submitted from. Expected "
+                f"a free port there: drop MASTER_PORT (unset it before submitting) and levers9 binds a free one itself."
             ) from exc
         _served.append(store)
-        write_atomic(named, f"{address} {port}".encode())
+        write_atomic(named, f"{host} {port}".encode())
     else:
-        address, port = _wait_for_name(named)
-    meet = {"MASTER_ADDR": address, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        host, port = _wait_for_name(named)
+    meet = {"MASTER_ADDR": host, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
     return {**meet, group.STORE_SECRET_VAR: secret} if secret else meet  # none in a job an older levers9 submitted
 
 
 def _wait_for_name(named: Path) -> tuple[str, int]:
-    """(address, port) of rank 0's store, once rank 0 has written them to `named`."""
+    """(host, port) of rank 0's store, once rank 0 has written them to `named`."""
     deadline = time.monotonic() + MEET_WAIT_S
     while True:
         with contextlib.suppress(FileNotFoundError, ValueError):
-            address, port = named.read_text().split()
-            return address, int(port)
+            host, port = named.read_text().split()
+            return host, int(port)
         if time.monotonic() > deadline:
             raise LauncherEnvError(
                 f"rank 0 of SLURM job {os.environ.get('SLURM_JOB_ID')} did not name its store in {named} within "
