@@ -126,11 +126,16 @@ MinJobAge=60
 InactiveLimit=0
 MaxArraySize=1001
 PrologFlags=Alloc
+PreemptType=preempt/partition_prio
+PreemptMode=CANCEL
 EOF
     for i in "${!NODES[@]}"; do
         echo "NodeName=${NODES[$i]} NodeAddr=${ADDRS[$i]} Port=$((CTLD_PORT + 1 + i)) CPUs=$CPUS_PER_NODE RealMemory=4000 Gres=gpu:$GPU_TYPE:2 State=UNKNOWN" >>"$CONF"
     done
-    echo "PartitionName=l9 Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO" >>"$CONF"
+    # l9urgent is l9's nodes at a higher priority tier: a job there preempts (cancels) l9's jobs in its way, as a
+    # cluster's preemptible partition does; only a test that means to preempt submits there
+    echo "PartitionName=l9 Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=1" >>"$CONF"
+    echo "PartitionName=l9urgent Nodes=$(IFS=,; echo "${NODES[*]}") MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=2" >>"$CONF"
     # slurmd and slurmctld refuse a slurm.conf others can write
     chmod 0644 "$CONF" "$DIR/gres.conf"
 }
@@ -180,7 +185,7 @@ wait_nodes_idle() {
 stop_daemons() {
     local pidfile pid i
     if pid_alive "$DIR/run/slurmctld.pid"; then  # jobs first, so no step outlives its slurmd
-        SLURM_CONF="$CONF" scancel --partition=l9 --full >/dev/null 2>&1 || true
+        SLURM_CONF="$CONF" scancel --partition=l9,l9urgent --full >/dev/null 2>&1 || true
         for i in $(seq 1 30); do
             [[ -z "$(SLURM_CONF="$CONF" squeue -h -o %i 2>/dev/null)" ]] && break
             sleep 0.5

@@ -277,7 +277,7 @@ def _node_state(node: str, env: dict[str, str]) -> str:
     """`node`'s state in sinfo's short words (idle, down*, comp, ...), after asking SLURM to resume it."""
     subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], env=env, capture_output=True, timeout=60)
     state = subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], env=env, capture_output=True, text=True, timeout=60)
-    return state.stdout.strip()
+    return " ".join(sorted(set(state.stdout.split())))  # one line per partition the node is in
 
 
 def test_a_lost_node_is_named_with_its_ranks(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
@@ -299,6 +299,46 @@ def test_a_lost_node_is_named_with_its_ranks(on_slurm: None, env: dict[str, str]
     finally:
         failer.join()
         assert wait_until(lambda: _node_state("l9node2", env) == "idle", 120), _node_state("l9node2", env)
+
+
+def test_a_job_past_its_slurm_time_limit_is_named_timed_out(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
+    """SLURM's own time limit (a 1-minute --time, no timeout= of levers9's) ends a computing job: a JobTimeout in
+    SLURM's words, not a crash or a guess at memory. Takes about a minute."""
+    fn = job(slurmfns.gated_square, backend="slurm", name="l9-time-limit", slurm={"sbatch": "--time=1"})
+    with pytest.raises(JobTimeout, match=r"reached its SLURM time limit \(SLURM: \*\*\* JOB \d+ ON l9node\d CANCELLED AT "
+                                         r"\S+ DUE TO TIME LIMIT \*\*\*\)") as caught:  # fmt: skip
+        fn.remote(6, str(tmp_path))
+    assert "memory" not in str(caught.value).split("Last output")[0]
+
+
+def test_a_preempted_job_is_named_preempted(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
+    """A job of the cluster's higher-tier partition (l9urgent, compat_tests/slurm_cluster.sh) needs the node a
+    computing job holds whole: SLURM cancels it for preemption, and the caller hears that (kind LOST: the job did
+    nothing wrong), not 'killed by SIGTERM ... most often the out-of-memory killer'."""
+    urgent: list[str] = []
+
+    def preempt() -> None:
+        assert wait_until((tmp_path / "started-7").exists, 90), "the job never started"
+        job_id = (tmp_path / "started-7").read_text().split()[1]
+        node = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], env=env, capture_output=True, text=True,
+                              timeout=60).stdout.strip()  # fmt: skip
+        submitted = subprocess.run(["sbatch", "--parsable", "-p", "l9urgent", "-w", node, "-c", "8", "-J", "l9-urgent",
+                                    "--output=/dev/null", "--wrap", "true"], env=env, capture_output=True, text=True,
+                                   timeout=60, check=True)  # fmt: skip
+        urgent.append(submitted.stdout.strip())
+
+    preempter = threading.Thread(target=preempt)
+    preempter.start()
+    try:
+        fn = job(slurmfns.gated_square, backend="slurm", cpu=8, name="l9-preempted")  # the whole node's cores
+        with pytest.raises(JobCrashed, match=r"was preempted by SLURM \(a job of higher priority took its node\) "
+                                             r"\(SLURM: \*\*\* JOB \d+ ON l9node\d CANCELLED AT \S+ DUE TO "
+                                             r"PREEMPTION \*\*\*\)") as caught:  # fmt: skip
+            fn.remote(7, str(tmp_path))
+        assert caught.value.kind == "lost" and "memory" not in str(caught.value).split("Last output")[0]
+    finally:
+        preempter.join()
+        assert wait_until(lambda: not squeue("l9-urgent", env), 60), squeue("l9-urgent", env)
 
 
 def test_a_full_run_folder_is_named_not_a_failed_job(
@@ -328,7 +368,7 @@ def test_a_partition_that_does_not_exist_is_named_with_those_that_do(on_slurm: N
     with cards it used to be 'its cards are declared without a type')."""
     for cards in (0, 2):
         fn = job(slurmfns.square, gpu_count=cards, backend="slurm", name="l9-nosuch", slurm={"partition": "nosuch"})
-        with pytest.raises(JobConfigError, match=r"no partition 'nosuch'; its partitions are: l9 \(sinfo\)"):
+        with pytest.raises(JobConfigError, match=r"no partition 'nosuch'; its partitions are: l9, l9urgent \(sinfo\)"):
             fn.remote(3)
     assert squeue("l9-nosuch", env) == []
 
