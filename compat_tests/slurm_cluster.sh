@@ -6,11 +6,14 @@
 #   compat_tests/slurm_cluster.sh stop      # stops every daemon it started; the folder stays
 #   compat_tests/slurm_cluster.sh env       # prints `export SLURM_CONF=...` for `eval "$(...)"`
 #
-# Needs root and Debian's packages: apt-get install -y slurm-wlm munge
+# Needs root and Debian's packages: apt-get install -y slurm-wlm munge slurmdbd mariadb-server
 # One slurmctld and two slurmd (Debian's build has MULTIPLE_SLURMD, so `slurmd -N l9node1` and
 # `slurmd -N l9node2` are two nodes with their own port), each node with 2 fake GPUs declared as GRES of type h100
 # (character devices with NVIDIA's major number 195, made with mknod in the cluster's folder, so SLURM
 # sets CUDA_VISIBLE_DEVICES as it would on a GPU node), and a munged of its own.
+# Accounting as a site has it: a slurmdbd on a MariaDB of its own (listening on 127.0.0.1 only), associations and
+# QOS enforced; root may charge accounts l9lab (its default) and l9spare with QOS normal or l9fast, and account
+# l9other exists without root in it.
 #
 # Everything lives in $LEVERS9_SLURM_DIR (default /tmp/levers9-slurm, 0700): slurm.conf, gres.conf,
 # the munge key and socket, state, spool, pid files and logs. The daemons get `-f slurm.conf`, the
@@ -27,7 +30,10 @@ DIR="${LEVERS9_SLURM_DIR:-/tmp/levers9-slurm}"
 CONF="$DIR/slurm.conf"
 NODES=(l9node1 l9node2)
 ADDRS=(127.0.0.2 127.0.0.3)
-CTLD_PORT="${LEVERS9_SLURM_PORT:-16817}"  # slurmd ports follow: +1, +2
+CTLD_PORT="${LEVERS9_SLURM_PORT:-16817}"  # slurmd ports follow: +1, +2; slurmdbd +3, MariaDB +4
+DBD_PORT=$((CTLD_PORT + 3))
+DB_PORT=$((CTLD_PORT + 4))
+DB_SOCKET="$DIR/run/mariadb.sock"
 MARK="# levers9-slurm"
 SOCKET="$DIR/munge/munge.socket"
 GPU_TYPE=h100  # the cards' GRES type (gres.conf Type=): @job(gpu="H100") asks for --gres=gpu:h100:N
@@ -50,10 +56,10 @@ pid_alive() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 need_tools() {
     [[ $(id -u) == 0 ]] || die "must run as root (the daemons run as root); seen uid $(id -u)"
     local missing=()
-    for tool in slurmctld slurmd munged mungekey srun sinfo mknod flock; do
+    for tool in slurmctld slurmd slurmdbd sacctmgr mariadbd mariadb-install-db mariadb munged mungekey srun sinfo mknod flock; do
         command -v "$tool" >/dev/null || missing+=("$tool")
     done
-    ((${#missing[@]} == 0)) || die "${missing[*]} not found; install them with: apt-get install -y slurm-wlm munge"
+    ((${#missing[@]} == 0)) || die "${missing[*]} not found; install them with: apt-get install -y slurm-wlm munge slurmdbd mariadb-server"
 }
 
 write_hosts() {
@@ -109,7 +115,11 @@ SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort=$DBD_PORT
+AccountingStoragePass=$SOCKET
+AccountingStorageEnforce=associations,limits,qos
 JobCompType=jobcomp/none
 MpiDefault=none
 SwitchType=switch/none
@@ -138,13 +148,71 @@ EOF
     echo "PartitionName=l9urgent Nodes=$(IFS=,; echo "${NODES[*]}") MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=2" >>"$CONF"
     # slurmd and slurmctld refuse a slurm.conf others can write
     chmod 0644 "$CONF" "$DIR/gres.conf"
+    [[ -s "$DIR/db.pass" ]] || (umask 077; head -c 18 /dev/urandom | base64 | tr -d '/+=' >"$DIR/db.pass")
+    (umask 077; cat >"$DIR/slurmdbd.conf" <<EOF
+# Written by compat_tests/slurm_cluster.sh; rewritten on every start. slurmdbd reads it beside SLURM_CONF.
+AuthType=auth/munge
+AuthInfo=socket=$SOCKET
+DbdAddr=127.0.0.1
+DbdHost=$(hostname -s)
+DbdPort=$DBD_PORT
+SlurmUser=root
+PidFile=$DIR/run/slurmdbd.pid
+LogFile=$DIR/log/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$DB_PORT
+StorageUser=slurm
+StoragePass=$(cat "$DIR/db.pass")
+StorageLoc=levers9_acct
+EOF
+    )
+}
+
+start_accounting() {
+    # MariaDB (its own data folder, 127.0.0.1 only), slurmdbd on it, then the cluster's accounts, users and QOS
+    if [[ ! -d "$DIR/mariadb/mysql" ]]; then
+        mariadb-install-db --user=root --datadir="$DIR/mariadb" --auth-root-authentication-method=socket \
+            --skip-test-db >"$DIR/log/mariadb-install.log" 2>&1 || die "mariadb-install-db failed; see $DIR/log/mariadb-install.log"
+    fi
+    setsid mariadbd --user=root --datadir="$DIR/mariadb" --socket="$DB_SOCKET" --pid-file="$DIR/run/mariadbd.pid" \
+        --bind-address=127.0.0.1 --port="$DB_PORT" --log-error="$DIR/log/mariadbd.log" </dev/null >/dev/null 2>&1 9>&- &
+    local i
+    for i in $(seq 1 60); do
+        mariadb --socket="$DB_SOCKET" -e "select 1" >/dev/null 2>&1 && break
+        ((i < 60)) || die "MariaDB did not answer on $DB_SOCKET within 30 s; see $DIR/log/mariadbd.log"
+        sleep 0.5
+    done
+    local pass
+    pass="$(cat "$DIR/db.pass")"
+    mariadb --socket="$DB_SOCKET" -e "CREATE DATABASE IF NOT EXISTS levers9_acct;
+        CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '$pass';
+        ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$pass';
+        GRANT ALL ON levers9_acct.* TO 'slurm'@'127.0.0.1';"
+    SLURM_CONF="$CONF" slurmdbd 9>&-
+    for i in $(seq 1 60); do
+        SLURM_CONF="$CONF" sacctmgr -n list cluster >/dev/null 2>&1 && break
+        ((i < 60)) || die "slurmdbd did not answer within 30 s; see $DIR/log/slurmdbd.log"
+        sleep 0.5
+    done
+    local manage=(env SLURM_CONF="$CONF" sacctmgr -i)
+    # an `add` of what exists says "Nothing new added" and exits 1: the association list below checks the outcome
+    "${manage[@]}" add cluster levers9 >/dev/null 2>&1 || true
+    "${manage[@]}" add qos l9fast >/dev/null 2>&1 || true
+    "${manage[@]}" add account l9lab,l9spare,l9other Cluster=levers9 Description=levers9-tests Organization=levers9 >/dev/null 2>&1 || true
+    "${manage[@]}" add user root Account=l9lab,l9spare DefaultAccount=l9lab Cluster=levers9 >/dev/null 2>&1 || true
+    "${manage[@]}" modify user root set QOS=normal,l9fast >/dev/null 2>&1 || true
+    local assoc
+    assoc="$(SLURM_CONF="$CONF" sacctmgr -nP show assoc where user=root format=account,qos 2>&1)"
+    grep -q '^l9lab|.*l9fast' <<<"$assoc" || die "root's associations are not as written (sacctmgr: $assoc); see $DIR/log/slurmdbd.log"
 }
 
 start() {
     need_tools
     take_lock
     write_hosts
-    if pid_alive "$DIR/run/slurmctld.pid" && all_slurmd_alive && pid_alive "$DIR/run/munged.pid"; then
+    if pid_alive "$DIR/run/slurmctld.pid" && all_slurmd_alive && pid_alive "$DIR/run/slurmdbd.pid" \
+        && pid_alive "$DIR/run/mariadbd.pid" && pid_alive "$DIR/run/munged.pid"; then
         echo "slurm_cluster.sh: already running in $DIR"
         wait_nodes_idle
         return 0
@@ -154,6 +222,7 @@ start() {
     # the daemons never get the lock's descriptor (9>&-): one that kept it would hold the lock for its life
     munged --force --socket="$SOCKET" --key-file="$DIR/munge/munge.key" --pid-file="$DIR/run/munged.pid" \
         --log-file="$DIR/log/munged.log" --seed-file="$DIR/munge/munged.seed" 9>&-
+    start_accounting
     slurmctld -f "$CONF" -i 9>&-
     local n
     for n in "${NODES[@]}"; do
@@ -191,7 +260,8 @@ stop_daemons() {
             sleep 0.5
         done
     fi
-    for pidfile in "$DIR"/run/slurmd-*.pid "$DIR/run/slurmctld.pid" "$DIR/run/munged.pid"; do
+    for pidfile in "$DIR"/run/slurmd-*.pid "$DIR/run/slurmctld.pid" "$DIR/run/slurmdbd.pid" "$DIR/run/mariadbd.pid" \
+        "$DIR/run/munged.pid"; do
         [[ -f "$pidfile" ]] || continue
         pid="$(cat "$pidfile")"
         if kill -0 "$pid" 2>/dev/null; then
@@ -216,7 +286,7 @@ stop() {
 
 status() {
     local ok=0 f
-    for f in munged slurmctld "${NODES[@]/#/slurmd-}"; do
+    for f in munged mariadbd slurmdbd slurmctld "${NODES[@]/#/slurmd-}"; do
         if pid_alive "$DIR/run/$f.pid"; then echo "$f: running (pid $(cat "$DIR/run/$f.pid"))"; else echo "$f: not running"; ok=1; fi
     done
     ((ok == 0)) && SLURM_CONF="$CONF" sinfo -N -o '%N %t %G %c'

@@ -64,8 +64,9 @@ def slurm_conf(config: pytest.Config) -> str:
     reason = None
     if os.geteuid() != 0:
         reason = f"the SLURM tests need root to start the cluster daemons (uid {os.geteuid()}): run pytest as root"
-    elif not (shutil.which("slurmctld") and shutil.which("munged")):
-        reason = "slurm-wlm and munge are not installed: apt-get install -y slurm-wlm munge (as root)"
+    elif not all(shutil.which(tool) for tool in ("slurmctld", "munged", "slurmdbd", "mariadbd")):
+        reason = ("slurm-wlm, munge, slurmdbd or mariadb-server is not installed: apt-get install -y slurm-wlm munge "
+                  "slurmdbd mariadb-server (as root)")
     if reason is None:
         started = _run("start")  # under the script's lock: of workers asking at once, one starts it
         if started.returncode != 0:

@@ -373,6 +373,30 @@ def test_a_partition_that_does_not_exist_is_named_with_those_that_do(on_slurm: N
     assert squeue("l9-nosuch", env) == []
 
 
+def test_an_account_or_qos_the_user_may_not_charge_is_named_with_those_it_may(on_slurm: None, env: dict[str, str]) -> None:
+    """The cluster enforces associations and QOS (compat_tests/slurm_cluster.sh): an account that does not exist, one
+    that exists without this user, and a QOS that does not exist are each refused before anything is submitted, with
+    what the user may charge (sbatch's own word: 'Invalid account or account/partition combination specified'); an
+    allowed pair runs, charged as asked."""
+    refused = [
+        ({"account": "nosuch"}, r"lets user root charge no account 'nosuch'; the accounts root may use are: l9lab, "
+                                r"l9spare, root \(sacctmgr show assoc where user=root\)"),
+        ({"account": "l9other"}, r"charge no account 'l9other'; the accounts root may use are: l9lab, l9spare, root"),
+        ({"account": "l9spare", "qos": "nosuch"}, r"lets user root use no QOS 'nosuch' under account 'l9spare'; the QOS "
+                                                  r"allowed are: l9fast, normal"),
+    ]  # fmt: skip
+    name = f"l9-charge-{secrets.token_hex(3)}"  # the accounting database outlives the cluster's runs
+    for options, words in refused:
+        with pytest.raises(JobConfigError, match=words):
+            job(slurmfns.square, backend="slurm", name=name, slurm=options).remote(3)
+    assert squeue(name, env) == []
+    fn = job(slurmfns.where, backend="slurm", name=name, slurm={"account": "l9spare", "qos": "l9fast"})
+    assert fn.remote(4)["x"] == 4
+    charged = subprocess.run(["sacct", "-nP", "-X", f"--name={name}", "-o", "account,qos"], env=env, capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+    assert charged.stdout.split() == ["l9spare|l9fast"], charged.stdout
+
+
 def test_more_cards_than_the_cluster_is_refused_before_submitting(on_slurm: None) -> None:
     with pytest.raises(InfeasibleJobError, match=r"l9node1 \(2 GPU\(s\)"):
         job(slurmfns.square, gpu_count=6, backend="slurm").remote(1)

@@ -72,6 +72,7 @@ class SlurmBackend:
         settings = load_settings()
         options = slurm_options.merged(spec.slurm, {k: getattr(settings, k) for k in slurm_options.SETTING_KEYS})
         nodes = slurm_nodes.cluster_nodes(options.get("partition"))
+        slurm_nodes.check_account_and_qos(options.get("account"), options.get("qos"))
         plan = slurm_nodes.plan_job(spec, nodes, options.get("partition"))
         func_blob = job_process.ship_for(batch.func, spec.name, "a SLURM job",
                                          "Define it at module level, with globals that can be pickled.")  # fmt: skip

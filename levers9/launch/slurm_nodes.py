@@ -1,10 +1,12 @@
-"""The SLURM cluster as `sinfo` shows it, and how a job's cards are asked of it (used by the backend and
-`levers9 doctor`; imports no submitit)."""
+"""The SLURM cluster as `sinfo` (and its accounting, `sacctmgr`) shows it, and how a job's cards are asked of it
+(used by the backend and `levers9 doctor`; imports no submitit)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import pwd
 import shutil
 import subprocess
 
@@ -92,6 +94,45 @@ def check_partitions(partition: str) -> None:
             f"partitions are: {', '.join(known) or 'none'} (sinfo). Set slurm={{'partition': ...}} (or partition in the "
             f"[slurm] table of workspace.toml) to one of them, or leave it out for the cluster's default."
         )
+
+
+def check_account_and_qos(account: str | None, qos: str | None) -> None:
+    """JobConfigError naming what SLURM's accounting lets this user charge, if `account` or `qos` is not among it;
+    before anything is submitted. Checked only where the cluster enforces them (AccountingStorageEnforce): without
+    accounting SLURM ignores both, and sbatch is the judge."""
+    if not (account or qos) or shutil.which("sacctmgr") is None:
+        return
+    shown = _slurm(["scontrol", "show", "config"], "read the cluster's settings").stdout.splitlines()
+    config = {key.strip(): value.strip() for key, _, value in (line.partition(" = ") for line in shown) if value}
+    enforced = set(config.get("AccountingStorageEnforce", "").split(","))
+    if not enforced & {"associations", "limits", "qos", "safe"}:
+        return
+    user = pwd.getpwuid(os.getuid()).pw_name
+    listed = subprocess.run(["sacctmgr", "-nP", "show", "assoc", "where", f"user={user}",
+                             f"cluster={config.get('ClusterName', '')}", "format=account,qos"],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    if listed.returncode != 0:  # slurmdbd unreachable: sbatch answers for itself
+        return
+    charges = [line.split("|") + [""] for line in listed.stdout.splitlines() if line.strip()]
+    accounts = sorted({fields[0] for fields in charges})
+    where = f"(sacctmgr show assoc where user={user})"
+    if account and account not in accounts:
+        raise JobConfigError(
+            f"slurm={{'account': {account!r}}}: SLURM's accounting lets user {user} charge no account {account!r}; "
+            f"the accounts {user} may use are: {', '.join(accounts) or 'none'} {where}. Set slurm={{'account': ...}} "
+            f"(or account in the [slurm] table of workspace.toml) to one of them, or leave it out for your default "
+            f"account; an account you should be in is added by the cluster's admins."
+        )
+    if qos and "qos" in enforced:
+        allowed = sorted({name for fields in charges if not account or fields[0] == account
+                          for name in fields[1].split(",") if name})  # fmt: skip
+        if qos not in allowed:
+            under = f" under account {account!r}" if account else ""
+            raise JobConfigError(
+                f"slurm={{'qos': {qos!r}}}: SLURM's accounting lets user {user} use no QOS {qos!r}{under}; the QOS "
+                f"allowed are: {', '.join(allowed) or 'none'} {where}. Set slurm={{'qos': ...}} (or qos in the [slurm] "
+                f"table of workspace.toml) to one of them, or leave it out for your account's default QOS."
+            )
 
 
 def _slurm(command: list[str], what: str) -> subprocess.CompletedProcess[str]:
