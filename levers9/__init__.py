@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from levers9.context import JobContext, current_job
+from levers9.context import JobContext
+from levers9.runtime import current_job
 
 __version__ = "0.1.0"
 __all__ = ["distributed", "launch", "job", "current_job", "JobContext", "__version__"]

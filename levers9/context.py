@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from levers9 import runtime
-
 
 @dataclasses.dataclass(frozen=True)
 class GangContext:
@@ -74,8 +72,3 @@ class JobContext:
     def job_id(self) -> str:
         """'<run id>/<cell index>', as `levers9 runs` names a cell."""
         return f"{self.run_id}/{self.cell_index}"
-
-
-def current_job() -> JobContext | None:
-    """The job this process runs (in a job process and in the ranks it started), else None."""
-    return runtime.this_process().job

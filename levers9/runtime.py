@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from levers9.context import JobContext
-    from levers9.distributed.hardware.quirks import QuirkPlan
+    from levers9.distributed.hardware.quirk_rows import QuirkPlan
 
 
 @dataclasses.dataclass
@@ -45,3 +45,8 @@ def begin(runtime: Runtime) -> None:
     (a forked child must not keep what its parent knew about itself)."""
     global _this_process
     _this_process = runtime
+
+
+def current_job() -> JobContext | None:
+    """The job this process runs (in a job process and in the ranks it started), else None."""
+    return _this_process.job

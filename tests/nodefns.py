@@ -57,7 +57,7 @@ def store_keys_seen_from_outside(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as td
 
     from levers9 import distributed as dist
-    from levers9.context import current_job
+    from levers9.runtime import current_job
 
     dist.barrier()
     if dist.rank() != 0:
@@ -101,7 +101,7 @@ def train_then_hold(cfg: dict[str, Any]) -> Any:
     secret and this process's parent (node 0's Ray task) to cfg['mark'], and return the result once
     cfg['mark'].go exists."""
     from levers9 import distributed as dist
-    from levers9.context import current_job
+    from levers9.runtime import current_job
 
     result = dist.run(mark_parent, cfg)
     job = current_job()

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from levers9 import distributed as dist
-from levers9.context import current_job
+from levers9.runtime import current_job
 
 STEPS = 6
 DIE_AFTER_STEP = 2

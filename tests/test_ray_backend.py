@@ -52,7 +52,7 @@ def spec(**kwargs: Any) -> Any:
 
 
 def node(address: str, **resources: float) -> Any:
-    from levers9.launch.ray_backend import Node
+    from levers9.launch.ray_gang import Node
 
     return Node(address, {"CPU": 16.0, **resources})
 

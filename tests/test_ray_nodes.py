@@ -178,7 +178,7 @@ def add_node(cluster: Any, address: str) -> None:
 
 
 def node(address: str, gpus: int) -> Any:
-    from levers9.launch.ray_backend import Node
+    from levers9.launch.ray_gang import Node
 
     return Node(address, {"CPU": 8.0, "GPU": float(gpus), f"levers9_{TYPE}": float(gpus)})
 

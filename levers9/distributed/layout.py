@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from levers9.context import current_job
 from levers9.distributed import devices
 from levers9.errors import ConfigError
+from levers9.runtime import current_job
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
-from levers9.context import GangContext, JobContext, current_job
+from levers9.context import GangContext, JobContext
 from levers9.distributed import detect, restarts, stalls
 from levers9.distributed.control_store import ControlStore, Report, StartRequest
 from levers9.distributed.rank_set import RankOutput, RankSet, Share, rank_vars
@@ -43,6 +43,7 @@ from levers9.procs.outcome import Outcome, StopReason, root_cause
 from levers9.procs.supervise import ROOT_CAUSE_WINDOW_S, Supervisor
 from levers9.procs.watch import Child, Ended, exit_on_terminate
 from levers9.retries import RetryPolicy
+from levers9.runtime import current_job
 
 log = logging.getLogger("levers9.distributed")
 T = TypeVar("T")

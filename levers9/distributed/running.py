@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from levers9.context import JobContext, current_job
+from levers9.context import JobContext
 from levers9.distributed import detect, devices, group, slurm_env, started_ranks, world
 from levers9.distributed.helpers import device
 from levers9.distributed.layout import Layout, plan_layout
@@ -29,6 +29,7 @@ from levers9.distributed.started_ranks import STOP_GRACE_S
 from levers9.errors import ConfigError
 from levers9.procs.held_heap import held_heap
 from levers9.retries import RetryPolicy, restart_policy
+from levers9.runtime import current_job
 from levers9.seconds import is_seconds
 
 # What to do instead of each argument that only ranks started here use, under a launcher.

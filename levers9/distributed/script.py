@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from levers9.console_log import fresh_logging
-from levers9.context import current_job
 from levers9.distributed import devices, world
 from levers9.distributed.layout import plan_layout, visible_card_count
 from levers9.distributed.rank_set import rank_vars
@@ -40,6 +39,7 @@ from levers9.distributed.store_server import hosted_store
 from levers9.distributed.torchrun_agent import default_handlers_in_rank
 from levers9.errors import ConfigError, FailureKind, RankCrashed, RankFailure
 from levers9.procs.failure import exit_status
+from levers9.runtime import current_job
 
 NPROC_WORDS = ("gpu", "cpu", "auto")
 _LIBRARY_FILES = (str(Path(__file__).resolve().parent.parent), runpy.__file__, "<frozen runpy>")

@@ -18,7 +18,6 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from levers9.context import current_job
 from levers9.distributed import restarts, stalls
 from levers9.distributed.layout import Layout, plan_layout
 from levers9.distributed.rank_set import RankOutput, RankSet, Share, rank_vars
@@ -32,6 +31,7 @@ from levers9.procs.held_heap import held_heap
 from levers9.procs.outcome import Outcome, StopReason, root_cause
 from levers9.procs.watch import Child, exit_on_terminate
 from levers9.retries import RetryPolicy
+from levers9.runtime import current_job
 
 if TYPE_CHECKING:
     from levers9.distributed.torchrun_agent import TorchrunAgent

@@ -22,10 +22,10 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 
-from levers9.context import current_job
 from levers9.distributed.hardware.cards import visible_cards
 from levers9.distributed.hardware.gpu_types import parse_gpu_type
 from levers9.errors import JobConfigError
+from levers9.runtime import current_job
 
 log = logging.getLogger("levers9.launch")
 

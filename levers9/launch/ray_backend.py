@@ -54,7 +54,8 @@ from levers9.launch.local import LocalBackend
 from levers9.launch.outcomes import Cancelled, OutputTail
 from levers9.launch.pool import holds_cards
 from levers9.launch.ray_admission import Admission, Entry
-from levers9.launch.ray_cli import RESOURCE_PREFIX, node_resources, resource_name
+from levers9.launch.ray_cli import node_resources, resource_name
+from levers9.launch.ray_gang import Node
 from levers9.launch.ray_node_task import TaskEnded, TaskOutput, TaskStarted, node_task
 from levers9.launch.ray_task import GangSlot, TaskPayload
 from levers9.launch.spec import JobSpec
@@ -123,31 +124,6 @@ def connect() -> None:
         ray.init(
             address="local", num_gpus=gpus, resources=resources, include_dashboard=False, log_to_driver=False
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class Node:
-    """An alive Ray node as the feasibility check sees it."""
-
-    address: str
-    resources: dict[str, float]
-
-    @property
-    def gpus(self) -> int:
-        return int(self.resources.get("GPU", 0))
-
-    def describe(self) -> str:
-        """'192.0.2.2 with 4× RTXPro6000' (types from its levers9_ resources)."""
-        types = {
-            k[len(RESOURCE_PREFIX) :]: int(v)
-            for k, v in self.resources.items()
-            if k.startswith(RESOURCE_PREFIX)
-        }
-        if types:
-            cards = ", ".join(f"{n}× {t}" for t, n in sorted(types.items()))
-        else:
-            cards = f"{self.gpus} GPU(s) with no levers9_<type> resource"
-        return f"{self.address} with {cards}, {self.resources.get('CPU', 0):g} CPU(s)"
 
 
 def alive_nodes() -> list[Node]:

@@ -19,23 +19,45 @@ import dataclasses
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from levers9.context import GangContext, describe_split
 from levers9.distributed.control_store import ControlStore
 from levers9.distributed.store_server import serve_store
 from levers9.errors import InfeasibleJobError
-from levers9.launch.ray_cli import resource_name
+from levers9.launch.ray_cli import RESOURCE_PREFIX, resource_name
 from levers9.launch.ray_task import AgentPayload, TaskPayload
 from levers9.launch.scratch import remove_scratch_dir, scratch_dir
 from levers9.launch.spec import JobSpec
 
-if TYPE_CHECKING:
-    from levers9.launch.ray_backend import Node
-
 PG_POLL_S = 0.2  # how often a waiting placement group is checked against the deadline and cancellation
 AGENT_EXIT_WAIT_S = 5.0  # after the job, how long the agents get to stop their ranks before they are cancelled
 REPLACE_WAIT_S = 120.0  # how long a restart waits for a node to replace a lost one when the job has no queue_timeout
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """An alive Ray node as the feasibility check sees it."""
+
+    address: str
+    resources: dict[str, float]
+
+    @property
+    def gpus(self) -> int:
+        return int(self.resources.get("GPU", 0))
+
+    def describe(self) -> str:
+        """'192.0.2.2 with 4× RTXPro6000' (types from its levers9_ resources)."""
+        types = {
+            k[len(RESOURCE_PREFIX) :]: int(v)
+            for k, v in self.resources.items()
+            if k.startswith(RESOURCE_PREFIX)
+        }
+        if types:
+            cards = ", ".join(f"{n}× {t}" for t, n in sorted(types.items()))
+        else:
+            cards = f"{self.gpus} GPU(s) with no levers9_<type> resource"
+        return f"{self.address} with {cards}, {self.resources.get('CPU', 0):g} CPU(s)"
 
 
 @dataclasses.dataclass(frozen=True)

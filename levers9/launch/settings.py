@@ -28,9 +28,9 @@ from typing import Any
 
 import tomlkit
 
-from levers9.context import current_job
 from levers9.errors import ConfigError, SettingsError
 from levers9.private_dir import check_private, private_dir
+from levers9.runtime import current_job
 from levers9.state_files import StateFileError, read_private, write_atomic
 
 if sys.version_info >= (3, 11):

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from submitit.core import utils as submitit_utils
 
@@ -35,7 +35,7 @@ from levers9.state_files import AppendLog
 
 if TYPE_CHECKING:
     from levers9.launch.backend import Batch
-    from levers9.launch.slurm_backend import SlurmCell, Submitter
+    from levers9.launch.cells import Cell
 
 log = logging.getLogger("levers9.launch.slurm")
 
@@ -123,10 +123,30 @@ class Stream:
         return [line.decode("utf-8", "replace") for line in lines]
 
 
+class Submitting(Protocol):
+    """What a Tracker needs of the batch's submitter (slurm_backend.Submitter)."""
+
+    batch: Batch
+    plan: slurm_nodes.SlurmPlan
+    folder: Path
+    reaper: Reaper
+
+    def cancel(self, job_id: str) -> None: ...
+
+
+class FollowedCell(Protocol):
+    """What a Tracker needs of the cell it follows (slurm_backend.SlurmCell)."""
+
+    cell: Cell
+    label: str
+
+    def stopped(self) -> bool: ...
+
+
 class Tracker:
     """One submitted job (or array element) of one cell's attempt, until it ends: its state, output and reports."""
 
-    def __init__(self, submitter: Submitter, cell: SlurmCell, job_id: str, attempt: int) -> None:
+    def __init__(self, submitter: Submitting, cell: FollowedCell, job_id: str, attempt: int) -> None:
         self.submitter, self.cell, self.job_id, self.attempt = submitter, cell, job_id, attempt
         batch = submitter.batch
         self.run = outcomes.JobAttempt.begin(batch.folder, cell.label, cell.cell.index, attempt, batch.spec)

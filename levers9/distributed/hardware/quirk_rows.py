@@ -3,16 +3,23 @@
 A row says what it matches (`Match`: card name, compute capability, ranks on this node, NVLink, driver,
 NCCL build, platform, /dev/shm size, unset variables), what it does (`Quirk.action`: set environment
 defaults, raise, warn, or only inform), and the evidence behind it (owner/repo#N, documentation).
-`quirk_checks.py` checks a row against a run and `quirks.py` plans and applies; this file holds only the data and its shape.
+`quirk_checks.py` checks a row against a run and `quirks.py` plans and applies; this file holds only the data and its shape,
+and the shape of what the rows decide for one run (`QuirkPlan`, which the process's Runtime keeps once applied).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Literal
 
+from levers9.errors import QuirkError
+
 Action = Literal["set-env", "error", "warning", "info"]
+Status = Literal["applies", "does not apply", "unknown", "disabled"]  # a row, for one run
+
+log = logging.getLogger("levers9.quirks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,3 +231,75 @@ QUIRKS: tuple[Quirk, ...] = (
         evidence=("pytorch docs torch_nccl_environment_variables.rst", "pytorch ProcessGroupNCCL.hpp"),
     ),
 )
+
+
+# --- what the rows decide for one run (quirks.py makes it) -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class QuirkOutcome:
+    """What one row decided for one plan (doctor shows these)."""
+
+    quirk: Quirk
+    status: Status
+    detail: str  # what matched, or the first condition that did not
+    set_env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # set by this row
+    kept: Mapping[str, str] = dataclasses.field(default_factory=dict)  # already set by the user, left alone
+    message: str = ""  # the error / warning / applied sentence when it applies
+
+    def says(self, action: str) -> bool:
+        """True when the row applies and its action is `action`."""
+        return self.status == "applies" and self.quirk.action == action
+
+
+@dataclasses.dataclass(frozen=True)
+class QuirkPlan:
+    """What the registry decided for one run: one outcome per row; the rest is derived from them."""
+
+    outcomes: tuple[QuirkOutcome, ...] = ()
+
+    @property
+    def set_env(self) -> dict[str, str]:
+        """The defaults to set: every applying row's variables, the first row to name one winning."""
+        env: dict[str, str] = {}
+        for o in self.outcomes:
+            for key, value in o.set_env.items():
+                env.setdefault(key, value)
+        return env
+
+    @property
+    def errors(self) -> list[str]:
+        """The messages of applying "error" rows."""
+        return [o.message for o in self.outcomes if o.says("error")]
+
+    @property
+    def warnings(self) -> list[str]:
+        """The messages of applying "warning" rows, and a line for each error or warning row that could not be checked."""
+        out = []
+        for o in self.outcomes:
+            if o.says("warning"):
+                out.append(o.message)
+            elif o.status == "unknown" and o.quirk.action in ("error", "warning"):
+                out.append(f"[{o.quirk.id}] could not be checked: {o.detail}. {o.quirk.description}")
+        return out
+
+    @property
+    def applied(self) -> list[tuple[str, str]]:
+        """(id, sentence) of each "set-env" row that set something."""
+        return [(o.quirk.id, o.message) for o in self.outcomes if o.says("set-env") and o.set_env]
+
+    def raise_errors(self) -> None:
+        """Raise QuirkError with every error message, if there are any."""
+        if self.errors:
+            raise QuirkError("\n\n".join(self.errors))
+
+    def log(self) -> None:
+        """One WARNING line per quirk that set something and per warning, on levers9.quirks: a changed NCCL
+        setting is something a user must hear about without configuring logging."""
+        for _, sentence in self.applied:
+            log.warning("%s", sentence)
+        for warning in self.warnings:
+            log.warning("%s", warning)
+        for o in self.outcomes:
+            if o.says("set-env") and o.kept and not o.set_env:
+                log.debug("%s", o.message)

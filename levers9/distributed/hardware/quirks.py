@@ -15,27 +15,22 @@ logged once on rank 0 and shown by `levers9 doctor`. Users add rows with `regist
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
 from collections.abc import Iterable, Mapping
-from typing import Literal
 
 from levers9 import runtime
 from levers9.distributed.hardware.cards import Card, Inventory
 from levers9.distributed.hardware.nccl import NcclInfo
 from levers9.distributed.hardware.platform import Platform
 from levers9.distributed.hardware.quirk_checks import Facts, check_match
-from levers9.distributed.hardware.quirk_rows import QUIRKS, Quirk
-from levers9.errors import ConfigError, QuirkError
+from levers9.distributed.hardware.quirk_rows import QUIRKS, Quirk, QuirkOutcome, QuirkPlan
+from levers9.errors import ConfigError
 
 log = logging.getLogger("levers9.quirks")
 
 DISABLE_VAR = "LEVERS9_DISABLE_QUIRKS"
-
-Status = Literal["applies", "does not apply", "unknown", "disabled"]
-
 
 # --- the registry -------------------------------------------------------------------------------
 
@@ -64,78 +59,6 @@ def all_quirks() -> tuple[Quirk, ...]:
         user = dict(_user_rows)
     rows = [user.pop(q.id, q) for q in QUIRKS]
     return (*rows, *user.values())
-
-
-# --- the plan -----------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class QuirkOutcome:
-    """What one row decided for one plan (doctor shows these)."""
-
-    quirk: Quirk
-    status: Status
-    detail: str  # what matched, or the first condition that did not
-    set_env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # set by this row
-    kept: Mapping[str, str] = dataclasses.field(default_factory=dict)  # already set by the user, left alone
-    message: str = ""  # the error / warning / applied sentence when it applies
-
-    def says(self, action: str) -> bool:
-        """True when the row applies and its action is `action`."""
-        return self.status == "applies" and self.quirk.action == action
-
-
-@dataclasses.dataclass(frozen=True)
-class QuirkPlan:
-    """What the registry decided for one run: one outcome per row; the rest is derived from them."""
-
-    outcomes: tuple[QuirkOutcome, ...] = ()
-
-    @property
-    def set_env(self) -> dict[str, str]:
-        """The defaults to set: every applying row's variables, the first row to name one winning."""
-        env: dict[str, str] = {}
-        for o in self.outcomes:
-            for key, value in o.set_env.items():
-                env.setdefault(key, value)
-        return env
-
-    @property
-    def errors(self) -> list[str]:
-        """The messages of applying "error" rows."""
-        return [o.message for o in self.outcomes if o.says("error")]
-
-    @property
-    def warnings(self) -> list[str]:
-        """The messages of applying "warning" rows, and a line for each error or warning row that could not be checked."""
-        out = []
-        for o in self.outcomes:
-            if o.says("warning"):
-                out.append(o.message)
-            elif o.status == "unknown" and o.quirk.action in ("error", "warning"):
-                out.append(f"[{o.quirk.id}] could not be checked: {o.detail}. {o.quirk.description}")
-        return out
-
-    @property
-    def applied(self) -> list[tuple[str, str]]:
-        """(id, sentence) of each "set-env" row that set something."""
-        return [(o.quirk.id, o.message) for o in self.outcomes if o.says("set-env") and o.set_env]
-
-    def raise_errors(self) -> None:
-        """Raise QuirkError with every error message, if there are any."""
-        if self.errors:
-            raise QuirkError("\n\n".join(self.errors))
-
-    def log(self) -> None:
-        """One WARNING line per quirk that set something and per warning, on levers9.quirks: a changed NCCL
-        setting is something a user must hear about without configuring logging."""
-        for _, sentence in self.applied:
-            log.warning("%s", sentence)
-        for warning in self.warnings:
-            log.warning("%s", warning)
-        for o in self.outcomes:
-            if o.says("set-env") and o.kept and not o.set_env:
-                log.debug("%s", o.message)
 
 
 def check_quirk_ids(ids: Iterable[str], *, source: str = "disable_quirks=") -> None:
