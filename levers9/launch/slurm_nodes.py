@@ -18,12 +18,12 @@ ARRAY_LIMIT = 256  # the default concurrency limit of a map when the cluster's s
 
 @dataclasses.dataclass(frozen=True)
 class SlurmNode:
-    """A node as `sinfo -N` lists it: its name, its GPUs (GRES gpu), its CPUs and partition."""
+    """A node as `sinfo -N` lists it: its name, its GPUs (GRES gpu), its CPUs and partition(s)."""
 
     name: str
     cards: int
     cpus: int
-    partition: str
+    partition: str  # 'gpu', or 'gpu, preempt' for a node of several
     state: str
     types: tuple[tuple[str, int], ...] = ()  # (GRES type as the cluster names it, cards): (("a100", 4),)
 
@@ -73,13 +73,15 @@ def cluster_nodes(partition: str | None) -> list[SlurmNode]:
     done = _slurm(command, "read the cluster's nodes")
     if partition and not done.stdout.strip():  # sinfo answers nothing for a partition that does not exist
         check_partitions(partition)
-    nodes: list[SlurmNode] = []
+    nodes: dict[str, SlurmNode] = {}
     for line in done.stdout.splitlines():
         name, gres, cpus, part, state = (line.split("|") + ["", "", "", "", ""])[:5]
-        if name and all(node.name != name for node in nodes):  # a node of several partitions once
-            nodes.append(SlurmNode(name, _gres_gpus(gres), int(cpus) if cpus.isdigit() else 1, part.rstrip("*"), state,
-                                   _gres_types(gres)))  # fmt: skip
-    return nodes
+        if name in nodes:  # a node of several partitions is one node, in each of them
+            nodes[name] = dataclasses.replace(nodes[name], partition=f"{nodes[name].partition}, {part.rstrip('*')}")
+        elif name:
+            nodes[name] = SlurmNode(name, _gres_gpus(gres), int(cpus) if cpus.isdigit() else 1, part.rstrip("*"), state,
+                                    _gres_types(gres))  # fmt: skip
+    return list(nodes.values())
 
 
 def check_partitions(partition: str) -> None:
