@@ -144,6 +144,25 @@ def fail_on(cfg: dict[str, Any]) -> None:
     time.sleep(120)
 
 
+def fail_apart(cfg: dict[str, Any]) -> None:
+    """Every rank joins a collective; then rank cfg['first'] raises NodeError, and rank cfg['second'] raises KeyError
+    cfg['gap'] s later (it waits for the first's mark at cfg['mark']); the others wait in a collective."""
+    from levers9 import distributed as dist
+
+    dist.all_reduce_mean(1.0)  # every rank is up
+    mark = Path(cfg["mark"])
+    if dist.rank() == cfg["first"]:
+        mark.touch()
+        raise NodeError(f"rank {dist.rank()} fails first")
+    if dist.rank() == cfg["second"]:
+        while not mark.exists():
+            time.sleep(0.002)
+        time.sleep(cfg["gap"])
+        raise KeyError(f"rank {dist.rank()} fails second")
+    dist.all_reduce_mean(1.0)  # the others wait here for the failed ranks
+    time.sleep(120)
+
+
 def park(cfg: dict[str, Any]) -> None:
     """Every rank writes its pid and parent's pid, then waits in a collective (for the test to break a node)."""
     from levers9 import distributed as dist

@@ -33,7 +33,7 @@ from levers9.errors import (
 )
 from levers9.launch import Retries, job
 from levers9.launch.settings import update_settings
-from tests import jobfns, ray_cluster, slurm_cluster
+from tests import jobfns, nodefns, ray_cluster, slurm_cluster
 
 pytestmark = pytest.mark.procs
 
@@ -402,6 +402,17 @@ def test_output_is_streamed_with_the_cell_as_prefix(backend: str, cards: Cards, 
     out, err = capfd.readouterr()
     assert "[noisy #0] line 1 to stdout" in out and "[noisy #1] line 0 to stdout" in out
     assert "[noisy #1] a line to stderr" in err
+
+
+def test_of_two_ranks_failing_apart_every_backend_names_the_first_in_time(
+    backend: str, cards: Cards, multi_gpu: None, tmp_path: Path
+) -> None:
+    """Rank 3 raises, rank 1 raises 50 ms later (on SLURM they are on different nodes): every backend names rank 3
+    with its own exception type, by the core's root-cause rule (first in time), not the lowest rank that failed."""
+    fn = job(gpu=cards.type, gpu_count=4, timeout=120, stop_grace=2.0, backend=backend)(nodefns.train)
+    cfg = {"fn": "fail_apart", "first": 3, "second": 1, "gap": 0.05, "mark": str(tmp_path / "first-failed")}
+    with pytest.raises(nodefns.NodeError, match="rank 3 fails first"):
+        fn.remote(cfg)
 
 
 def test_multi_card_job_runs_distributed_ranks(backend: str, cards: Cards, multi_gpu: None) -> None:

@@ -39,7 +39,7 @@ from levers9.distributed.store_server import hosted_store
 from levers9.errors import ConfigError, FailureKind, NodeLost, RankFailure, RunTimeout, StallError
 from levers9.procs import lines, start
 from levers9.procs.failure import FailureRecord
-from levers9.procs.outcome import Outcome, StopReason, root_cause
+from levers9.procs.outcome import Outcome, StopReason, root_cause, this_clock, wall_clock
 from levers9.procs.supervise import ROOT_CAUSE_WINDOW_S, Supervisor
 from levers9.procs.watch import Child, Ended, exit_on_terminate
 from levers9.retries import RetryPolicy
@@ -87,11 +87,6 @@ def socket_env(address: str, user_env: dict[str, str]) -> dict[str, str]:
     return {name: iface for name in SOCKET_VARS if name not in user_env}
 
 
-def _wall(when_monotonic: float) -> float:
-    """A monotonic instant of this machine as wall-clock time, comparable with other nodes' reports."""
-    return time.time() - (time.monotonic() - when_monotonic)
-
-
 def rank_failure_of(report: Report) -> RankFailure:
     """The caller's RankFailure for a node's report of a failed rank."""
     outcome = Outcome(report.pid, report.exitcode, report.signal, failure=report.failure, reported=True)
@@ -101,7 +96,7 @@ def rank_failure_of(report: Report) -> RankFailure:
 def report_of(child: Child, rank: int, node: int, address: str) -> Report:
     """A Report for a failed child, timed by its own failure record (or, for a crash, when it was seen ending)."""
     seen = child.failure.when if child.failure is not None else child.ended_at
-    when = time.time() if seen is None else _wall(seen)
+    when = time.time() if seen is None else wall_clock(seen)
     return Report(rank, node, address, child.pid, child.exitcode, child.signal, child.failure, tuple(child.tail), when)
 
 
@@ -307,7 +302,7 @@ class NodeShare(Ended):
         return self.status is not None
 
     def _failed(self, report: Report) -> None:
-        here = time.monotonic() - (time.time() - report.wall)  # its wall-clock time on this machine's clock
+        here = this_clock(report.wall)
         self.rank, self.pid, self.tail, self.reported = report.rank, report.pid, report.tail, True
         self.failure = None if report.failure is None else dataclasses.replace(report.failure, when=here)
         self.status, self.ended_at = (report.exitcode, report.signal), here

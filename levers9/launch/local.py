@@ -21,7 +21,6 @@ from concurrent.futures import Future
 from typing import Any
 
 from levers9.context import JobContext
-from levers9.errors import JobTimeout
 from levers9.launch import job_process, outcomes
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
@@ -117,12 +116,10 @@ class _LocalCell:
                 )
             except TimeoutError:
                 free = len(self.leases.free_slots())
-                raise JobTimeout(
-                    f"{self.label} waited {spec.queue_timeout:g} s (queue_timeout) for {spec.describe_cards()} "
-                    f"at once; {free} of this machine's {len(self.pool.cards)} cards are free now "
-                    f"({self.pool.describe()}). Raise queue_timeout=, or leave it None to wait.",
-                    kind="queue",
-                ) from None
+                raise outcomes.queue_timed_out(
+                    self.label, spec.queue_timeout, f"{spec.describe_cards()} at once",
+                    f"{free} of this machine's {len(self.pool.cards)} cards are free now ({self.pool.describe()})",
+                ) from None  # fmt: skip
             if lease is None:
                 raise Cancelled()
         try:

@@ -179,6 +179,29 @@ def timed_out(run: JobAttempt, timeout: float | None, pid: int, node: str | None
     )
 
 
+def queue_timed_out(label: str, queue_timeout: float | None, waited_for: str, now: str) -> JobTimeout:
+    """The error for a cell that waited `queue_timeout` s for `waited_for` without starting (kind "queue": no
+    retry or restart cures it); `now` says what the backend sees free or pending now."""
+    assert queue_timeout is not None  # only a spec with a queue_timeout waits out
+    return JobTimeout(
+        f"{label} waited {queue_timeout:g} s (queue_timeout) for {waited_for}; {now}. Raise queue_timeout=, or "
+        f"leave it None to wait.",
+        kind="queue",
+    )
+
+
+def ended_without_outcome(run: JobAttempt, where: str, how: str, tail: OutputTail, kind: FailureKind, *,
+                          pid: int = 0, oom_killed: bool = False, hint: str = "") -> JobCrashed | JobTimeout:  # fmt: skip
+    """The error for an attempt that ended with no outcome of its own reported (its task, job or node lost, a
+    cancel or limit from outside): `where` names it ('(SLURM job 5 on l9node1)'), `how` says how it ended."""
+    message = (f"{run.label}{where} {how} before returning; {run.attempts}.{hint} Last output:\n{tail.last_output}\n"
+               f"{run.where}")  # fmt: skip
+    if kind is FailureKind.TIMEOUT:
+        return JobTimeout(message)
+    failure = JobFailure(cell=run.index, pid=pid, output_tail=tail.text, kind=kind, oom_killed=oom_killed)
+    return JobCrashed(message, failure, kind=kind)
+
+
 def finish(run: JobAttempt, outcome: Outcome, tail: OutputTail, timeout: float | None, meta: dict[str, Any],
            node: str | None = None) -> Any:  # fmt: skip
     """What a supervised attempt comes to, the same for every backend: its meta.json written (how it ran

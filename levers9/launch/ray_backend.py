@@ -40,8 +40,6 @@ import ray
 from levers9.errors import (
     FailureKind,
     InfeasibleJobError,
-    JobCrashed,
-    JobFailure,
     JobTimeout,
     NotShippableError,
     first_line,
@@ -358,12 +356,8 @@ class _RayCell:
 
     def _queue_timeout(self) -> JobTimeout:
         spec = self.batch.spec
-        return JobTimeout(
-            f"{self.label} waited {spec.queue_timeout:g} s (queue_timeout) for {spec.describe_cards()} at once "
-            f"on a Ray node; the cluster has {_free_gpus()} GPU(s) free now. Raise queue_timeout=, or leave it "
-            f"None to wait.",
-            kind="queue",
-        )
+        return outcomes.queue_timed_out(self.label, spec.queue_timeout, f"{spec.describe_cards()} at once on a Ray node",
+                                        f"the cluster has {_free_gpus()} GPU(s) free now")  # fmt: skip
 
     def _follow(self, current: _RayTask, attempt: int) -> Any:
         """Read the task's items (started, output, end) into events, logs and the outcome."""
@@ -402,9 +396,8 @@ class _RayCell:
         if end is None:
             if current.killed_for == "cancel" or self.stopped():
                 raise Cancelled()
-            raise JobCrashed(
-                f"{self.label}: its Ray task ended without reporting an outcome; {run.attempts}. {run.where}"
-            )
+            raise outcomes.ended_without_outcome(run, "", "ended with no outcome from its Ray task", tail,
+                                                 FailureKind.CRASH)  # fmt: skip
         node = "?" if info is None else info.node
         meta = {} if info is None else {"node": info.node, "node_id": info.node_id, "cards": info.cards, "started": info.time}
         return outcomes.finish(run, end.outcome, tail, spec.timeout, {**meta, "ended": end.time}, node)
@@ -421,13 +414,9 @@ class _RayCell:
             raise Cancelled() from None
         if isinstance(exc, ray.exceptions.RayTaskError):
             raise exc.as_instanceof_cause() from None  # levers9's own task code failed
-        raise JobCrashed(
-            f"{self.label}: the Ray task running it was lost ({type(exc).__name__}: {first_line(str(exc))}); "
-            f"{run.attempts}. The node may have died or run out of memory. Last output:\n{tail.last_output}\n"
-            f"{run.where}",
-            JobFailure(cell=self.cell.index, pid=0 if info is None else info.pid, output_tail=tail.text,
-                       kind=FailureKind.LOST),
-            kind=FailureKind.LOST,
+        raise outcomes.ended_without_outcome(
+            run, "", f"lost the Ray task running it ({type(exc).__name__}: {first_line(str(exc))})", tail,
+            FailureKind.LOST, pid=0 if info is None else info.pid, hint=" The node may have died or run out of memory.",
         ) from exc
 
 

@@ -38,7 +38,6 @@ from levers9 import state_files
 from levers9.errors import (
     FailureKind,
     JobConfigError,
-    JobTimeout,
     NotShippableError,
 )
 from levers9.launch import job_process, outcomes, slurm_collect, slurm_nodes, slurm_options, slurm_task
@@ -291,12 +290,9 @@ class SlurmCell:
                     self.submitter.cancel(tracker.job_id)
                 if deadline is not None and time.monotonic() > deadline:
                     self.submitter.cancel(tracker.job_id)
-                    raise JobTimeout(
-                        f"{self.label} waited {spec.queue_timeout:g} s (queue_timeout) for SLURM to start it "
-                        f"(SLURM job {tracker.job_id}: {tracker.state}, reason {tracker.reason or 'none given'}). "
-                        f"Raise queue_timeout=, or leave it None to wait.",
-                        kind="queue",
-                    )
+                    raise outcomes.queue_timed_out(self.label, spec.queue_timeout, "SLURM to start it",
+                                                   f"SLURM job {tracker.job_id} is {tracker.state}, reason "
+                                                   f"{tracker.reason or 'none given'}")  # fmt: skip
             if attempt == 1 and restart == 0 and not self.future.set_running_or_notify_cancel():
                 self.submitter.cancel(tracker.job_id)
                 raise Cancelled()

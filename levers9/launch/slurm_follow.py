@@ -26,11 +26,12 @@ from submitit.core import utils as submitit_utils
 
 from levers9 import state_files
 from levers9.distributed.detect import expand_nodelist
-from levers9.errors import FailureKind, JobCrashed, JobFailure, JobTimeout
+from levers9.errors import FailureKind, JobTimeout
 from levers9.launch import outcomes, slurm_nodes, slurm_task
 from levers9.launch.outcomes import Cancelled, OutputTail
 from levers9.launch.slurm_collect import ENDED, queue_states
-from levers9.procs.outcome import Outcome
+from levers9.procs.outcome import Outcome, root_cause, this_clock
+from levers9.procs.supervise import ROOT_CAUSE_WINDOW_S
 from levers9.state_files import AppendLog
 
 if TYPE_CHECKING:
@@ -46,6 +47,8 @@ RUNNING = {"RUNNING", "COMPLETING", "STOPPED", "SUSPENDED", "SIGNALING", "STAGE_
 REQUEUED_WORDS = ("DUE TO JOB REQUEUE", "DUE TO PREEMPTION", slurm_task.REQUEUE_WORDS)
 REQUEUE_WAIT_POLLS = 60  # squeue answers (about a second apart) a requeued job may show as ended
 ROOT_WAIT_S = 3.0  # how long reports of a lost peer wait for the report of the rank that failed first
+# after the first report of a failure of its own, how long an earlier one on its way (written, not yet read) is awaited
+ROOT_WINDOW_S = ROOT_CAUSE_WINDOW_S + 2 * POLL_S
 REAPER = Path(__file__).with_name("slurm_reaper.py")
 
 
@@ -167,7 +170,8 @@ class Tracker:
         self.report: slurm_task.TaskReport | None = None
         self.ended_state = ""  # SLURM's state when the job ended without a report
         self.timed_out = False
-        self.peer_loss_at: float | None = None  # when a rank first reported losing a peer
+        self.peer_loss_at: float | None = None  # when a rank's failure was first read (of any kind)
+        self.own_failure_at: float | None = None  # when a failure of its own (not a lost peer) was first read
         self.died: tuple[str, str, str] | None = None  # (node, tasks, how) of srun's "task N: Killed" line
         self.said: SlurmSaid | None = None  # slurmstepd's "*** JOB ... CANCELLED AT ... ***" line, if it ended the job
         self.oom_said = ""  # SLURM's own line on an out-of-memory kill in the job's cgroup
@@ -206,16 +210,21 @@ class Tracker:
             return
         reports = sorted(self._reports(), key=lambda r: r.rank)
         failed = [r for r in reports if r.failure is not None]
-        roots = [r for r in failed if r.failure is not None and not r.failure.peer_loss]
+        own = [r for r in failed if r.failure is not None and not r.failure.peer_loss]
+        now = time.monotonic()
         if failed and self.peer_loss_at is None:
-            self.peer_loss_at = time.monotonic()
-        if not roots and self.died is not None:  # a rank died without a report (a signal): it is the news,
+            self.peer_loss_at = now
+        if own and self.own_failure_at is None:
+            self.own_failure_at = now
+        if not own and self.died is not None:  # a rank died without a report (a signal): it is the news,
             self.submitter.cancel(self.job_id)  # not the peers that lost it
             self._end(None)
             return
-        lost_long_ago = self.peer_loss_at is not None and time.monotonic() - self.peer_loss_at > ROOT_WAIT_S
-        if roots or (failed and (self.state in ENDED or lost_long_ago)):
-            self._end((roots or failed)[0])  # the rank that failed first, not the peers that lost it
+        over = self.state in ENDED or len(reports) == len(self.results)
+        own_long_ago = self.own_failure_at is not None and now - self.own_failure_at >= ROOT_WINDOW_S
+        lost_long_ago = self.peer_loss_at is not None and now - self.peer_loss_at > ROOT_WAIT_S
+        if failed and (over or own_long_ago or lost_long_ago):
+            self._end(_root_report(failed))  # the rank that failed first, not the peers that lost it
             return
         if not failed and reports and reports[0].rank == 0:
             self._end(reports[0])
@@ -297,13 +306,9 @@ class Tracker:
             run.write_meta({**meta, "attempt": run.attempt, "killed_for": None,
                             **({"died": self.died[2]} if self.died is not None else {})})  # fmt: skip
             kind, how = self._ending()
-            message = (f"{run.label} (SLURM job {self.job_id} on {self.node or '?'}) {how} before returning; "
-                       f"{run.attempts}.{self.hint} Last output:\n{self.tail.last_output}\n{run.where}")  # fmt: skip
-            if kind is FailureKind.TIMEOUT:
-                raise JobTimeout(message)
-            raise JobCrashed(message, JobFailure(cell=self.cell.cell.index, pid=0, output_tail=self.tail.text, kind=kind,
-                                                 oom_killed=bool(self.oom_said) or self.ended_state == "OUT_OF_MEMORY"),
-                             kind=kind)  # fmt: skip
+            raise outcomes.ended_without_outcome(run, f" (SLURM job {self.job_id} on {self.node or '?'})", how, self.tail,
+                                                 kind, oom_killed=bool(self.oom_said) or self.ended_state == "OUT_OF_MEMORY",
+                                                 hint=self.hint)  # fmt: skip
         node = f"{report.node} as rank {report.rank} of {where}"
         outcome = Outcome(pid=report.pid, exitcode=0 if report.failure is None else 1, signal=None,
                           value=report.value, failure=report.failure, reported=True)  # fmt: skip
@@ -365,6 +370,14 @@ class Tracker:
                 first = nodes.index(node) * per
                 return f"{first}-{first + per - 1}" if per > 1 else str(first)
         return ""
+
+
+def _root_report(failed: list[slurm_task.TaskReport]) -> slurm_task.TaskReport:
+    """The report of the root cause among failed ranks, by the core's rule (procs.outcome.root_cause: a failure of
+    its own before a lost peer, then the first in time), their times taken from each node's wall clock."""
+    outcomes = [Outcome(r.pid, 1, None, failure=r.failure if r.failure is None or r.wall is None else
+                        dataclasses.replace(r.failure, when=this_clock(r.wall)), reported=True) for r in failed]  # fmt: skip
+    return failed[outcomes.index(root_cause(outcomes))]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,6 +40,7 @@ from levers9.launch import job_process
 from levers9.launch.scratch import remove_scratch_dir, scratch_dir
 from levers9.launch.spec import JobSpec
 from levers9.procs.failure import FailureRecord, capture, exit_status, ship_value, unship
+from levers9.procs.outcome import wall_clock
 from levers9.runtime import Runtime
 from levers9.state_files import write_atomic
 
@@ -57,6 +58,7 @@ class TaskReport:
     pid: int
     value: bytes | None = None
     failure: FailureRecord | None = None
+    wall: float | None = None  # when it failed, on the wall clock: the caller orders reports of several nodes by it
 
 
 def run_task(payload: dict[str, Any]) -> TaskReport:
@@ -82,9 +84,11 @@ def run_task(payload: dict[str, Any]) -> TaskReport:
         del returned
         report = TaskReport(rank, node, os.getpid(), value=value)
     except SystemExit as exc:
-        report = TaskReport(rank, node, os.getpid(), failure=capture(exc, exit_status(exc)))
+        failure = capture(exc, exit_status(exc))
+        report = TaskReport(rank, node, os.getpid(), failure=failure, wall=wall_clock(failure.when))
     except Exception as exc:
-        report = TaskReport(rank, node, os.getpid(), failure=capture(exc))
+        failure = capture(exc)
+        report = TaskReport(rank, node, os.getpid(), failure=failure, wall=wall_clock(failure.when))
     finally:
         remove_scratch_dir(job_dir)
     if payload.get("requeue") and requeue_marker(payload["folder"], os.environ.get("SLURM_JOB_ID", "")).exists():

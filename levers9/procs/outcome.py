@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import time
 
 from levers9.errors import FailureKind
 from levers9.procs.failure import FailureRecord
@@ -84,6 +85,18 @@ def root_cause(outcomes: list[Outcome]) -> Outcome:
         return (outcome.stopped_for is not None, consequence(outcome.failure), math.inf if when is None else when)
 
     return min((o for o in outcomes if not o.succeeded), key=order)
+
+
+def wall_clock(when: float) -> float:
+    """A time.monotonic() instant of this machine as wall-clock time: how a failure's time travels to another
+    machine, whose monotonic clock is not this one's."""
+    return time.time() - (time.monotonic() - when)
+
+
+def this_clock(wall: float) -> float:
+    """Another machine's wall-clock instant (`wall_clock`) on this machine's time.monotonic() clock, so that
+    `root_cause` can order it beside this machine's own."""
+    return time.monotonic() - (time.time() - wall)
 
 
 def kind_of(outcome: Outcome) -> FailureKind | None:
