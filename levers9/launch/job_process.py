@@ -1,5 +1,6 @@
 """Child side: what runs inside a job process, the same for every backend.
 
+`TaskPayload` is what a cluster's task (a Ray task, a SLURM job's task) is given for one attempt of one cell.
 `job_env` is the environment a job sees (its cards, thread counts, the user's env); what it knows about
 itself travels as a typed JobContext inside the JobTarget, which levers9.procs runs in the job
 process: it enters the context, applies GPU quirks on real cards,
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,8 +20,52 @@ from levers9 import runtime
 from levers9.context import GangContext, JobContext
 from levers9.errors import NotShippableError
 from levers9.launch.spec import JobSpec
-from levers9.procs.failure import ship, ship_value
+from levers9.procs.failure import ship, ship_value, unship
 from levers9.runtime import Runtime
+
+
+@dataclasses.dataclass(frozen=True)
+class GangSlot:
+    """Where an attempt across nodes was placed: a Ray placement group, one bundle per node of `share` cards of
+    `gpu_type` ("": any)."""
+
+    pg: Any  # ray.util.placement_group.PlacementGroup
+    share: int
+    nodes: int
+    gpu_type: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskPayload:
+    """One attempt of one cell, as a cluster's task gets it (a Ray task; each task of a SLURM job). A backend sets
+    the fields after `attempt` that its tasks read."""
+
+    sys_path: tuple[str, ...]  # the caller's import path, so the function unpickles on the node
+    func: bytes  # the job's function, shipped
+    arguments: bytes  # (args, kwargs), shipped
+    spec: JobSpec
+    run_id: str
+    index: int  # the cell
+    attempt: int = 0  # set per attempt (1 first)
+    gpu_type: str = ""  # the plan's card type ("": any, or read from the cards)
+    gang: GangSlot | None = None  # Ray, across nodes: the placement group, set per attempt
+    tasks: int = 1  # SLURM: the job's tasks (one per rank across nodes; one runs a whole job)
+    restart: int = 0  # SLURM, across nodes: restarts so far of this attempt (max_restarts=), a new job each
+    requeue: bool = False  # SLURM: requeue at the time limit's early signal (slurm_task.py)
+    folder: str = ""  # SLURM: the batch's folder of job files, which every node shares
+    result_path: str = ""  # a detached job's own store of its value, for resume ("" when not detached)
+    secret: str = ""  # SLURM, across nodes: the group's keys start with it (slurm_task._meeting_place)
+
+    def use_sys_path(self) -> None:
+        """Put the caller's import path first on this process's, as the caller had it."""
+        for entry in reversed(self.sys_path):
+            if entry not in sys.path:
+                sys.path.insert(0, entry)
+
+    def call(self) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+        """The job's function and its arguments, unshipped (after `use_sys_path`)."""
+        args, kwargs = unship(self.arguments)
+        return unship(self.func), args, kwargs
 
 
 def job_env(spec: JobSpec, nvml_indices: list[int]) -> dict[str, str]:

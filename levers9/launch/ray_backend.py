@@ -47,6 +47,7 @@ from levers9.errors import (
 from levers9.launch import job_process, outcomes, ray_gang
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
+from levers9.launch.job_process import GangSlot, TaskPayload
 from levers9.launch.lanes import dispatch
 from levers9.launch.local import LocalBackend
 from levers9.launch.outcomes import Cancelled, OutputTail
@@ -55,7 +56,6 @@ from levers9.launch.ray_admission import Admission, Entry
 from levers9.launch.ray_cli import node_resources, resource_name
 from levers9.launch.ray_gang import Node
 from levers9.launch.ray_node_task import TaskEnded, TaskOutput, TaskStarted, node_task
-from levers9.launch.ray_task import GangSlot, TaskPayload
 from levers9.launch.spec import JobSpec
 from levers9.procs.failure import ship
 from levers9.state_files import AppendLog
@@ -100,7 +100,8 @@ class RayBackend:
                     f"the arguments of {batch.cell_label(cell)} {cell.describe()} cannot be pickled "
                     f"({type(exc).__name__}: {exc}); pass plain data, or a path to a file."
                 ) from exc
-            payload = TaskPayload(sys_path, func_blob, arguments, batch.spec, batch.run_id, cell.index, plan.gpu_type)
+            payload = TaskPayload(sys_path, func_blob, arguments, batch.spec, batch.run_id, cell.index,
+                                  gpu_type=plan.gpu_type)  # fmt: skip
             cells.append(_RayCell(self, batch, cell, plan, payload))
         dispatch(batch, cells, 2 * plan.capacity(nodes))
         return [c.future for c in cells]

@@ -25,8 +25,8 @@ from levers9.context import GangContext, describe_split
 from levers9.distributed.control_store import ControlStore
 from levers9.distributed.store_server import serve_store
 from levers9.errors import InfeasibleJobError
+from levers9.launch.job_process import TaskPayload
 from levers9.launch.ray_cli import RESOURCE_PREFIX, resource_name
-from levers9.launch.ray_task import AgentPayload, TaskPayload
 from levers9.launch.scratch import remove_scratch_dir, scratch_dir
 from levers9.launch.spec import JobSpec
 
@@ -202,6 +202,17 @@ def bundle_addresses(pg: Any) -> tuple[str, ...]:
 
 
 # ---- inside node 0's Ray task -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentPayload:
+    """What an agent's Ray task on node `gang.node_index` gets: its job's task payload (no placement group), the
+    gang as that node sees it, and which agent of that node it is."""
+
+    task: TaskPayload
+    gang: GangContext
+    generation: int  # one more per replacement of the node's agent; an older one exits
+    first_attempt: int  # the attempt it starts at (a replacement joins a restart)
 
 
 @contextlib.contextmanager

@@ -18,10 +18,9 @@ import ray
 
 from levers9.context import describe_split
 from levers9.launch import job_process, ray_gang
-from levers9.launch.ray_task import TaskPayload
+from levers9.launch.job_process import TaskPayload
 from levers9.launch.scratch import remove_scratch_dir, scratch_dir
 from levers9.procs import start
-from levers9.procs.failure import unship
 from levers9.procs.outcome import Outcome
 from levers9.procs.supervise import Supervisor
 from levers9.procs.watch import Watcher
@@ -61,8 +60,7 @@ def run_on_node(payload: TaskPayload) -> Iterator[TaskStarted | TaskOutput | Tas
     """Start the cell as a job process with exactly this task's cards, supervise it, and report on it: one
     TaskStarted, TaskOutput items with batches of lines, one TaskEnded with the job's Outcome."""
     payload.use_sys_path()
-    func = unship(payload.func)
-    args, kwargs = unship(payload.arguments)
+    func, args, kwargs = payload.call()
     spec = payload.spec
     index, attempt = payload.index, payload.attempt
     ids = [str(i) for i in ray.get_gpu_ids()] if spec.gpu_count else []

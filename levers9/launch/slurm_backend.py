@@ -44,6 +44,7 @@ from levers9.launch import job_process, outcomes, slurm_collect, slurm_nodes, sl
 from levers9.launch.backend import Batch
 from levers9.launch.cell_keys import cell_key, function_key
 from levers9.launch.cells import Cell
+from levers9.launch.job_process import TaskPayload
 from levers9.launch.lanes import dispatch
 from levers9.launch.outcomes import Cancelled
 from levers9.launch.run_reader import RESULTS
@@ -144,7 +145,7 @@ class Submitter:
         self.executor.update_parameters(**params)
         self.reaper = Reaper(spec.stop_grace)
 
-    def submit_all(self, payloads: list[dict[str, Any]], cells: list[SlurmCell]) -> list[Tracker]:
+    def submit_all(self, payloads: list[TaskPayload], cells: list[SlurmCell]) -> list[Tracker]:
         """Every cell's first attempt: one job, or one job array."""
         try:
             if len(payloads) == 1:
@@ -163,7 +164,7 @@ class Submitter:
             slurm_collect.record(self.folder, cell.cell.index, str(job.job_id))
         return [Tracker(self, cell, str(job.job_id), 1) for cell, job in zip(cells, jobs, strict=True)]
 
-    def submit_one(self, payload: dict[str, Any], cell: SlurmCell, attempt: int) -> Tracker:
+    def submit_one(self, payload: TaskPayload, cell: SlurmCell, attempt: int) -> Tracker:
         """One more attempt of one cell, as a single job."""
         try:
             job = self.executor.submit(slurm_task.run_task, payload)
@@ -213,22 +214,13 @@ class SlurmCell:
         self.future: Future[Any] = Future()
         self.future.add_done_callback(self._on_done)
 
-    def payload(self, attempt: int, restart: int = 0) -> dict[str, Any]:
-        return {
-            "sys_path": [p for p in sys.path if p],
-            "func": self.func_blob,
-            "arguments": self.arguments,
-            "spec": self.batch.spec,
-            "run_id": self.batch.run_id,
-            "index": self.cell.index,
-            "attempt": attempt,
-            "restart": restart,  # restarts so far of this attempt of a job across nodes (max_restarts=): a new job each
-            "tasks": self.submitter.plan.nodes * self.submitter.plan.tasks,
-            "requeue": "requeue" in self.submitter.options,  # at the time limit's early signal (slurm_task.py)
-            "folder": str(self.submitter.folder),
-            "result_path": self.result_path,
-            "secret": secrets.token_hex(16),  # the group's keys start with it (slurm_task._meeting_place)
-        }
+    def payload(self, attempt: int, restart: int = 0) -> TaskPayload:
+        return TaskPayload(
+            tuple(p for p in sys.path if p), self.func_blob, self.arguments, self.batch.spec, self.batch.run_id,
+            self.cell.index, attempt, tasks=self.submitter.plan.nodes * self.submitter.plan.tasks, restart=restart,
+            requeue="requeue" in self.submitter.options, folder=str(self.submitter.folder),
+            result_path=self.result_path, secret=secrets.token_hex(16),
+        )  # fmt: skip
 
     def _on_done(self, future: Future[Any]) -> None:
         self.follower.cell_over()

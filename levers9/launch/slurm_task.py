@@ -37,9 +37,9 @@ from levers9.distributed.restarts import attempt_env
 from levers9.distributed.store_server import serve_store
 from levers9.errors import LauncherEnvError
 from levers9.launch import job_process
+from levers9.launch.job_process import TaskPayload
 from levers9.launch.scratch import remove_scratch_dir, scratch_dir
-from levers9.launch.spec import JobSpec
-from levers9.procs.failure import FailureRecord, capture, exit_status, ship_value, unship
+from levers9.procs.failure import FailureRecord, capture, exit_status, ship_value
 from levers9.procs.outcome import wall_clock
 from levers9.runtime import Runtime
 from levers9.state_files import write_atomic
@@ -61,25 +61,25 @@ class TaskReport:
     wall: float | None = None  # when it failed, on the wall clock: the caller orders reports of several nodes by it
 
 
-def run_task(payload: dict[str, Any]) -> TaskReport:
+def run_task(payload: TaskPayload) -> TaskReport:
     """Run this task's part of the cell in `payload` and report how it ended (never raises an Exception); a run
     being requeued (at the time limit) ends without a report: the job's next run reports."""
     # submitit's worker ignores SIGTERM (it waits for a requeue); levers9's cancel is SIGTERM, then the kill after
     # stop_grace, as on a workstation: the default ends the task, and a handler the function installs can save
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if payload.get("requeue") and os.environ.get("SLURM_PROCID", "0") == "0":
+    if payload.requeue and os.environ.get("SLURM_PROCID", "0") == "0":
         # SLURM's early signal before the time limit (--signal=USR2@N)
-        requeue = functools.partial(_requeue, payload["folder"], payload["spec"].stop_grace, os.getpid())
+        requeue = functools.partial(_requeue, payload.folder, payload.spec.stop_grace, os.getpid())
         signal.signal(signal.SIGUSR2, requeue)
     else:  # submitit asks every job for the early signal (#SBATCH --signal=USR2@N), and its handler would raise
         signal.signal(signal.SIGUSR2, _early_signal_ignored)  # UncompletedJobError in the function, before timeout=
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    job_dir = scratch_dir("slurm", int(payload["index"]), int(payload["attempt"]))
+    job_dir = scratch_dir("slurm", payload.index, payload.attempt)
     try:
         returned = _call(payload, job_dir)
-        if rank == 0 and payload.get("result_path"):
-            _store_for_resume(Path(payload["result_path"]), returned)
+        if rank == 0 and payload.result_path:
+            _store_for_resume(Path(payload.result_path), returned)
         value = ship_value(returned, "the job's return value")
         del returned
         report = TaskReport(rank, node, os.getpid(), value=value)
@@ -91,7 +91,7 @@ def run_task(payload: dict[str, Any]) -> TaskReport:
         report = TaskReport(rank, node, os.getpid(), failure=failure, wall=wall_clock(failure.when))
     finally:
         remove_scratch_dir(job_dir)
-    if payload.get("requeue") and requeue_marker(payload["folder"], os.environ.get("SLURM_JOB_ID", "")).exists():
+    if payload.requeue and requeue_marker(payload.folder, os.environ.get("SLURM_JOB_ID", "")).exists():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # no result file: what a handler's sys.exit() left is not this cell's outcome
@@ -145,24 +145,21 @@ def _requeue(folder: str, grace: float, task_pid: int, _signum: int, _frame: Any
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
 
-def _call(payload: dict[str, Any], job_dir: Path) -> Any:
-    for entry in reversed(payload["sys_path"]):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
-    func = unship(payload["func"])
-    args, kwargs = unship(payload["arguments"])
-    spec: JobSpec = payload["spec"]
+def _call(payload: TaskPayload, job_dir: Path) -> Any:
+    payload.use_sys_path()
+    func, args, kwargs = payload.call()
+    spec = payload.spec
     ids = [c for c in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if c.strip()] if spec.gpu_count else []
     # the job's environment as on the other backends (job_env: thread counts, the user's env=, the cards in
     # PCI bus order, as SLURM numbers them); SLURM's cards, and none for a CPU job, which SLURM would leave
     # seeing every card of its node
     os.environ.update(job_process.job_env(spec, []), CUDA_VISIBLE_DEVICES=",".join(ids))
-    attempt = int(payload["attempt"]) + int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    context = job_process.task_context(spec, payload["run_id"], int(payload["index"]), attempt, str(job_dir), ids)
-    if int(payload["tasks"]) == 1:
+    attempt = payload.attempt + int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    context = job_process.task_context(spec, payload.run_id, payload.index, attempt, str(job_dir), ids)
+    if payload.tasks == 1:
         return job_process.JobTarget(func, args, kwargs, context).call()
-    os.environ.update(attempt_env(int(payload.get("restart", 0)), spec.max_restarts))  # this rank's restart count
-    os.environ.update(_meeting_place(payload["folder"], payload.get("secret", "")))
+    os.environ.update(attempt_env(payload.restart, spec.max_restarts))  # this rank's restart count
+    os.environ.update(_meeting_place(payload.folder, payload.secret))
     runtime.begin(Runtime(job=context))
     return dist.run(functools.partial(func, *args, **kwargs))
 
