@@ -77,7 +77,8 @@ def cluster_nodes(partition: str | None) -> list[SlurmNode]:
     for line in done.stdout.splitlines():
         name, gres, cpus, part, state = (line.split("|") + ["", "", "", "", ""])[:5]
         if name in nodes:  # a node of several partitions is one node, in each of them
-            nodes[name] = dataclasses.replace(nodes[name], partition=f"{nodes[name].partition}, {part.rstrip('*')}")
+            partitions = sorted({*nodes[name].partition.split(", "), part.rstrip("*")})  # sorted: sinfo lists them in no set order
+            nodes[name] = dataclasses.replace(nodes[name], partition=", ".join(partitions))
         elif name:
             nodes[name] = SlurmNode(name, _gres_gpus(gres), int(cpus) if cpus.isdigit() else 1, part.rstrip("*"), state,
                                     _gres_types(gres))  # fmt: skip
