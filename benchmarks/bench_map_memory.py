@@ -12,7 +12,7 @@ Each process reports its resident memory (RSS) once warm (imports done, a few ce
 RSS while the map ran (VmHWM, reset by /proc/self/clear_refs just before the map). Results held until the
 end would show as CELLS x SIZE (400 MB by default); results let go once read, as a few MB.
 
-    python benchmarks/bench_map_memory.py [--cells 10000] [--size 40000] [--before TREE]
+    python benchmarks/bench_map_memory.py [--cells 10000] [--size 40000] [--before TREE] [--only NAME ...]
 
 --before TREE also runs the levers9 rows with the levers9 of another checkout (PYTHONPATH=TREE), side by
 side. levers9's run folder (which stores every result for resume, CELLS x SIZE on disk) goes to a
@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--cells", type=int, default=10_000)
     parser.add_argument("--size", type=int, default=40_000, help="bytes each cell returns")
     parser.add_argument("--before", help="a checkout of levers9 before a change: its levers9 rows side by side")
+    parser.add_argument("--only", action="append", choices=CONTENDERS, help="run this contender (repeatable; default: all)")
     args = parser.parse_args()
     print(f"{args.cells} cells of {args.size} bytes, each result dropped once read; python {sys.version.split()[0]}, "
           f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}")  # fmt: skip
@@ -97,7 +98,7 @@ def main() -> None:
         script = Path(tmp) / "map_memory.py"
         script.write_text(CHILD.format(size=args.size))
         trees = [("", str(HERE.parent))] + ([(", before", args.before)] if args.before else [])
-        runs = [(name + label, name, tree) for name in CONTENDERS for label, tree in trees
+        runs = [(name + label, name, tree) for name in args.only or CONTENDERS for label, tree in trees
                 if name.startswith("levers9") or not label]  # fmt: skip
         for number, (title, contender, tree) in enumerate(runs):  # each row as it comes: a 10,000-cell map is long
             state = os.path.join(tmp, f"state-{number}")
