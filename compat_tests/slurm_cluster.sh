@@ -94,6 +94,12 @@ write_config() {
         gres+="NodeName=$n Name=gpu Type=$GPU_TYPE File=$DIR/dev/$n/nvidia[0-1]"$'\n'
     done
     printf '%s' "$gres" >"$DIR/gres.conf"
+    # SLURM 24 and later start a cgroup plugin even under proctrack/linuxproc; this cluster uses none (a chroot or a
+    # container may have no cgroup file system at all). 22.05 knows no CgroupPlugin=disabled, and needs no file.
+    rm -f "$DIR/cgroup.conf"
+    if (($(slurmd -V | grep -oE '[0-9]+' | head -n 1) >= 24)); then
+        echo "CgroupPlugin=disabled" >"$DIR/cgroup.conf"
+    fi
     cat >"$CONF" <<EOF
 # Written by compat_tests/slurm_cluster.sh; rewritten on every start.
 ClusterName=levers9
