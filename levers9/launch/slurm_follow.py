@@ -170,7 +170,7 @@ class Tracker:
         self.report: slurm_task.TaskReport | None = None
         self.ended_state = ""  # SLURM's state when the job ended without a report
         self.timed_out = False
-        self.peer_loss_at: float | None = None  # when a rank's failure was first read (of any kind)
+        self.failed_at: float | None = None  # when a rank's failure was first read (of any kind)
         self.own_failure_at: float | None = None  # when a failure of its own (not a lost peer) was first read
         self.died: tuple[str, str, str] | None = None  # (node, tasks, how) of srun's "task N: Killed" line
         self.said: SlurmSaid | None = None  # slurmstepd's "*** JOB ... CANCELLED AT ... ***" line, if it ended the job
@@ -212,8 +212,8 @@ class Tracker:
         failed = [r for r in reports if r.failure is not None]
         own = [r for r in failed if r.failure is not None and not r.failure.peer_loss]
         now = time.monotonic()
-        if failed and self.peer_loss_at is None:
-            self.peer_loss_at = now
+        if failed and self.failed_at is None:
+            self.failed_at = now
         if own and self.own_failure_at is None:
             self.own_failure_at = now
         if not own and self.died is not None:  # a rank died without a report (a signal): it is the news,
@@ -222,8 +222,8 @@ class Tracker:
             return
         over = self.state in ENDED or len(reports) == len(self.results)
         own_long_ago = self.own_failure_at is not None and now - self.own_failure_at >= ROOT_WINDOW_S
-        lost_long_ago = self.peer_loss_at is not None and now - self.peer_loss_at > ROOT_WAIT_S
-        if failed and (over or own_long_ago or lost_long_ago):
+        failed_long_ago = self.failed_at is not None and now - self.failed_at > ROOT_WAIT_S
+        if failed and (over or own_long_ago or failed_long_ago):
             self._end(_root_report(failed))  # the rank that failed first, not the peers that lost it
             return
         if not failed and reports and reports[0].rank == 0:
@@ -375,9 +375,9 @@ class Tracker:
 def _root_report(failed: list[slurm_task.TaskReport]) -> slurm_task.TaskReport:
     """The report of the root cause among failed ranks, by the core's rule (procs.outcome.root_cause: a failure of
     its own before a lost peer, then the first in time), their times taken from each node's wall clock."""
-    outcomes = [Outcome(r.pid, 1, None, failure=r.failure if r.failure is None or r.wall is None else
-                        dataclasses.replace(r.failure, when=this_clock(r.wall)), reported=True) for r in failed]  # fmt: skip
-    return failed[outcomes.index(root_cause(outcomes))]
+    ended = [Outcome(r.pid, 1, None, failure=r.failure if r.failure is None or r.wall is None else
+                     dataclasses.replace(r.failure, when=this_clock(r.wall)), reported=True) for r in failed]  # fmt: skip
+    return failed[ended.index(root_cause(ended))]
 
 
 @dataclasses.dataclass(frozen=True)
