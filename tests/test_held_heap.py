@@ -35,11 +35,9 @@ def _caller(tmp_path: Path, *flags: str) -> dict:
 def test_a_collection_while_forked_ranks_live_copies_none_of_the_callers_heap(tmp_path: Path) -> None:
     """Before: a 62 MB heap of small objects and torch's own made 102 MB of the caller's memory its own."""
     found = _caller(tmp_path)
-    assert found["frozen_after"] == found["frozen_before"], found  # the collector as the caller left it
-    if found["frozen_before"]:  # CPython 3.12 starts with objects of its own frozen (its static types' tuples):
-        assert not found["heap_still_frozen"], found  # nothing can be handed back alone there, so none is held
-        return  # (docs/limitations.md)
     assert found["grew_kib"] < found["heap_kib"] / 8, found
+    # everything handed back: the collector as the caller left it (CPython 3.12 keeps 375 objects of its own frozen)
+    assert found["frozen_after"] == found["frozen_before"] and not found["heap_still_frozen"], found
 
 
 @pytest.mark.timeout(240)
@@ -52,6 +50,7 @@ def test_a_callers_own_freeze_is_kept_as_it_was(tmp_path: Path) -> None:
 
 
 def _held_in_fn(cfg: object) -> int:
+    gc.collect()  # CPython 3.12 freezes its own immortal objects again at a full collection (after any unfreeze)
     return gc.get_freeze_count()
 
 
@@ -60,4 +59,5 @@ def test_fn_in_place_and_a_refused_call_leave_the_collector_as_the_caller_left_i
     assert dist.run(_held_in_fn, None, nprocs=1) == before  # fn runs here: nothing of the caller's held
     with pytest.raises(ConfigError):
         dist.run(_held_in_fn, None, nprocs=2, timeout=-1)
+    gc.collect()  # CPython 3.12 freezes its own immortal objects again at a full collection (after any unfreeze)
     assert gc.get_freeze_count() == before

@@ -164,8 +164,8 @@ def test_levers9_leaves_torch_and_the_process_as_a_process_that_never_imported_i
     assert _differences(caller, plain) == {}  # the caller, after distributed.run
     torchrun = _tagged(_state("torchrun", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]).stdout, "RANK ")[0]
     # A forked rank holds what it inherited out of its collector (procs/interpreter.py); a fresh interpreter has
-    # none but what it froze itself (CPython 3.12: its static types' tuples). On or off and the thresholds must
-    # still be a worker's.
+    # none but what the interpreter froze of its own (CPython 3.12: its static types' tuples). On or off and the
+    # thresholds must still be a worker's.
     assert rank["collector"][2] > torchrun["collector"][2]
     rank["collector"][2] = torchrun["collector"][2]
     assert _differences(rank, torchrun) == {}  # a rank, inside fn, against a torchrun worker in its group

@@ -170,12 +170,12 @@ def _on(node: str | None) -> str:
     return "" if node is None else f" on {node}"
 
 
-def timed_out(run: JobAttempt, timeout: float | None, pid: int, node: str | None = None) -> JobTimeout:
-    """The error for an attempt whose process group (pid, on `node` if not this machine) was killed
-    after `timeout` seconds."""
+def timed_out(run: JobAttempt, timeout: float | None, stopped: str) -> JobTimeout:
+    """The error for an attempt stopped after `timeout` seconds; `stopped` says what was stopped and how ('its
+    process group 12 was killed', 'SLURM job 5 on l9node1 was cancelled')."""
     return JobTimeout(
-        f"{run.label} exceeded timeout={timeout:g}s ({run.attempts}); its process group {pid}{_on(node)} "
-        f"was killed and its cards freed. Raise timeout= if it needs longer. {run.where}"
+        f"{run.label} exceeded timeout={timeout:g}s ({run.attempts}); {stopped} and its cards freed. Raise timeout= if "
+        f"it needs longer. {run.where}"
     )
 
 
@@ -213,7 +213,7 @@ def finish(run: JobAttempt, outcome: Outcome, tail: OutputTail, timeout: float |
     if stopped is StopReason.CANCEL:
         raise Cancelled()
     if stopped is StopReason.TIMEOUT:
-        raise timed_out(run, timeout, outcome.pid, node)
+        raise timed_out(run, timeout, f"its process group {outcome.pid}{_on(node)} was killed")
     return result(run, outcome, tail, node)
 
 

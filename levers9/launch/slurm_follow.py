@@ -26,7 +26,7 @@ from submitit.core import utils as submitit_utils
 
 from levers9 import state_files
 from levers9.distributed.detect import expand_nodelist
-from levers9.errors import FailureKind, JobTimeout
+from levers9.errors import FailureKind
 from levers9.launch import outcomes, slurm_nodes, slurm_task
 from levers9.launch.outcomes import Cancelled, OutputTail
 from levers9.launch.slurm_collect import ENDED, queue_states
@@ -296,10 +296,7 @@ class Tracker:
         meta = {"slurm_job": self.job_id, "node": self.node, "state": self.state}
         if self.timed_out:
             run.write_meta({**meta, "attempt": run.attempt, "killed_for": "timeout"})
-            raise JobTimeout(
-                f"{run.label} exceeded timeout={spec.timeout:g}s ({run.attempts}); SLURM job {self.job_id} on "
-                f"{self.node or '?'} was cancelled and its cards freed. Raise timeout= if it needs longer. {run.where}"
-            )
+            raise outcomes.timed_out(run, spec.timeout, f"SLURM job {self.job_id} on {self.node or '?'} was cancelled")
         if report is None:
             if self.cell.stopped():
                 raise Cancelled()

@@ -7,23 +7,41 @@ collections this process makes meanwhile: starting the ranks does not pay that c
 collection while they live does not write into each object's header, which would copy every page the
 ranks still share with this process (copy-on-write). After, they are handed back to the collector as
 they were, and the collection that was due falls due again. A caller that froze objects itself keeps its
-own freeze as it is: nothing is held or handed back then; the same on CPython 3.12, whose interpreter starts
-with objects of its own frozen.
+own freeze as it is: nothing is held or handed back then.
+
+CPython 3.12 keeps objects of its own frozen (its immortal static types' tuples: 375 in a bare interpreter), and
+puts them back in the frozen generation at every full collection; a freeze of no more than that is the
+interpreter's, not the caller's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import subprocess
+import sys
 from collections.abc import Iterator
+
+
+@functools.cache
+def _interpreters_own_freeze() -> int:
+    """How many objects this Python keeps frozen of its own: 0, but on CPython 3.12 (read once, from a bare
+    interpreter of the same executable)."""
+    if sys.version_info[:2] != (3, 12):
+        return 0
+    with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
+        bare = subprocess.run([sys.executable, "-I", "-S", "-c", "import gc; print(gc.get_freeze_count())"],
+                              capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+        return int(bare.stdout)
+    return 0
 
 
 @contextlib.contextmanager
 def held_heap() -> Iterator[None]:
     """Within: the objects this process has now are out of its collector's reach (not freed by it, not
     traversed). After, even on an exception: every one of them is back, unless the caller held some itself."""
-    if gc.get_freeze_count():  # the caller's own freeze, or CPython 3.12's of its own static types' tuples: leave
-        # it (gc.unfreeze would hand back all of it), and hold nothing
+    if gc.get_freeze_count() > _interpreters_own_freeze():  # the caller's own freeze: leave it, and hand back nothing
         yield
         return
     gc.freeze()

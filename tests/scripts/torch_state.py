@@ -48,6 +48,7 @@ def snapshot() -> dict[str, Any]:
     functions["torch.autograd.backward"] = _where(torch.autograd.backward)
     functions["DistributedDataParallel.__init__"] = _where(DistributedDataParallel.__init__)
     root = logging.getLogger()
+    gc.collect()  # the collector as it settles: CPython 3.12 freezes its own immortal objects again at a full one
     return {
         "functions": functions,
         "rendezvous": {scheme: _where(fn) for scheme, fn in rendezvous._rendezvous_handlers.items()},
