@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from levers9.distributed import slurm_env
 from levers9.distributed.detect import DETECTORS, LaunchInfo, detect, expand_nodelist
 from levers9.errors import LauncherEnvError
 
@@ -79,6 +80,17 @@ def test_slurm_master_from_env_wins() -> None:
 def test_sbatch_script_without_srun_is_not_a_rank() -> None:
     env = {k: v for k, v in SRUN.items() if k != "SLURM_STEP_ID"}
     assert detect(env).launcher == "single"
+
+
+@pytest.mark.parametrize("step", ["-5", "-4", "4294967291"])  # the batch and extern steps: SLURM 24+, and unsigned
+def test_a_job_scripts_own_step_id_is_not_an_srun_step(step: str) -> None:
+    """SLURM 24 and later export SLURM_STEP_ID=-5 to the job script itself (seen on 26.05, Debian unstable's): it
+    is no task of srun's, and a script that asked for several tasks is told to use srun instead of waiting for
+    peers that never start."""
+    env = {**SRUN, "SLURM_STEP_ID": step, "SLURM_STEPID": step}
+    assert detect(env).launcher == "single"
+    with pytest.raises(LauncherEnvError, match="was not started by srun"):
+        slurm_env.check_started_by_srun({**env, "SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2"})
 
 
 @pytest.mark.parametrize(

@@ -249,7 +249,9 @@ def _scancel_once_started(started: Path, env: dict[str, str]) -> threading.Threa
     return thread
 
 
-CANCELLED_BY_SLURM = r"was cancelled in SLURM \(scancel: .*not by levers9\) at \S+ \(SLURM: \*\*\* JOB \d+ ON l9node\d CANCELLED AT \S+ \*\*\*\)"
+# SLURM 24 and later add the signal to a plain scancel's line: '... CANCELLED AT <time> DUE to SIGNAL Terminated ***'
+CANCELLED_BY_SLURM = (r"was cancelled in SLURM \(scancel: .*not by levers9\) at \S+ \(SLURM: \*\*\* JOB \d+ ON l9node\d CANCELLED "
+                      r"AT \S+( DUE to SIGNAL \w+)? \*\*\*\)")
 
 
 def test_a_job_cancelled_in_slurm_is_named_cancelled_not_out_of_memory(

@@ -127,7 +127,7 @@ def _tasks_on_node(spec: str, node: int) -> int:
 def detect_slurm(env: Mapping[str, str]) -> LaunchInfo | None:
     """A task of several started by `srun`: SLURM_PROCID with a job step (SLURM_STEP_ID). An sbatch script itself
     is not a rank, and neither is a step of one task: it is a world of one that may start its own ranks."""
-    if "SLURM_PROCID" not in env or not ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
+    if "SLURM_PROCID" not in env or slurm_env.step_id(env) is None:
         return None
     size_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
     _require(env, (size_var, "SLURM_LOCALID"), "slurm", "SLURM_PROCID")

@@ -14,6 +14,7 @@ from levers9.errors import LauncherEnvError
 PORT_BASE = 10000
 PORT_SPAN = 20000  # 10000-29999: below Linux's ephemeral range (32768-60999), so no outgoing socket holds it
 _STEP_STRIDE = 7919  # a prime: steps 1-9 of a job land thousands of ports away from the next job ids
+_SPECIAL_STEPS = 0xFFFFFFF0  # SLURM's own step ids (batch, extern, interactive) as unsigned numbers, and above
 
 
 def master_port(env: Mapping[str, str]) -> int | None:
@@ -26,15 +27,22 @@ def master_port(env: Mapping[str, str]) -> int | None:
     job_id = env.get("SLURM_JOB_ID", "")
     if not job_id.isdigit():
         return None
-    step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or "0"
-    step_number = int(step) if step.isdigit() and int(step) < 1_000_000 else 0  # "batch"/"extern" steps: 0
-    return PORT_BASE + (int(job_id) + _STEP_STRIDE * step_number) % PORT_SPAN
+    return PORT_BASE + (int(job_id) + _STEP_STRIDE * (step_id(env) or 0)) % PORT_SPAN  # the batch step's as step 0
+
+
+def step_id(env: Mapping[str, str]) -> int | None:
+    """The srun job step this process is a task of (0, 1, ...), from SLURM_STEP_ID (SLURM_STEPID before 20.11);
+    None outside a step. SLURM 24 and later give the job script itself a step id too, -5 (its batch step), and
+    the extern step -4: neither is srun's."""
+    value = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or ""
+    step = int(value) if value.isdigit() else None  # "-5", "-4": the batch and extern steps, as SLURM 24+ writes them
+    return step if step is not None and step < _SPECIAL_STEPS else None
 
 
 def check_started_by_srun(env: Mapping[str, str]) -> None:
     """Raise if this process is an sbatch script's own (no job step) in a job that asked for several tasks:
     `python train.py` without `srun` runs once where the script asked SLURM for many tasks."""
-    if "SLURM_JOB_ID" not in env or "SLURM_STEP_ID" in env or "SLURM_STEPID" in env:
+    if "SLURM_JOB_ID" not in env or step_id(env) is not None:
         return
     tasks = env.get("SLURM_NTASKS", "1")
     nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"

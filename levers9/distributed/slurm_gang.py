@@ -53,7 +53,7 @@ def _count(env: Mapping[str, str], *names: str) -> int:
 
 def step_shape(env: Mapping[str, str]) -> tuple[int, int] | None:
     """(nodes, tasks) of the srun step this process is a task of; None outside a step."""
-    if "SLURM_PROCID" not in env or not ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
+    if "SLURM_PROCID" not in env or slurm_env.step_id(env) is None:
         return None
     return (_count(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES"), _count(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"))
 
