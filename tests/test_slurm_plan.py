@@ -125,3 +125,30 @@ def test_the_ranks_of_a_job_across_nodes_meet_where_rank_0_names(tmp_path: Path,
         monkeypatch.setenv("MASTER_PORT", str(taken.getsockname()[1]))
         with pytest.raises(LauncherEnvError, match=r"the port is MASTER_PORT=\d+, from the job's env=.*drop MASTER_PORT"):
             slurm_task._meeting_place(str(tmp_path / "other"), "s" * 32)
+
+
+def _slurm_commands(folder: Path, enforce: str, assoc: str, assoc_exit: int = 0) -> str:
+    """A PATH where `scontrol show config` and `sacctmgr show assoc` answer as a cluster would (the commands are
+    the boundary the check reads; the real cluster's case is tests/test_slurm.py)."""
+    (folder / "scontrol").write_text(f"#!/bin/sh\nprintf 'ClusterName             = lab\\nAccountingStorageEnforce = {enforce}\\n'\n")
+    (folder / "sacctmgr").write_text(f"#!/bin/sh\nprintf '{assoc}'\nexit {assoc_exit}\n")
+    for name in ("scontrol", "sacctmgr"):
+        (folder / name).chmod(0o755)
+    return f"{folder}:/usr/bin:/bin"
+
+
+def test_account_and_qos_are_checked_only_where_accounting_enforces_them_and_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from levers9.launch.slurm_nodes import check_account_and_qos
+
+    monkeypatch.setenv("PATH", _slurm_commands(tmp_path, "associations,limits,qos", "lab|normal,fast\\n"))
+    check_account_and_qos("lab", "fast")
+    with pytest.raises(JobConfigError, match=r"charge no account 'nosuch'; the accounts \S+ may use are: lab "):
+        check_account_and_qos("nosuch", None)
+    with pytest.raises(JobConfigError, match=r"use no QOS 'slow' under account 'lab'; the QOS allowed are: fast, normal"):
+        check_account_and_qos("lab", "slow")
+    monkeypatch.setenv("PATH", _slurm_commands(tmp_path, "none", "lab|normal\\n"))
+    check_account_and_qos("nosuch", "slow")  # not enforced: SLURM ignores both, sbatch judges
+    monkeypatch.setenv("PATH", _slurm_commands(tmp_path, "associations", "", assoc_exit=1))
+    check_account_and_qos("nosuch", None)  # slurmdbd did not answer: sbatch judges

@@ -110,11 +110,17 @@ def check_account_and_qos(account: str | None, qos: str | None) -> None:
     enforced = set(config.get("AccountingStorageEnforce", "").split(","))
     if not enforced & {"associations", "limits", "qos", "safe"}:
         return
-    user = pwd.getpwuid(os.getuid()).pw_name
-    listed = subprocess.run(["sacctmgr", "-nP", "show", "assoc", "where", f"user={user}",
-                             f"cluster={config.get('ClusterName', '')}", "format=account,qos"],
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
-    if listed.returncode != 0:  # slurmdbd unreachable: sbatch answers for itself
+    try:
+        user = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:  # a uid with no passwd entry (a container's): SLURM's accounting knows it by none either
+        return
+    try:
+        listed = subprocess.run(["sacctmgr", "-nP", "show", "assoc", "where", f"user={user}",
+                                 f"cluster={config.get('ClusterName', '')}", "format=account,qos"],
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return  # slurmdbd too slow or sacctmgr not runnable: sbatch answers for itself
+    if listed.returncode != 0:  # slurmdbd unreachable: the same
         return
     charges = [line.split("|") + [""] for line in listed.stdout.splitlines() if line.strip()]
     accounts = sorted({fields[0] for fields in charges})
