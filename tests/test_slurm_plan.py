@@ -152,3 +152,30 @@ def test_account_and_qos_are_checked_only_where_accounting_enforces_them_and_ans
     check_account_and_qos("nosuch", "slow")  # not enforced: SLURM ignores both, sbatch judges
     monkeypatch.setenv("PATH", _slurm_commands(tmp_path, "associations", "", assoc_exit=1))
     check_account_and_qos("nosuch", None)  # slurmdbd did not answer: sbatch judges
+
+
+OLD_PAYLOAD = """
+import sys
+from levers9.launch import slurm_task
+from levers9.launch.spec import JobSpec
+from levers9.procs.failure import ship, unship_value
+from tests import slurmfns
+
+payload = {"sys_path": list(sys.path), "func": ship(slurmfns.square), "arguments": ship(((7,), {})),
+           "spec": JobSpec("old"), "run_id": "r", "index": 0, "attempt": 1, "restart": 0, "tasks": 1,
+           "requeue": False, "folder": sys.argv[1], "result_path": "", "secret": "s"}
+report = slurm_task.run_task(payload)
+print("VALUE", unship_value(report.value, "the value"), report.failure)
+"""
+
+
+def test_a_job_submitted_with_the_old_dict_payload_still_runs(tmp_path: Path) -> None:
+    """A SLURM job pending while levers9 was upgraded runs the new code with the old dict payload."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", OLD_PAYLOAD, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1],
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})  # fmt: skip
+    assert "VALUE 49 None" in done.stdout, done.stdout + done.stderr

@@ -61,9 +61,11 @@ class TaskReport:
     wall: float | None = None  # when it failed, on the wall clock: the caller orders reports of several nodes by it
 
 
-def run_task(payload: TaskPayload) -> TaskReport:
+def run_task(payload: TaskPayload | dict[str, Any]) -> TaskReport:
     """Run this task's part of the cell in `payload` and report how it ended (never raises an Exception); a run
     being requeued (at the time limit) ends without a report: the job's next run reports."""
+    if isinstance(payload, dict):  # a job submitted by levers9 before TaskPayload, pending while levers9 was upgraded
+        payload = TaskPayload(**{**payload, "sys_path": tuple(payload["sys_path"])})
     # submitit's worker ignores SIGTERM (it waits for a requeue); levers9's cancel is SIGTERM, then the kill after
     # stop_grace, as on a workstation: the default ends the task, and a handler the function installs can save
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
