@@ -2,8 +2,9 @@
 
     python benchmarks/code_paths.py [TREE ...]      # each TREE a checkout (default: this one)
 
-For each checkout (put first on PYTHONPATH; the probe runs in a folder of its own, so the current one never shadows it), runs both calls for real (2 gloo ranks; a 4-cell map on 4
-simulated cards) and counts the levers9 modules loaded in the caller and in the children: the files
+For each checkout (put first on PYTHONPATH; the probe runs in a folder of its own, so the current one never
+shadows it), runs each call for real in a process of its own that imports only what that call needs (2 gloo
+ranks; a 4-cell map on 4 simulated cards) and counts the levers9 modules loaded in the caller and in the children: the files
 the data passes through. Prints files, lines (wc -l) and code lines (no blank, comment or docstring
 lines) for each; then, by package folder (a call's own layer: distributed and procs for `run`, launch
 for `.map`), the functions that ran in the caller and the processes it forked (a profile hook records
@@ -49,13 +50,15 @@ os._exit = dump_and_exit
 sys.setprofile(note_call)
 threading.setprofile(note_call)
 import probe_fns
-from levers9 import distributed, job
+which = sys.argv[1]
+if which == "run":  # each call loads only its own layer, as a script that makes only that call does
+    from levers9 import distributed
+else:
+    from levers9 import job
 
 def loaded():
     return sorted(m.__file__ for m in list(sys.modules.values()) if m.__name__.startswith("levers9") and getattr(m, "__file__", None))
 
-before = set(loaded())
-which = sys.argv[1]
 if which == "run":
     child = distributed.run(probe_fns.rank_modules, None, nprocs=2)
 else:
@@ -156,10 +159,11 @@ def main() -> None:
             print(f"| {tree} | {which} | {len(texts)} | {lines} | {sum(code_lines(t) for t in texts)} |")
             ran[tree, which] = ran_by_layer(tree, found["ran"])
     print("\nThe functions that ran (caller and forked children), by package folder: files, lines from def to end")
-    print("| checkout | call | " + " | ".join(LAYERS) + " |\n| --- | --- |" + " --- |" * len(LAYERS))
+    print("| checkout | call | files in all | " + " | ".join(LAYERS) + " |\n| --- | --- | --- |" + " --- |" * len(LAYERS))
     for (tree, which), layers in ran.items():
         cells = (f"{layers[name][0]} files, {layers[name][1]} lines" if name in layers else "-" for name in LAYERS)
-        print(f"| {tree} | {which} | " + " | ".join(cells) + " |")
+        total = sum(files for files, _ in layers.values())
+        print(f"| {tree} | {which} | {total} | " + " | ".join(cells) + " |")
     for tree in args.trees:
         shared = shared_class_names(tree)
         print(f"\n{tree}: {len(shared)} class name(s) shared: " + "; ".join(f"{n} ({', '.join(p)})" for n, p in sorted(shared.items())))

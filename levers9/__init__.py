@@ -11,8 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from levers9.context import JobContext
-from levers9.runtime import current_job
+from levers9.runtime import JobContext, current_job
 
 __version__ = "0.1.0"
 __all__ = ["distributed", "launch", "job", "current_job", "JobContext", "__version__"]
@@ -28,3 +27,4 @@ def __getattr__(name: str) -> Any:
     if name == "job":
         return importlib.import_module("levers9.launch").job
     raise AttributeError(f"module 'levers9' has no attribute {name!r}")
+

@@ -14,7 +14,6 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from levers9.context import JobContext
     from levers9.distributed.hardware.quirk_rows import QuirkPlan
 
 
@@ -50,3 +49,74 @@ def begin(runtime: Runtime) -> None:
 def current_job() -> JobContext | None:
     """The job this process runs (in a job process and in the ranks it started), else None."""
     return _this_process.job
+
+
+# What a job process knows about the job it runs: one typed value, handed over with the job's function.
+#
+# The job layer builds a JobContext for each attempt and hands it to the job process inside the job's target
+# (as it is when forked, pickled for a fresh interpreter), never through environment variables.
+# `distributed.run` inside the job reads it: the job's cards (simulated or real) decide how many ranks start
+# and on which backend, and its stall_timeout and max_restarts are the run's defaults. Ranks started there
+# carry it on. The job's own code can ask `levers9.current_job()` which run, cell and attempt it is.
+
+
+@dataclasses.dataclass(frozen=True)
+class GangContext:
+    """A job that holds cards on several Ray nodes (issue 25), or `levers9 run` across nodes (srun's one task per
+    node, torchrun's --nnodes): where its control store is, and each node's share.
+
+    The job process runs on node 0; `distributed.run` there starts ranks 0..shares[0]-1 and asks the
+    levers9 agent on each other node (through the control store node 0's Ray task hosts) to start its
+    share. `node_index` is the node the holder of this value runs on."""
+
+    control_addr: str
+    control_port: int
+    addresses: tuple[str, ...]  # the Ray node address of each node, node 0 first
+    shares: tuple[int, ...]  # cards (ranks) on each node
+    node_index: int = 0
+    replace_within: float = 120.0  # seconds a restart waits for a node to replace a lost one (the job's queue_timeout)
+    # Starts every key of the control store and of the ranks' group: the stores listen on the cluster
+    # network, and only the job's own processes, handed this value by Ray, can name (so set) a key they read.
+    secret: str = ""
+    join_within: float = 120.0  # seconds node 0 waits for every other node's agent to join (then names the missing)
+    # What to look at when a node's agent never joined or went silent: how that node's agent is started.
+    check_node: str = "check that node in `ray status` and its Ray logs (the agent is a Ray task named levers9-agent)"
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.shares)
+
+    def first_rank(self, node: int) -> int:
+        """The global rank of node `node`'s local rank 0."""
+        return sum(self.shares[:node])
+
+    def describe(self) -> str:
+        """'4 as 2 nodes x 2: 127.0.0.2, 127.0.0.3'."""
+        return describe_split(self.world_size, self.shares, self.addresses)
+
+
+def describe_split(total: int, shares: tuple[int, ...], addresses: tuple[str, ...], gpu_type: str = "") -> str:
+    """'4 x RTXPro6000 as 2 nodes x 2: <ip>, <ip>' ('4 as ...' without a type), as the status line shows a plan."""
+    cards = f"{total} x {gpu_type}" if gpu_type else str(total)
+    return f"{cards} as {len(shares)} nodes x {shares[0]}: {', '.join(addresses)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class JobContext:
+    """One attempt of one cell: where it belongs, its cards, and the limits `distributed.run` inherits."""
+
+    run_id: str
+    cell_index: int
+    attempt: int
+    job_dir: str
+    gpu_count: int = 0
+    gpu_type: str = ""
+    simulated: bool = False  # the cards are LEVERS9_SIMULATE_GPUS's: ranks compute on the CPU with gloo
+    stall_timeout: float | None = None
+    max_restarts: int = 0
+    gang: GangContext | None = None  # set when the job holds cards on several Ray nodes
+
+    @property
+    def job_id(self) -> str:
+        """'<run id>/<cell index>', as `levers9 runs` names a cell."""
+        return f"{self.run_id}/{self.cell_index}"

@@ -23,7 +23,7 @@ import pytest
 
 from levers9.cli import main as cli_main
 from levers9.errors import JobConfigError, PrivateDirError, SettingsError
-from levers9.launch import job, run_reader, run_retention
+from levers9.launch import job, run_folder, run_reader
 from levers9.launch.settings import load_settings, runs_dir, settings_path
 from tests import ray_cluster
 from tests.proc_util import board_folders_of, remove_shm_boards_if_empty
@@ -281,7 +281,7 @@ def test_a_read_only_state_folder_used_before_never_costs_a_cell_nor_a_timed_run
 def test_cards_stay_exclusive_between_a_caller_whose_lease_folder_is_read_only_and_one_that_used_it_before(
     small_disk: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    from levers9.launch.leases import LeaseDir
+    from levers9.launch.local.leases import LeaseDir
 
     disk = small_disk("1m")
     fallback = tmp_path / "fallback"
@@ -417,7 +417,7 @@ def test_a_retention_of_one_never_removes_another_callers_run(tmp_path: Path) ->
         assert caller.returncode == 0 and out.strip() == "0", err[-2000:]
     left = [p.name for p in runs_dir().iterdir()]
     assert left and not any(n.startswith(".") for n in left), left  # no half-made folder left behind
-    run_retention.clean(keep=1)
+    run_folder.clean(keep=1)
     assert len(list(runs_dir().iterdir())) == 1
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, RemoteError
 from levers9.launch import job
-from levers9.launch.leases import LeaseDir
+from levers9.launch.local.leases import LeaseDir
 from levers9.launch.settings import lease_dir, runs_dir
 from tests import jobfns
 from tests.proc_util import CTRL_C_HANDLER, sigint_to_a_thread_that_is_not_main
@@ -60,6 +60,21 @@ def test_two_sweeps_in_two_processes_never_share_a_card() -> None:
         for b in results[i + 1 :]:
             if a["start"] < b["end"] and b["start"] < a["end"]:
                 assert a["cards"] != b["cards"], f"{a['tag']} and {b['tag']} shared card {a['cards']}"
+
+
+def test_a_local_map_loads_no_other_backends_code() -> None:
+    """The generic job layer imports no backend package; a local map, its settings file holding another backend's
+    table, loads the local backend's package and nothing of Ray's or SLURM's (their options included)."""
+    script = SWEEP + "print(sorted(m for m in sys.modules if m.startswith('levers9.launch.')))\n"
+    config = Path(os.environ["LEVERS9_CONFIG_DIR"])
+    config.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (config / "workspace.toml").write_text('[slurm]\npartition = "gpu"\n')
+    (config / "workspace.toml").chmod(0o600)
+    out = subprocess.run([sys.executable, "-c", script, "x"], env=_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    loaded = out.stdout.splitlines()[-1]
+    assert "levers9.launch.local" in loaded, loaded
+    assert "levers9.launch.slurm" not in loaded and "levers9.launch.ray" not in loaded, loaded
 
 
 def test_fresh_interpreter_path_keeps_the_semantics(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -174,7 +189,7 @@ def test_leases_fifo_and_dead_waiters_are_skipped(tmp_path: Path) -> None:
     lease.release()
     # a waiter that died holding the oldest ticket does not block the queue
     code = (
-        "import sys, time; from pathlib import Path; from levers9.launch.leases import LeaseDir; "
+        "import sys, time; from pathlib import Path; from levers9.launch.local.leases import LeaseDir; "
         "d = LeaseDir(Path(sys.argv[1]), ['c0', 'c1']); d.take_ticket([0, 1]); print('ok', flush=True); time.sleep(60)"
     )
     dead = subprocess.Popen(

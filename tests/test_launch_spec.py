@@ -11,10 +11,9 @@ import pytest
 from levers9.errors import InfeasibleJobError, JobConfigError, NotShippableError, WorkspacePolicyError
 from levers9.launch import Retries, job
 from levers9.launch.cells import expand, make_cells
-from levers9.launch.policy import check_feasible, check_policy
 from levers9.launch.pool import simulated_pool
 from levers9.launch.settings import load_settings
-from levers9.launch.spec import build_spec
+from levers9.launch.spec import build_spec, check_feasible, check_policy
 from tests import jobfns
 
 pytestmark = pytest.mark.fast

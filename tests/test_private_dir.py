@@ -124,7 +124,7 @@ def test_a_state_dir_inside_another_users_folder_is_refused(
 
 @pytest.mark.parametrize("kind", ["ray", "slurm"])
 def test_a_tasks_scratch_refuses_a_planted_symlink(shared_tmp: Path, tmp_path: Path, kind: str) -> None:
-    from levers9.launch.scratch import scratch_dir
+    from levers9.launch.job_process import scratch_dir
 
     target = tmp_path / "theirs"
     target.mkdir()

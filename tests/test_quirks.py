@@ -475,7 +475,7 @@ AGENT_ENV = textwrap.dedent(
     import json, os
     import pynvml  # the fake stands in for a driver
     from levers9 import runtime
-    from levers9.context import GangContext, JobContext
+    from levers9.runtime import GangContext, JobContext
     from levers9.distributed.hardware import quirks
     from levers9.launch import job_process
     gang = GangContext("127.0.0.1", 1, ("10.0.0.1", "10.0.0.2"), (2, 2), node_index=1)

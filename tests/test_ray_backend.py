@@ -52,7 +52,7 @@ def spec(**kwargs: Any) -> Any:
 
 
 def node(address: str, **resources: float) -> Any:
-    from levers9.launch.ray_gang import Node
+    from levers9.launch.ray.gang import Node
 
     return Node(address, {"CPU": 16.0, **resources})
 
@@ -61,7 +61,7 @@ def node(address: str, **resources: float) -> Any:
 
 
 def test_a_typed_job_asks_for_its_type_resource_and_no_cpu() -> None:
-    from levers9.launch.ray_backend import plan_job
+    from levers9.launch.ray.backend import plan_job
 
     nodes = [node("10.0.0.1", GPU=8, levers9_H100=8), node("10.0.0.2", GPU=4, levers9_RTXPro6000=4)]
     plan = plan_job(spec(gpu="RTXPro6000", gpu_count=2), nodes)
@@ -77,7 +77,7 @@ def test_a_typed_job_asks_for_its_type_resource_and_no_cpu() -> None:
 
 
 def test_no_node_could_hold_it_names_the_largest_node() -> None:
-    from levers9.launch.ray_backend import plan_job
+    from levers9.launch.ray.backend import plan_job
 
     nodes = [node("10.0.0.1", GPU=2, levers9_H100=2), node("10.0.0.2", GPU=4, levers9_RTXPro6000=4)]
     with pytest.raises(InfeasibleJobError, match=r"largest node is 10\.0\.0\.2 with 4× RTXPro6000"):
@@ -193,13 +193,13 @@ def test_node_args_from_real_card_names(
 def test_node_args_with_simulated_cards_and_with_none(capfd: pytest.CaptureFixture[str]) -> None:
     env = {**os.environ, "LEVERS9_SIMULATE_GPUS": "rtx pro 6000:2"}
     out = subprocess.run(
-        [sys.executable, "-m", "levers9.cli", "ray", "node-args"], env=env, capture_output=True, text=True
+        [sys.executable, "-m", "levers9", "ray", "node-args"], env=env, capture_output=True, text=True
     )
     assert (
         out.returncode == 0 and out.stdout.strip() == "--num-gpus=2 --resources='{\"levers9_RTXPro6000\":2}'"
     )
     bad = subprocess.run(
-        [sys.executable, "-m", "levers9.cli", "ray", "node-args"],
+        [sys.executable, "-m", "levers9", "ray", "node-args"],
         env={**os.environ, "LEVERS9_SIMULATE_GPUS": "RTXPro6000:x"},
         capture_output=True,
         text=True,
@@ -221,7 +221,7 @@ def test_no_cards_means_zero_gpus_and_a_hint(
 
 def test_importing_levers9_does_not_import_ray() -> None:
     code = (
-        "import sys, levers9, levers9.launch, levers9.distributed, levers9.launch.ray_cli, levers9.cli\n"
+        "import sys, levers9, levers9.launch, levers9.distributed, levers9.launch.ray.resources, levers9.cli\n"
         "levers9.cli.build_parser()\n"
         "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))"
     )

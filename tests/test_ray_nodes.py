@@ -178,13 +178,13 @@ def add_node(cluster: Any, address: str) -> None:
 
 
 def node(address: str, gpus: int) -> Any:
-    from levers9.launch.ray_gang import Node
+    from levers9.launch.ray.gang import Node
 
     return Node(address, {"CPU": 8.0, "GPU": float(gpus), f"levers9_{TYPE}": float(gpus)})
 
 
 def test_split_takes_the_fewest_nodes_of_equal_shares() -> None:
-    from levers9.launch.ray_gang import split
+    from levers9.launch.ray.gang import split
 
     assert split(4, [2, 2]) == (2, 2)
     assert split(16, [8, 8, 8]) == (2, 8)
@@ -195,8 +195,8 @@ def test_split_takes_the_fewest_nodes_of_equal_shares() -> None:
 
 
 def test_an_uneven_split_is_refused_with_a_table_of_the_nodes() -> None:
-    from levers9.launch.ray_backend import plan_job
-    from levers9.launch.ray_gang import plan_gang
+    from levers9.launch.ray.backend import plan_job
+    from levers9.launch.ray.gang import plan_gang
 
     spec = build_spec(name="cell", gpu=TYPE, gpu_count=3, timeout=None, retries=0, env=None, cpu=None, memory=None,
                       queue_timeout=None, stop_grace=10.0, stream_output=True)  # fmt: skip

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from levers9 import torchrun_env
 from levers9.cli import build_parser
 from levers9.cli import main as cli_main
+from levers9.cli import run as run_cli
 from levers9.distributed import torchrun_nodes
 from levers9.errors import ConfigError
 from tests.proc_util import children_of, free_port, left_behind
@@ -383,7 +383,7 @@ def test_every_torchrun_option_is_known_with_its_kind() -> None:
 
     read_from_pet = [a for a in get_args_parser()._actions if type(a).__name__ in ("env", "check_env")]
     theirs = {a.dest: type(a).__name__ == "check_env" for a in read_from_pet}
-    assert torchrun_env.TORCHRUN_OPTIONS == theirs
+    assert run_cli.TORCHRUN_OPTIONS == theirs
 
 
 def _ours(*argv: str) -> argparse.Namespace:

@@ -760,8 +760,8 @@ def test_run_script_raises_the_exit_code_of_a_rank() -> None:
     assert info.value.failure is not None and info.value.failure.exitcode == 3
 
 
-OTHER_COMMANDS = ("levers9.doctor", "levers9.launch.workspace_cli", "levers9.launch.runs_cli", "levers9.launch.ray_cli",
-                  "levers9.stacks_cli", "levers9.launch.settings", "tomlkit")  # fmt: skip
+OTHER_COMMANDS = ("levers9.cli.doctor", "levers9.cli.workspace", "levers9.cli.runs", "levers9.launch.ray.resources",
+                  "levers9.cli.stacks", "levers9.launch.settings", "tomlkit")  # fmt: skip
 
 
 def test_levers9_run_loads_no_other_subcommand_and_help_still_names_them_all() -> None:

@@ -448,7 +448,7 @@ def test_a_cancel_gives_the_job_its_stop_grace(on_slurm: None, env: dict[str, st
     assert wait_until(lambda: not squeue("l9-grace", env), 60), squeue("l9-grace", env)
     assert (tmp_path / "term").exists(), "the job never got SIGTERM"
     assert (tmp_path / "saved").read_text() == "saved"
-    reaper = f"{ROOT}/levers9/launch/slurm_reaper.py 30"  # the helper that kills after stop_grace=30
+    reaper = f"{ROOT}/levers9/launch/slurm/reaper.py 30"  # the helper that kills after stop_grace=30
     assert wait_until(lambda: subprocess.run(["pgrep", "-f", reaper], capture_output=True).returncode == 1, 25), \
         "the helper that kills after stop_grace did not leave when the job ended"
 
@@ -510,7 +510,7 @@ def test_a_detached_job_outlives_its_caller_and_is_collected_later(
     capsys.readouterr()
     assert cli_main(["runs", "result", "last", "--timeout", "90"]) == 0
     assert capsys.readouterr().out.strip() == "'slept'"
-    from levers9.launch import slurm_collect
+    from levers9.launch.slurm import collect as slurm_collect
 
     assert slurm_collect.result("last", 0) == "slept"
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from levers9.errors import InfeasibleJobError, JobConfigError, LauncherEnvError
+from levers9.errors import InfeasibleJobError, JobConfigError, LauncherEnvError, SettingsError
 from levers9.launch import job
-from levers9.launch.slurm_nodes import SlurmNode, SlurmPlan, _gres_gpus, _gres_types, plan_job
-from levers9.launch.slurm_options import merged, sbatch_options
+from levers9.launch.slurm import merged, sbatch_options
+from levers9.launch.slurm.nodes import SlurmNode, SlurmPlan, _gres_gpus, _gres_types, plan_job
 from levers9.launch.spec import JobSpec
 from tests import jobfns
 
@@ -79,8 +79,30 @@ def test_slurm_options_are_checked_at_decoration() -> None:
     with pytest.raises(JobConfigError, match="max_running'\\] must be a whole number"):
         job(backend="slurm", slurm={"max_running": 0})(jobfns.add)
     spec = job(backend="slurm", slurm={"qos": "high", "partition": "gpu"})(jobfns.add).spec
-    assert merged(spec.slurm, {"partition": "cpu", "account": "lab", "qos": None}) == {
+    assert merged(spec.options_for("slurm"), {"partition": "cpu", "account": "lab", "qos": None}) == {
         "partition": "gpu", "account": "lab", "qos": "high"}  # fmt: skip
+
+
+def test_a_keyword_that_is_neither_jobs_nor_a_backends_is_refused_by_name() -> None:
+    """@job's keywords beyond its own are a backend's options under the backend's name; a misspelt argument is
+    not taken for one."""
+    with pytest.raises(JobConfigError, match=r"@job got the keyword gpu_cuont=2, .* \(slurm=\{\.\.\.\}\); check its"):
+        job(gpu_cuont=2)(jobfns.add)  # type: ignore[call-overload]
+    assert job(slurm={})(jobfns.add).spec.backend_options == ()
+
+
+def test_the_workspaces_slurm_table_is_read_and_checked_by_the_slurm_backends_options(tmp_path: Path) -> None:
+    from levers9.launch.settings import load_settings, render
+
+    path = tmp_path / "workspace.toml"
+    path.write_text('[slurm]\npartition = "gpu"\nqos = "high"\nnodes = 3\n')
+    path.chmod(0o600)
+    assert load_settings(path).backend_table("slurm") == {"partition": "gpu", "qos": "high"}  # nodes: ignored
+    assert load_settings(path).backend_table("slurm") != {} and load_settings(tmp_path / "none.toml").backend_table("slurm") == {}
+    path.write_text("[slurm]\naccount = 5\n")
+    with pytest.raises(SettingsError, match=r"slurm.account must be a string: #SBATCH --account .*got 5"):
+        load_settings(path).backend_table("slurm")
+    assert "[slurm]\n# partition = " in render(load_settings(tmp_path / "none.toml"))  # a new file explains it
 
 
 def test_sbatch_options_as_submitit_takes_them() -> None:
@@ -89,11 +111,12 @@ def test_sbatch_options_as_submitit_takes_them() -> None:
 
 
 def test_the_reapers_own_copy_of_the_ended_states_is_the_one_readers() -> None:
-    """slurm_reaper.py runs as a script of its own (it imports nothing of levers9's), so it keeps a copy of the states
+    """launch/slurm/reaper.py runs as a script of its own (it imports nothing of levers9's), so it keeps a copy of the states
     of a job SLURM is done with: the same set as the one squeue reader's."""
     import importlib.util
 
-    from levers9.launch import slurm_collect, slurm_follow
+    from levers9.launch.slurm import collect as slurm_collect
+    from levers9.launch.slurm import follow as slurm_follow
 
     spec = importlib.util.spec_from_file_location("levers9_slurm_reaper", slurm_follow.REAPER)
     assert spec is not None and spec.loader is not None
@@ -106,7 +129,7 @@ def test_the_ranks_of_a_job_across_nodes_meet_where_rank_0_names(tmp_path: Path,
     """Rank 0 serves the store on a port it bound, names it in the job's folder, and rank 1 reads it there; both get
     the same variables, the secret among them. A MASTER_PORT from env= that is taken is one error naming it."""
     from levers9.distributed.group import STORE_SECRET_VAR
-    from levers9.launch import slurm_task
+    from levers9.launch.slurm import task as slurm_task
 
     monkeypatch.setattr(slurm_task, "_served", [])
     for name, value in {"SLURM_JOB_ID": "77", "SLURMD_NODENAME": "localhost", "SLURM_PROCID": "0"}.items():
@@ -140,7 +163,7 @@ def _slurm_commands(folder: Path, enforce: str, assoc: str, assoc_exit: int = 0)
 def test_account_and_qos_are_checked_only_where_accounting_enforces_them_and_answers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from levers9.launch.slurm_nodes import check_account_and_qos
+    from levers9.launch.slurm.nodes import check_account_and_qos
 
     monkeypatch.setenv("PATH", _slurm_commands(tmp_path, "associations,limits,qos", "lab|normal,fast\\n"))
     check_account_and_qos("lab", "fast")
@@ -153,29 +176,3 @@ def test_account_and_qos_are_checked_only_where_accounting_enforces_them_and_ans
     monkeypatch.setenv("PATH", _slurm_commands(tmp_path, "associations", "", assoc_exit=1))
     check_account_and_qos("nosuch", None)  # slurmdbd did not answer: sbatch judges
 
-
-OLD_PAYLOAD = """
-import sys
-from levers9.launch import slurm_task
-from levers9.launch.spec import JobSpec
-from levers9.procs.failure import ship, unship_value
-from tests import slurmfns
-
-payload = {"sys_path": list(sys.path), "func": ship(slurmfns.square), "arguments": ship(((7,), {})),
-           "spec": JobSpec("old"), "run_id": "r", "index": 0, "attempt": 1, "restart": 0, "tasks": 1,
-           "requeue": False, "folder": sys.argv[1], "result_path": "", "secret": "s"}
-report = slurm_task.run_task(payload)
-print("VALUE", unship_value(report.value, "the value"), report.failure)
-"""
-
-
-def test_a_job_submitted_with_the_old_dict_payload_still_runs(tmp_path: Path) -> None:
-    """A SLURM job pending while levers9 was upgraded runs the new code with the old dict payload."""
-    import os
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", OLD_PAYLOAD, str(tmp_path)], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[1],
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})  # fmt: skip
-    assert "VALUE 49 None" in done.stdout, done.stdout + done.stderr

@@ -22,7 +22,7 @@ import pytest
 
 from levers9.cli import main as cli_main
 from levers9.errors import InfeasibleJobError, JobConfigError
-from levers9.launch import job, run_folder, run_reader, run_retention
+from levers9.launch import job, run_folder, run_reader
 from levers9.launch.cells import Cell
 from levers9.launch.settings import runs_dir, update_settings
 from levers9.procs.watch import pid_alive
@@ -595,9 +595,9 @@ def test_retention_keeps_what_it_promises(monkeypatch: pytest.MonkeyPatch, capsy
     assert sorted(p.name for p in runs_dir().iterdir()) == kept
     status, out, _ = _cli(capsys, "clean", "--keep", "2")
     assert status == 0 and sorted(p.name for p in runs_dir().iterdir()) == ["000-live", *made[-2:]]
-    assert run_retention.clean(older_than=3600, now=time.time() + 7200) == [runs_dir() / n for n in made[-2:]]
+    assert run_folder.clean(older_than=3600, now=time.time() + 7200) == [runs_dir() / n for n in made[-2:]]
     live.close()
-    assert run_retention.clean(older_than=0, now=time.time() + 1) == [runs_dir() / "000-live"]
+    assert run_folder.clean(older_than=0, now=time.time() + 1) == [runs_dir() / "000-live"]
 
 
 @pytest.mark.fast
@@ -610,7 +610,7 @@ def test_retention_dates_a_folder_it_cannot_read_by_its_modification_time() -> N
     (broken / "run.json").write_text('{"format": 1, "sta')  # cut short by a crash
     an_hour_ago = time.time() - 3600
     os.utime(broken, (an_hour_ago, an_hour_ago))
-    assert run_retention.clean(older_than=60) == [broken]
+    assert run_folder.clean(older_than=60) == [broken]
     assert [p.name for p in runs_dir().iterdir()] == ["002-done"]
 
 

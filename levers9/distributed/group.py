@@ -16,12 +16,14 @@ import datetime
 import gc
 import math
 import os
+import socket
+import threading
 import traceback
 from collections.abc import Iterator
 from typing import Any
 
 from levers9 import runtime
-from levers9.distributed import devices, master_host, slurm_env, world
+from levers9.distributed import devices, slurm_env, world
 from levers9.distributed.detect import LaunchInfo
 from levers9.errors import ConfigError, LauncherEnvError
 
@@ -130,7 +132,7 @@ def _init_method(info: LaunchInfo) -> str:
                 f"(and MASTER_PORT) before launching."
             )
         source = "MASTER_ADDR" if os.environ.get("MASTER_ADDR") else "the first node of SLURM_STEP_NODELIST/SLURM_JOB_NODELIST"
-        master_host.check_resolves(info.master_addr, source)
+        check_resolves(info.master_addr, source)
         return f"tcp://{info.master_addr}:{info.master_port or 29500}"
     if "TORCHELASTIC_USE_AGENT_STORE" not in os.environ:
         for name in ("MASTER_ADDR", "MASTER_PORT"):
@@ -141,7 +143,7 @@ def _init_method(info: LaunchInfo) -> str:
                     f"or launch with `torchrun`."
                 )
     if os.environ.get("MASTER_ADDR"):
-        master_host.check_resolves(os.environ["MASTER_ADDR"], "MASTER_ADDR")
+        check_resolves(os.environ["MASTER_ADDR"], "MASTER_ADDR")
     return "env://"
 
 
@@ -182,4 +184,36 @@ def _raised_by_second_init(exc: ValueError) -> bool:
         and frames[-1].name == "init_process_group"
         and frames[-1].filename.endswith("distributed_c10d.py")
         and world.live_group() is not None
+    )
+
+
+# The rendezvous host checked before a group is made: a MASTER_ADDR that does not resolve is one error
+# within seconds, naming the host and where it came from, instead of every rank waiting until killed.
+
+
+RESOLVE_TIMEOUT_S = 10.0
+
+
+def check_resolves(host: str, source: str, timeout: float = RESOLVE_TIMEOUT_S) -> None:
+    """Return when `host` resolves to an address; LauncherEnvError naming `host` and `source` (the variable
+    it came from) when it does not, or when the resolver gives no answer within `timeout` seconds."""
+    answer: list[BaseException | None] = []
+
+    def resolve() -> None:
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            answer.append(None)
+        except OSError as exc:
+            answer.append(exc)
+
+    resolver = threading.Thread(target=resolve, name="levers9-resolve", daemon=True)  # getaddrinfo cannot be interrupted
+    resolver.start()
+    resolver.join(timeout)
+    if answer and answer[0] is None:
+        return
+    seen = f"does not resolve ({answer[0]})" if answer else f"gave no answer from the resolver within {timeout:g} s"
+    raise LauncherEnvError(
+        f"The rendezvous host {host!r} (from {source}) {seen}, so the ranks could never meet. Expected a name or "
+        f"address of rank 0's node that every node resolves: export MASTER_ADDR=<that node's address>, or add "
+        f"the node's name to DNS or /etc/hosts."
     )

@@ -1,6 +1,6 @@
 """`distributed.run` across several nodes, on nodes 1..k-1: the agent that starts and watches this node's share.
 
-Node `gang.node_index`'s agent runs in a Ray task (levers9/launch/ray_gang.py) for the whole job: it joins the
+Node `gang.node_index`'s agent runs in a Ray task (levers9/launch/ray/gang.py) for the whole job: it joins the
 job's control store, beats its heartbeat, and for each attempt node 0 posts starts global ranks
 first_rank(i).. through a rank set (levers9/distributed/rank_set.py) under the one Supervisor, sends their
 output to node 0 in pieces, and posts their first failure (root cause first) or their end; node 0's side is
@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from levers9.context import GangContext, JobContext
 from levers9.distributed import stalls
 from levers9.distributed.control_store import ControlStore, Piece, StartRequest
 from levers9.distributed.nodes import (
@@ -35,6 +34,7 @@ from levers9.distributed.rank_set import RankSet, Share, rank_vars
 from levers9.procs import start
 from levers9.procs.failure import unship
 from levers9.procs.outcome import StopReason, root_cause
+from levers9.runtime import GangContext, JobContext
 
 AgentEnd = Literal["ok", "failed", "lost", "replaced"]
 

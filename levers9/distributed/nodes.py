@@ -1,6 +1,6 @@
 """`distributed.run` across several nodes: node 0 starts its share of ranks, each node's agent starts its own.
 
-A job that holds cards on several Ray nodes (levers9/launch/ray_gang.py) runs its function on node 0
+A job that holds cards on several Ray nodes (levers9/launch/ray/gang.py) runs its function on node 0
 with a GangContext. There, `run_across_nodes` hosts the ranks' rendezvous store on node 0's address
 (a port it bound itself, fresh for every attempt), starts global ranks 0..share-1, and posts one
 start request into the job's control store; the agent on node i (node_agent.serve, in its Ray task) starts
@@ -11,7 +11,7 @@ heartbeat counter stopped moving for LOST_AFTER_S. Nothing here imports Ray.
 
 The keys of the job's control store, and the values that cross it, are levers9/distributed/control_store.py.
 
-A restart after a node was lost first waits for a replacement: node 0's Ray task (levers9/launch/ray_gang.py)
+A restart after a node was lost first waits for a replacement: node 0's Ray task (levers9/launch/ray/gang.py)
 starts a new agent in the lost node's placement-group bundle once Ray has placed that bundle on an alive
 node, and node 0 waits for it to join for at most the job's queue_timeout (REPLACE_WAIT_S when that is None).
 """
@@ -30,12 +30,10 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
-from levers9.context import GangContext, JobContext
 from levers9.distributed import detect, restarts, stalls
-from levers9.distributed.control_store import ControlStore, Report, StartRequest
+from levers9.distributed.control_store import ControlStore, Report, StartRequest, hosted_store
 from levers9.distributed.rank_set import RankOutput, RankSet, Share, rank_vars
 from levers9.distributed.root_failure import raise_root, rank0_value, rank_failure
-from levers9.distributed.store_server import hosted_store
 from levers9.errors import ConfigError, FailureKind, NodeLost, RankFailure, RunTimeout, StallError
 from levers9.procs import lines, start
 from levers9.procs.failure import FailureRecord
@@ -43,7 +41,7 @@ from levers9.procs.outcome import Outcome, StopReason, root_cause, this_clock, w
 from levers9.procs.supervise import ROOT_CAUSE_WINDOW_S, Supervisor
 from levers9.procs.watch import Child, Ended, exit_on_terminate
 from levers9.retries import RetryPolicy
-from levers9.runtime import current_job
+from levers9.runtime import GangContext, JobContext, current_job
 
 log = logging.getLogger("levers9.distributed")
 T = TypeVar("T")

@@ -16,10 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 from levers9 import runtime
-from levers9.context import JobContext
 from levers9.distributed import group, stalls
 from levers9.procs.failure import ship_value, unship
-from levers9.runtime import Runtime
+from levers9.runtime import JobContext, Runtime
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,14 +16,14 @@ import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from levers9.context import JobContext
 from levers9.distributed import detect, group
 from levers9.distributed.rank_process import RankSpec, RankTarget
 from levers9.procs import echo, start
+from levers9.procs.echo import LabelledOutput
 from levers9.procs.failure import ship
-from levers9.procs.labelled import LabelledOutput
 from levers9.procs.supervise import DRAIN_S, Supervisor, Watched
 from levers9.procs.watch import Child, Watcher
+from levers9.runtime import JobContext
 
 PieceSink = Callable[[int, str, str], None]  # (global rank, "stdout" or "stderr", a line with its "\n" or a piece)
 

@@ -32,7 +32,7 @@ from levers9.errors import (
     add_note,
     first_line,
 )
-from levers9.procs import waits
+from levers9.procs import watch
 from levers9.retries import RetryPolicy, run_with_retries, word_for, words_adding
 
 LAST_ATTEMPT = "\n\nThe last attempt's error in full:\n"  # after restarts, where the last attempt's report begins
@@ -104,7 +104,7 @@ def run_attempts(
         return True
 
     try:  # between attempts no rank runs: Ctrl-C in the wait (whichever thread got it) ends the run, nothing left
-        return run_with_retries(policy, attempt, kind_of_error=kind_of_error, before_retry=before_retry, wait=waits.sleep)
+        return run_with_retries(policy, attempt, kind_of_error=kind_of_error, before_retry=before_retry, wait=watch.sleep)
     except Exception as exc:
         record(exc)
         final = final_error(exc, history, policy, caller)

@@ -10,26 +10,30 @@ it was imported.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import faulthandler
 import functools
 import inspect
 import os
+import signal
+import sys
+import threading
 from collections.abc import Callable, Sequence
+from types import FrameType, TracebackType
 from typing import Any
 
-from levers9.context import JobContext
 from levers9.distributed import detect, devices, group, slurm_env, started_ranks, world
+from levers9.distributed.devices import Layout, plan_layout
 from levers9.distributed.helpers import device
-from levers9.distributed.layout import Layout, plan_layout
 from levers9.distributed.rank_process import to_cpu
 from levers9.distributed.root_failure import rank_failed_behind
-from levers9.distributed.self_timer import SelfTimer
 from levers9.distributed.stalls import flight_recorder
 from levers9.distributed.started_ranks import STOP_GRACE_S
-from levers9.errors import ConfigError
-from levers9.procs.held_heap import held_heap
+from levers9.errors import ConfigError, RunTimeout
+from levers9.procs.start import held_heap
 from levers9.retries import RetryPolicy, restart_policy
-from levers9.runtime import current_job
+from levers9.runtime import JobContext, current_job
 from levers9.seconds import is_seconds
 
 # What to do instead of each argument that only ranks started here use, under a launcher.
@@ -174,7 +178,7 @@ def run_with(fn: Callable[..., Any], cfg: Any, options: RunOptions) -> Any:
     """`run(fn, cfg, ...)` with its keywords given as one value: the path (under a launcher, in place,
     ranks started here, across nodes) is chosen here, and each is one function. Until fn runs in this
     process, or while this process only starts and watches ranks, its objects are held out of its
-    garbage collector (procs/held_heap.py)."""
+    garbage collector (procs/start.py, held_heap)."""
     if not callable(fn):
         raise ConfigError(f"distributed.run needs a function to call on every rank; got {type(fn).__name__} {fn!r}.")
     import torch  # noqa: F401 - every path needs it (levers9 run's caller had not imported it): held with the rest
@@ -317,3 +321,66 @@ def _from_rank0_without_group(result: Any, backend: str) -> Any:
         return _from_rank0(result)
     finally:
         group.destroy_own_group()
+
+
+# `timeout=` for code that runs in this process: a rank under a launcher, or a world of one in place.
+#
+# No parent of levers9's watches such a process, so it watches itself. When the time is up, RunTimeout
+# is raised in the thread that called `run` (at its next Python instruction; a SIGALRM first
+# interrupts a blocking system call when that thread is the main thread). A rank under a launcher whose
+# thread is stuck inside native code (a collective that never returns) prints its stack and exits
+# with code 124 a few seconds later, so the launcher stops the other ranks; a process running in place
+# is the user's own and is never killed.
+
+EXIT_AFTER_S = 5.0  # a rank under a launcher that has not unwound this long after its timeout exits
+TIMEOUT_EXIT_CODE = 124  # as timeout(1)
+
+
+class SelfTimer:
+    """Context manager: RunTimeout in the calling thread once `seconds` have passed (no-op for None)."""
+
+    def __init__(self, seconds: float | None, what: str, *, under_launcher: bool) -> None:
+        self.seconds, self.what, self.under_launcher = seconds, what, under_launcher
+        self._done = threading.Event()
+        self._thread_id = threading.get_ident()
+        self._old_handler: object = None
+
+    def __enter__(self) -> SelfTimer:
+        if self.seconds is None:
+            return self
+        if threading.current_thread() is threading.main_thread():
+            self._old_handler = signal.signal(signal.SIGALRM, self._on_alarm)
+        threading.Thread(target=self._watch, name="levers9-self-timer", daemon=True).start()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self._done.set()
+        if self._old_handler is not None:
+            signal.signal(signal.SIGALRM, self._old_handler)  # type: ignore[arg-type]
+        if et is RunTimeout and not str(ev):  # raised bare by PyThreadState_SetAsyncExc
+            raise self.error() from None
+
+    def error(self) -> RunTimeout:
+        return RunTimeout(
+            f"{self.what} timed out: still running after {self.seconds:g} s (timeout={self.seconds:g}). Expected "
+            f"fn to finish within the timeout; pass a larger timeout=, or None for no limit."
+        )
+
+    def _on_alarm(self, signum: int, frame: FrameType | None) -> None:
+        if not self._done.is_set():
+            raise self.error()
+
+    def _watch(self) -> None:
+        assert self.seconds is not None
+        if self._done.wait(self.seconds):
+            return
+        if self._old_handler is not None:
+            signal.pthread_kill(self._thread_id, signal.SIGALRM)
+        else:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread_id), ctypes.py_object(RunTimeout))
+        if not self.under_launcher or self._done.wait(EXIT_AFTER_S):
+            return
+        print(f"levers9: {self.error()} It did not unwind within {EXIT_AFTER_S:g} s; its stacks:", file=sys.stderr)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(TIMEOUT_EXIT_CODE)

@@ -30,12 +30,12 @@ from typing import Any, TextIO
 
 from levers9.console_log import fresh_logging
 from levers9.distributed import devices, world
-from levers9.distributed.layout import plan_layout, visible_card_count
+from levers9.distributed.control_store import hosted_store
+from levers9.distributed.devices import plan_layout, visible_card_count
 from levers9.distributed.rank_set import rank_vars
 from levers9.distributed.root_failure import rank_failed_behind
 from levers9.distributed.running import RunOptions, run_with
 from levers9.distributed.started_ranks import one_thread_each
-from levers9.distributed.store_server import hosted_store
 from levers9.distributed.torchrun_agent import default_handlers_in_rank
 from levers9.errors import ConfigError, FailureKind, RankCrashed, RankFailure
 from levers9.procs.failure import exit_status

@@ -28,13 +28,13 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from levers9 import runtime
-from levers9.context import GangContext, JobContext
 from levers9.distributed import slurm_env
 from levers9.distributed.control_store import ControlStore
 from levers9.distributed.detect import expand_nodelist
-from levers9.distributed.master_host import check_resolves
+from levers9.distributed.group import check_resolves
 from levers9.distributed.nodes import HEARTBEAT_EVERY_S
 from levers9.errors import LauncherEnvError, NodeLost, RankFailed
+from levers9.runtime import GangContext, JobContext
 
 T = TypeVar("T")
 LEAVE_QUIET_S = 3 * HEARTBEAT_EVERY_S  # no heartbeat for this long: the agents left

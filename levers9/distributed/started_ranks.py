@@ -19,16 +19,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from levers9.distributed import restarts, stalls
-from levers9.distributed.layout import Layout, plan_layout
+from levers9.distributed.control_store import hosted_store
+from levers9.distributed.devices import Layout, plan_layout
 from levers9.distributed.rank_set import RankOutput, RankSet, Share, rank_vars
 from levers9.distributed.root_failure import raise_root, rank0_value, rank_failed_behind, rank_failure
 from levers9.distributed.stalls import flight_recorder
-from levers9.distributed.store_server import hosted_store
 from levers9.errors import ConfigError, NotShippableError, RankFailed, RunTimeout, StallError, add_note
 from levers9.procs import start
 from levers9.procs.failure import process_limit_note, ship, unpicklable_part
-from levers9.procs.held_heap import held_heap
 from levers9.procs.outcome import Outcome, StopReason, root_cause
+from levers9.procs.start import held_heap
 from levers9.procs.watch import Child, exit_on_terminate
 from levers9.retries import RetryPolicy
 from levers9.runtime import current_job

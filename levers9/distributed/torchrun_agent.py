@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from levers9.procs import echo
-from levers9.procs.labelled import LabelledOutput
+from levers9.procs.echo import LabelledOutput
 from levers9.procs.watch import TERMINATING_SIGNALS, ExitOnFirstSignal, exit_on_terminate
 
 PieceSink = Callable[[int, str, str], None]  # (global rank, "stdout" or "stderr", a line or a piece of one)

@@ -3,7 +3,7 @@
     levers9 run --nnodes 2 --node-rank 0|1 --master-addr HOST --master-port P --nproc-per-node 2 train.py
     levers9 run --nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST:P --rdzv-id ID --nproc-per-node 2 train.py
 
-(Kubeflow's PyTorchJob sets the same options as PET_NNODES, PET_NODE_RANK, ...: levers9/torchrun_env.py.)
+(Kubeflow's PyTorchJob sets the same options as PET_NNODES, PET_NODE_RANK, ...: levers9/cli/run.py.)
 Only where the node layout comes from differs from srun's one task per node (slurm_gang.py), which runs the rest:
 node 0's launcher hosts the run's control store on the master address and port (c10d: the endpoint) and runs
 `distributed.run` with the gang, so its one Supervisor watches every node and restarts them all (nodes.py); the
@@ -32,12 +32,11 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from levers9.context import GangContext, JobContext
 from levers9.distributed import slurm_gang
-from levers9.distributed.control_store import ControlStore
-from levers9.distributed.master_host import check_resolves
-from levers9.distributed.store_server import serve_store
+from levers9.distributed.control_store import ControlStore, serve_store
+from levers9.distributed.group import check_resolves
 from levers9.errors import ConfigError, LauncherEnvError, NodeLost
+from levers9.runtime import GangContext, JobContext
 
 log = logging.getLogger("levers9.run")
 

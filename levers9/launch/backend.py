@@ -12,6 +12,7 @@ job_process.JobTarget, which is shared by every backend.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib
 import os
@@ -138,8 +139,8 @@ class Backend(Protocol):
 # name -> "module:attribute" of a zero-argument factory; imported only when used.
 BACKENDS: dict[str, str] = {
     "local": "levers9.launch.local:LocalBackend",
-    "ray": "levers9.launch.ray_backend:RayBackend",
-    "slurm": "levers9.launch.slurm_backend:SlurmBackend",
+    "ray": "levers9.launch.ray.backend:RayBackend",
+    "slurm": "levers9.launch.slurm.backend:SlurmBackend",
 }
 # One backend of each kind per process: the Ray one holds its connection and its admission queue.
 _instances: dict[str, Backend] = {}
@@ -177,3 +178,53 @@ def new_run_id(name: str) -> str:
     """A run's folder name: the time, the job's name and a short random part."""
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:40]
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}-{uuid.uuid4().hex[:6]}"
+
+
+# Both backends' dispatcher: a batch's cells run in input order on a fixed number of lanes (threads).
+#
+# A lane takes the next cell, which takes its place in the backend's queue before the next lane can take one
+# (so cells queue in input order, whichever lane thread runs first), runs it to its end (waiting for cards,
+# attempts, retries), then takes the next. With as many lanes as the batch could ever run at once, threads
+# and open descriptors depend on the machine or the cluster, never on the number of cells: a cell queued
+# behind the lanes holds nothing, and a cancelled batch cancels its queued cells at once instead of one by
+# one.
+
+
+class CellRunner(Protocol):
+    """One cell's work: `take_place()` when a lane takes it (never raises), then `run()`, which resolves `future`
+    whatever happens."""
+
+    future: Future[Any]
+
+    def take_place(self) -> None: ...
+
+    def run(self) -> None: ...
+
+
+def dispatch(batch: Batch, runners: Sequence[CellRunner], lanes: int) -> None:
+    """Start min(lanes, cells) lane threads that run `runners` in order; returns at once."""
+    queue: collections.deque[CellRunner] = collections.deque(runners)
+    lock = threading.Lock()
+
+    def next_runner() -> CellRunner | None:
+        with lock:
+            if not queue:
+                return None
+            runner = queue.popleft()
+            runner.take_place()  # under the lock: places are taken in input order
+            return runner
+
+    def lane() -> None:
+        while (runner := next_runner()) is not None:
+            runner.run()
+
+    def cancel_queued() -> None:
+        with lock:
+            queued = list(queue)
+        for runner in queued:
+            runner.future.cancel()
+
+    batch.cancel.on_cancel(cancel_queued)
+    name = batch.label or batch.spec.name
+    for index in range(max(1, min(lanes, len(runners)))):
+        threading.Thread(target=lane, name=f"levers9-{name}-lane{index}", daemon=True).start()

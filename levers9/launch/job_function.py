@@ -36,11 +36,10 @@ from levers9.launch.backend import (
 )
 from levers9.launch.cells import Cell, check_cell, make_cells
 from levers9.launch.map_results import RECORD_WAIT, Completed, MapResults, wait_done
-from levers9.launch.policy import check_policy
 from levers9.launch.progress import Mode, Reporter, choose_mode
 from levers9.launch.run_folder import RunRecord
 from levers9.launch.settings import load_settings
-from levers9.launch.spec import JobSpec, build_spec
+from levers9.launch.spec import JobSpec, build_spec, check_policy
 from levers9.procs.watch import exit_on_terminate
 from levers9.retries import RetryPolicy
 
@@ -271,7 +270,7 @@ def job(
     stall_timeout: float | None = None,
     max_restarts: int = 0,
     backend: str | None = None,
-    slurm: Mapping[str, Any] | None = None,
+    **backend_options: Mapping[str, Any],
 ) -> Callable[[Callable[P, R]], JobFunction[P, R]]: ...
 
 
@@ -293,7 +292,7 @@ def job(
     stall_timeout: float | None = None,
     max_restarts: int = 0,
     backend: str | None = None,
-    slurm: Mapping[str, Any] | None = None,
+    **backend_options: Mapping[str, Any],
 ) -> JobFunction[P, R] | Callable[[Callable[P, R]], JobFunction[P, R]]:
     """Make `func` runnable as jobs. Arguments are checked now; JobConfigError names the bad one.
 
@@ -325,8 +324,9 @@ def job(
             after a crash, a lost peer or a stall, on the same cards (fn resumes from its own checkpoint;
             see dist.restart_count()). Distinct from retries=, which re-runs the whole job from scratch.
         backend: 'local' (this machine; the default), 'ray' or 'slurm'; $LEVERS9_BACKEND sets the default.
-        slurm: for backend='slurm': {'partition', 'account', 'qos', 'sbatch' (more #SBATCH options as one
-            string), 'max_running' (a map's concurrency limit)}; the workspace's [slurm] table gives defaults.
+        **backend_options: a backend's own options, under its name. slurm={'partition', 'account', 'qos',
+            'sbatch' (more #SBATCH options as one string), 'max_running' (a map's concurrency limit), 'detach',
+            'requeue'} for backend='slurm'; the workspace's [slurm] table gives defaults.
 
     Returns:
         A `JobFunction`: calling it runs the function here; `.remote`, `.spawn` and `.map` run jobs.
@@ -351,7 +351,7 @@ def job(
             stream_output=stream_output,
             stall_timeout=stall_timeout,
             max_restarts=max_restarts,
-            slurm=slurm,
+            backend_options=backend_options,
         )
         if backend is not None:
             backend_name(backend)

@@ -9,19 +9,24 @@ calls the function and ships its value back; the child layer sends that, or the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from levers9 import runtime
-from levers9.context import GangContext, JobContext
 from levers9.errors import NotShippableError
 from levers9.launch.spec import JobSpec
+from levers9.private_dir import private_dir
 from levers9.procs.failure import ship, ship_value, unship
-from levers9.runtime import Runtime
+from levers9.procs.watch import pid_alive
+from levers9.runtime import GangContext, JobContext, Runtime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +56,7 @@ class TaskPayload:
     gang: GangSlot | None = None  # Ray, across nodes: the placement group, set per attempt
     tasks: int = 1  # SLURM: the job's tasks (one per rank across nodes; one runs a whole job)
     restart: int = 0  # SLURM, across nodes: restarts so far of this attempt (max_restarts=), a new job each
-    requeue: bool = False  # SLURM: requeue at the time limit's early signal (slurm_task.py)
+    requeue: bool = False  # SLURM: requeue at the time limit's early signal (launch/slurm/task.py)
     folder: str = ""  # SLURM: the batch's folder of job files, which every node shares
     result_path: str = ""  # a detached job's own store of its value, for resume ("" when not detached)
     secret: str = ""  # SLURM, across nodes: the group's keys start with it (slurm_task._meeting_place)
@@ -163,3 +168,37 @@ def cards_of_task(ids: list[str], gpu_type: str) -> tuple[bool, str]:
     if not gpu_type and cards and not simulated:
         gpu_type = cards[0].type_name
     return simulated, gpu_type
+
+
+# A job's scratch folder on the node it runs on (its context's `job_dir`), made by a Ray task or a SLURM
+# task.
+#
+# Each kind of task keeps its folders under one private root of this user's (`<tmp>/levers9-<kind>-<uid>`,
+# 0700): a folder is removed when its task ends, the root with it once no other job uses it, and the folders
+# of tasks that were killed before they could clean up (a cancel, a lost caller, a time limit) are removed
+# by the next task on the node, so none accumulates in the node's temp folder.
+
+
+def scratch_dir(kind: str, index: int, attempt: int) -> Path:
+    """A fresh folder for cell `index`'s attempt, under this user's root for `kind` ("ray", "slurm") of tasks;
+    folders of dead tasks there are removed first."""
+    root = Path(tempfile.gettempdir()) / f"levers9-{kind}-{os.getuid()}"
+    for _ in range(10):
+        try:  # the task that empties the root removes it: it can vanish at any step below
+            private_dir(root)
+            with contextlib.suppress(OSError):
+                for stale in root.iterdir():
+                    owner = stale.name.partition("-")[0]
+                    if owner.isdigit() and not pid_alive(int(owner)):
+                        shutil.rmtree(stale, ignore_errors=True)
+            return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-{index:04d}-{attempt}-", dir=root))
+        except FileNotFoundError:
+            continue
+    return Path(tempfile.mkdtemp(prefix=f"levers9-{kind}-{os.getpid()}-"))
+
+
+def remove_scratch_dir(folder: Path) -> None:
+    """Remove a folder `scratch_dir` made, and its root once no other job uses it."""
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        folder.parent.rmdir()

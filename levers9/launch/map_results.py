@@ -19,8 +19,7 @@ from levers9.launch.backend import CancelToken
 from levers9.launch.cells import Cell
 from levers9.launch.progress import Reporter
 from levers9.launch.run_folder import RunRecord
-from levers9.procs.waits import WAKE_S
-from levers9.procs.watch import exit_on_terminate
+from levers9.procs.watch import WAKE_S, exit_on_terminate
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -165,7 +164,7 @@ def _put(target: queue.SimpleQueue[int], index: int, _future: Future[Any]) -> No
 
 
 def wait_done(future: Future[R]) -> Future[R]:
-    """`future`, once it is done (or cancelled), waited for in WAKE_S steps (levers9.procs.waits: a Ctrl-C
+    """`future`, once it is done (or cancelled), waited for in WAKE_S steps (levers9.procs.watch: a Ctrl-C
     another thread got still ends the wait); SIGTERM or SIGHUP to this process meanwhile raises SystemExit,
     which cancels the sweep as Ctrl-C does (see exit_on_terminate)."""
     if not future.done():  # a finished cell's result costs no signal-handler changes

@@ -31,7 +31,7 @@ from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
 from levers9.launch.run_reader import CellState
 from levers9.procs import echo
-from levers9.procs.labelled import LabelledOutput
+from levers9.procs.echo import LabelledOutput
 from levers9.procs.watch import cut_line
 from levers9.seconds import say_duration
 

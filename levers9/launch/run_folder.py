@@ -3,17 +3,18 @@
 `RunRecord` makes the folder (`RunFolder.make`) and writes its run.json, events.jsonl and results/;
 the `RunFolder` value it made, the folder's path and its loss record, travels with the Batch to the
 backend, which writes each attempt's logs and meta.json there. While a batch runs, its cells' keys
-(cell_keys.py) are claimed (claims.py): a resume waits for a live run that claims any of its cells,
+(cells.py) are claimed (run_folder.py): a resume waits for a live run that claims any of its cells,
 then reuses what it stored.
 
 A run folder appears whole: made as .new-<pid>-<run id> with its run.json, then renamed, after
-retention (run_retention.py) made room. On a full disk the sweep still runs: unrecorded (said in one
+retention (run_folder.py) made room. On a full disk the sweep still runs: unrecorded (said in one
 line at its start), or with what could not be kept said in one warning at its end (the folder's
 state_files.Losses).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -29,15 +30,24 @@ from typing import Any
 import cloudpickle
 
 from levers9 import state_files
-from levers9.errors import PrivateDirError
-from levers9.launch import claims
-from levers9.launch.cell_keys import cell_key, function_key
-from levers9.launch.cells import Cell
-from levers9.launch.run_reader import EVENTS_FILE, FORMAT, NEW_PREFIX, RESULTS, RUN_FILE, stored_results
-from levers9.launch.run_retention import clean, keep_runs
+from levers9.errors import ConfigError, PrivateDirError
+from levers9.launch.cells import Cell, cell_key, function_key
+from levers9.launch.run_reader import (
+    EVENTS_FILE,
+    FORMAT,
+    NEW_PREFIX,
+    RESULTS,
+    RUN_FILE,
+    Run,
+    each_run_folder,
+    mtime,
+    stored_results,
+)
 from levers9.launch.settings import runs_dir
 from levers9.private_dir import private_dir
-from levers9.state_files import Losses, write_atomic
+from levers9.procs import fds
+from levers9.procs.watch import pid_alive
+from levers9.state_files import Losses, held, hold_new, lock_now, read_private, write_atomic
 
 log = logging.getLogger("levers9.launch")
 
@@ -116,7 +126,7 @@ class RunRecord:
             "cells": {str(cell.index): cell.describe() for cell in cells},
         }
         self._lock = threading.Lock()
-        self._claim = claims.Claim(None, None)
+        self._claim = Claim(None, None)
         self.closed = threading.Event()  # set once run.json has its end (and every result was stored)
         self.done = 0
         self.failed = 0
@@ -173,7 +183,7 @@ class RunRecord:
             return
         name = f"{self._meta['name']} (run {self.path.name})"
         keys = sorted(set(self.keys.values()))
-        self._claim = claims.claim(runs_dir().parent / "claims", self.path.name, keys, wait=wait, what=name)
+        self._claim = claim(runs_dir().parent / "claims", self.path.name, keys, wait=wait, what=name)
 
     def reuse(self, cells: Sequence[Cell]) -> dict[int, Any]:
         """Values of `cells` that a kept run with this function already computed, by cell index; each
@@ -252,3 +262,150 @@ def describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
+# Which cells a caller is running now, so that two resumes of one sweep run each unfinished cell once.
+#
+#     <runs_dir>/../claims/mutex           held (LOCK_EX) while a caller checks the claims and adds its own
+#     <runs_dir>/../claims/<run id>.claim  "<run id> <pid>", then the keys of its cells, one a line;
+#                                          locked by its run from before its cells start until its record closes
+#
+# Every batch claims its cells' keys; a batch with resume=True first waits while a live run (one whose claim
+# file is still locked) claims any of its keys, then takes its claim, and only then looks for stored
+# results, so it reuses what that run computed instead of running it again. A claim whose lock can be taken
+# belongs to a caller that died, and is removed. A state folder where claims cannot be made (full, read-
+# only) claims nothing: resume could not find results there either.
+
+
+log = logging.getLogger("levers9.launch")
+
+_SUFFIX = ".claim"
+
+
+class Claim:
+    """One batch's claim on its cells' keys; `release()` (idempotent) lets waiting resumes go on."""
+
+    def __init__(self, fd: int | None, path: Path | None) -> None:
+        self.fd = fd
+        self.path = path
+
+    def release(self) -> None:
+        if self.fd is None or self.path is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        fds.close(self.fd)
+        self.fd = None
+
+
+def claim(folder: Path, run_id: str, keys: Sequence[str], *, wait: bool, what: str) -> Claim:
+    """Claim `keys` for run `run_id` in claims folder `folder`. With `wait`, first wait (saying so once,
+    naming the run) while another live run claims any of them. Never raises for the state folder:
+    a claim that cannot be written is no claim (Claim(None, None))."""
+    wanted = set(keys)
+    said = False
+    while True:
+        try:
+            with held(private_dir(folder) / "mutex"):
+                busy = _live_claims(folder, wanted, run_id) if wait else {}
+                if not busy:
+                    return _write(folder, run_id, keys)
+        except OSError as exc:
+            log.debug("cells of run %s not claimed (%s)", run_id, exc)
+            return Claim(None, None)
+        if not said:
+            said = True
+            names = ", ".join(f"{other} (pid {pid}, {n} of these cells)" for other, (pid, n) in busy.items())
+            log.warning(
+                "%s: run %s is running some of these cells now; waiting for it to end, then reusing its results "
+                "(press Ctrl-C to stop waiting; `levers9 runs show %s` shows its progress).",
+                what, names, next(iter(busy)),
+            )
+        time.sleep(0.2)
+
+
+def _live_claims(folder: Path, wanted: set[str], run_id: str) -> dict[str, tuple[str, int]]:
+    """Runs other than `run_id` whose live claim holds any of `wanted`: run id -> (pid, how many);
+    claims of callers that died are removed."""
+    busy: dict[str, tuple[str, int]] = {}
+    for entry in os.scandir(folder):
+        if not entry.name.endswith(_SUFFIX) or entry.name == f"{run_id}{_SUFFIX}":
+            continue
+        try:
+            fd = fds.open_fd(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if lock_now(fd, shared=True):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)  # its caller died holding it
+                continue
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                head, *lines = read_private(Path(entry.path)).decode().splitlines()
+                other, _, pid = head.partition(" ")
+                overlap = len(wanted.intersection(lines))
+                if overlap:
+                    busy[other] = (pid, overlap)
+        finally:
+            fds.close(fd)
+    return busy
+
+
+def _write(folder: Path, run_id: str, keys: Sequence[str]) -> Claim:
+    """This run's claim file, written and locked (removed again if it cannot be written whole)."""
+    path = folder / f"{run_id}{_SUFFIX}"
+    return Claim(hold_new(path, "\n".join([f"{run_id} {os.getpid()}", *keys]).encode() + b"\n"), path)
+
+
+# Retention: run folders beyond the newest KEEP_RUNS (50, or $LEVERS9_KEEP_RUNS) are removed when a run
+# folder is made (run_folder.py) and by `levers9 runs clean`; runs whose caller is still alive, and folders
+# still being made, are never removed.
+
+
+KEEP_RUNS = 50  # run folders kept when a new one is created ($LEVERS9_KEEP_RUNS overrides)
+
+
+def keep_runs() -> int:
+    """How many run folders retention keeps: $LEVERS9_KEEP_RUNS, else KEEP_RUNS."""
+    text = os.environ.get("LEVERS9_KEEP_RUNS", "")
+    if not text:
+        return KEEP_RUNS
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(f"LEVERS9_KEEP_RUNS={text!r}: expected a whole number of runs, 1 or more. Unset it for {KEEP_RUNS}.")
+    return value
+
+
+def clean(*, keep: int | None = None, older_than: float | None = None, now: float | None = None) -> list[Path]:
+    """Remove run folders beyond the newest `keep` and those started more than `older_than` seconds
+    ago; a run whose caller is alive, or one still being made, is never removed (a folder whose
+    run.json cannot be read counts from its modification time). Returns what was removed."""
+    now = time.time() if now is None else now
+    _remove_orphans()
+    folders = []
+    for path, found in each_run_folder():
+        run = found if isinstance(found, Run) else None
+        folders.append((path, run.started if run is not None else mtime(path), run))
+    folders.sort(key=lambda item: (item[1], item[0].name))
+    doomed: list[tuple[Path, Run | None]] = []
+    if keep is not None:
+        doomed += [(path, run) for path, _, run in folders[: max(0, len(folders) - keep)]]
+    if older_than is not None:
+        doomed += [(p, r) for p, started, r in folders if now - started > older_than and (p, r) not in doomed]
+    removed = []
+    for path, run in doomed:
+        if run is not None and run.alive:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _remove_orphans() -> None:
+    """Remove folders being made (.new-<pid>-...) whose maker has died."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for entry in os.scandir(runs_dir()):
+            pid = entry.name.removeprefix(NEW_PREFIX).partition("-")[0]
+            if entry.name.startswith(NEW_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
+                shutil.rmtree(entry.path, ignore_errors=True)

@@ -7,7 +7,7 @@
         results/<cell key>.pkl           each successful cell's value, cloudpickled (what resume reuses)
         <index:04d>-<attempt>/           one attempt's stdout.log, stderr.log, meta.json (written by the backends)
 
-run_folder.py writes them, run_retention.py removes old ones. Everything is read back only from
+run_folder.py writes them, run_folder.py removes old ones. Everything is read back only from
 regular files of this user's that no one else can write (never through a symlink, never waiting on
 a FIFO), and every field of run.json and every events.jsonl line is checked: a folder that fails is
 passed over with a RunFormatError naming it, never the reason a sweep stops.

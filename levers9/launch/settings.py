@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import importlib
 import logging
 import os
 import stat
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -74,11 +75,17 @@ _KNOWN: dict[tuple[str, str], _Key] = {
     ("limits", "max_gpu_count"): _Key(f"an integer from 1 to {MAX_GPU_COUNT_LIMIT}", _is_card_cap,
                                       "levers9 workspace max-gpu-count N"),
     ("local", "simulate_gpus"): _Key('a string such as "RTXPro6000:4"', _is_str),
-    ("slurm", "partition"): _Key('a string: #SBATCH --partition of backend="slurm" jobs', _is_str),
-    ("slurm", "account"): _Key('a string: #SBATCH --account of backend="slurm" jobs', _is_str),
-    ("slurm", "qos"): _Key('a string: #SBATCH --qos of backend="slurm" jobs', _is_str),
-    ("slurm", "sbatch"): _Key('a string of more #SBATCH options, such as "--exclusive --constraint=a100"', _is_str),
 }  # fmt: skip
+
+# A backend's options live with the backend: its module of them checks `@job(<name>={...})` (`check`) and owns the
+# table of this file under the backend's name (`SETTINGS`: key -> what it must be, each a string). Loaded only
+# where a job or this file uses them, so a local map loads no other backend's code.
+BACKEND_OPTIONS: dict[str, str] = {"slurm": "levers9.launch.slurm"}
+
+
+def backend_options(name: str) -> Any:
+    """The options module of backend `name` (one of BACKEND_OPTIONS)."""
+    return importlib.import_module(BACKEND_OPTIONS[name])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +98,25 @@ class Settings:
     multi_gpu: bool = DEFAULT_MULTI_GPU
     max_gpu_count: int = DEFAULT_MAX_GPU_COUNT
     simulate_gpus: str | None = None
-    partition: str | None = None  # [slurm]: what @job(backend="slurm") jobs ask for unless slurm={...} says otherwise
-    account: str | None = None
-    qos: str | None = None
-    sbatch: str | None = None
+    # a backend's own table, as the file has it ([slurm]: what its jobs ask for unless @job(slurm={...}) says
+    # otherwise); checked by the backend's options when it reads it, so a local job never loads SLURM's code
+    backend_tables: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+
+    def backend_table(self, name: str) -> dict[str, str]:
+        """The file's table of backend `name`: the keys its options module names, each a string (others logged
+        and ignored); {} when the file has none. SettingsError on a bad value."""
+        known: Mapping[str, str] = backend_options(name).SETTINGS
+        checked: dict[str, str] = {}
+        for key, value in self.backend_tables.get(name, {}).items():
+            if key not in known:
+                log.warning("%s: ignoring unknown key %s.%s (expected some of: %s)", self.path, name, key, ", ".join(known))
+            elif not isinstance(value, str):
+                raise SettingsError(
+                    f"{self.path}: {name}.{key} must be {known[key]}, got {value!r}. Fix it with: edit {self.path}"
+                )
+            else:
+                checked[key] = value
+        return checked
 
 
 def config_dir(env: os._Environ[str] | dict[str, str] | None = None) -> Path:
@@ -201,7 +223,8 @@ def _from_dict(data: dict[str, Any], path: Path, repairing: tuple[str, ...] = ()
     """Validate the parsed file: known keys with the right types; unknown keys are logged and ignored.
     A bad value of a key in `repairing` (or of the table holding it) is passed over: it is being set."""
     values: dict[str, Any] = {}
-    tables = {table for table, _ in _KNOWN}
+    backend_tables: dict[str, dict[str, Any]] = {}
+    tables = {table for table, _ in _KNOWN} | set(BACKEND_OPTIONS)
     for table, body in data.items():
         if table == "version":
             continue
@@ -214,6 +237,9 @@ def _from_dict(data: dict[str, Any], path: Path, repairing: tuple[str, ...] = ()
                     f"Fix it with: {_fix(path, table)}"
                 )
             continue
+        if table in BACKEND_OPTIONS:
+            backend_tables[table] = body
+            continue
         for key, value in body.items():
             if (table, key) not in _KNOWN:
                 log.warning("%s: ignoring unknown key %s.%s", path, table, key)
@@ -223,7 +249,7 @@ def _from_dict(data: dict[str, Any], path: Path, repairing: tuple[str, ...] = ()
                 except SettingsError:
                     if key not in repairing:
                         raise
-    return Settings(path=path, exists=True, **values)
+    return Settings(path=path, exists=True, backend_tables=backend_tables, **values)
 
 
 def _check_value(path: Path, table: str, key: str, value: Any) -> Any:
@@ -255,17 +281,14 @@ max_gpu_count = 8        # per job; `levers9 workspace max-gpu-count N`
 
 [local]
 # simulate_gpus = "RTXPro6000:4"   # fake cards for machines without GPUs
-
-[slurm]
-# partition = "gpu"                # backend="slurm": #SBATCH --partition (also account, qos)
-# sbatch = "--exclusive"           # more #SBATCH options; @job(slurm={...}) wins key by key
 """
 
 
 def render(settings: Settings, existing: str | None = None) -> str:
     """The file's text for `settings`: the user's `existing` text with levers9's keys set to these values
     (comments, layout and unknown keys kept), or levers9's commented template when there is no file."""
-    doc = tomlkit.parse(existing if existing is not None else _TEMPLATE)
+    template = _TEMPLATE + "".join(backend_options(name).SETTINGS_TEMPLATE for name in BACKEND_OPTIONS)
+    doc = tomlkit.parse(existing if existing is not None else template)
     for table, key in _KNOWN:
         value = getattr(settings, key)
         section = doc.get(table)

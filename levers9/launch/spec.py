@@ -1,7 +1,7 @@
 """What a job asks for (`JobSpec`), built from @job's arguments and checked once, at decoration time.
 
 Every rule here is static: no file or hardware is read. The workspace policy (cap, switch) and the
-machine's feasibility are checked per call, in policy.py and by the backend.
+machine's feasibility are checked per call, in spec.py and by the backend.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from levers9.distributed.hardware.gpu_types import parse_gpu_type
-from levers9.errors import JobConfigError
-from levers9.launch import slurm_options
+from levers9.errors import InfeasibleJobError, JobConfigError, WorkspacePolicyError
+from levers9.launch.pool import SIMULATE_VAR, Pool
+from levers9.launch.settings import BACKEND_OPTIONS, Settings, backend_options
 from levers9.retries import Retries, RetryPolicy, checked_max_restarts
 from levers9.seconds import is_seconds
 
@@ -46,7 +47,12 @@ class JobSpec:
     stream_output: bool = True
     stall_timeout: float | None = None
     max_restarts: int = 0
-    slurm: tuple[tuple[str, str], ...] = ()  # @job(slurm={...}), checked (slurm_options.py)
+    # @job(<backend>={...}): each backend's own options, checked by it, as (backend, sorted (key, text) pairs)
+    backend_options: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+
+    def options_for(self, backend: str) -> tuple[tuple[str, str], ...]:
+        """What @job(<backend>={...}) asked of `backend`, checked; () when nothing."""
+        return dict(self.backend_options).get(backend, ())
 
     def describe_cards(self) -> str:
         """'2 RTXPro6000 cards', '1 card of any type', 'no card'."""
@@ -72,7 +78,7 @@ def build_spec(
     stream_output: bool,
     stall_timeout: Any = None,
     max_restarts: Any = 0,
-    slurm: Any = None,
+    backend_options: Mapping[str, Any] | None = None,
 ) -> JobSpec:
     """Check @job's arguments and return the spec; JobConfigError (seen, expected, fix) on the first bad one."""
     types, count = _gpu(gpu, gpu_count)
@@ -92,8 +98,25 @@ def build_spec(
         max_restarts=checked_max_restarts(
             max_restarts, JobConfigError, " retries= is the other knob: it runs the whole job again."
         ),
-        slurm=slurm_options.check(slurm),
+        backend_options=_backend_options(backend_options or {}),
     )
+
+
+def _backend_options(given: Mapping[str, Any]) -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
+    """@job's keywords that are not its own: each must name a backend with options, which checks its value."""
+    out = []
+    for name, value in sorted(given.items()):
+        if name not in BACKEND_OPTIONS:
+            raise JobConfigError(
+                f"@job got the keyword {name}={value!r}, which is neither one of its arguments nor a backend's "
+                f"options. Expected @job's arguments (gpu, gpu_count, timeout, retries, env, cpu, memory, name, "
+                f"queue_timeout, stop_grace, stream_output, stall_timeout, max_restarts, backend) or a backend's "
+                f"options under its name ({', '.join(f'{b}={{...}}' for b in BACKEND_OPTIONS)}); check its spelling."
+            )
+        checked = backend_options(name).check(value, f"{name}=")
+        if checked:
+            out.append((name, checked))
+    return tuple(out)
 
 
 def _gpu(gpu: str | Sequence[str] | None, gpu_count: Any) -> tuple[tuple[str, ...], int]:
@@ -229,3 +252,70 @@ def _memory(value: Any) -> int | None:
     if mib <= 0:
         raise JobConfigError(f"memory must be greater than 0, got {value!r}.")
     return max(1, int(mib))
+
+
+# Per-call checks, in beta9's order: the workspace's card cap, its multi-GPU switch, then feasibility.
+#
+# `check_policy` is the same for every backend; `check_feasible` is the local executor's answer to "could
+# this machine ever hold the job?". Both raise before anything starts.
+
+
+def check_policy(spec: JobSpec, settings: Settings) -> None:
+    """WorkspacePolicyError if the job asks for more cards than the cap, or for several with the switch off."""
+    if spec.gpu_count > settings.max_gpu_count:
+        raise WorkspacePolicyError(
+            f"GPU count must be {settings.max_gpu_count} or less (job {spec.name!r} asks for {spec.gpu_count}; "
+            f"the limit is limits.max_gpu_count in {settings.path}). Ask for fewer cards, or raise the limit "
+            f"with: levers9 workspace max-gpu-count {spec.gpu_count}"
+        )
+    if spec.gpu_count > 1 and not settings.multi_gpu:
+        raise WorkspacePolicyError(
+            f"Multi-GPU jobs are not enabled for this workspace (job {spec.name!r} asks for {spec.gpu_count} "
+            f"cards; the switch is workspace.multi_gpu in {settings.path}, now off). Turn them on with: "
+            f"levers9 workspace multi-gpu on"
+        )
+
+
+def check_feasible(spec: JobSpec, pool: Pool) -> list[list[int]]:
+    """The slot groups the job may take from; InfeasibleJobError if no group could ever hold it."""
+    want = spec.describe_cards()
+    if pool.held_by:
+        return _check_nested(spec, pool)
+    if not pool.cards:
+        raise InfeasibleJobError(
+            f"Job {spec.name!r} asks for {want} but this machine has no NVIDIA GPU that levers9 can see "
+            f"(NVML found none{', or CUDA_VISIBLE_DEVICES hides them' if pool.source == 'NVML' else ''}). "
+            f"For tests, set {SIMULATE_VAR}='RTXPro6000:4' (or [local].simulate_gpus in workspace.toml); "
+            f"for a CPU job, use gpu=None."
+        )
+    groups = [g for g in pool.groups(spec.gpu_types) if g]
+    if not groups:
+        have = pool.describe()
+        first = next(iter(dict.fromkeys(c.type_name for c in pool.cards)))
+        raise InfeasibleJobError(
+            f"Job {spec.name!r} asks for {'/'.join(spec.gpu_types)} but this machine has {have}; "
+            f"use gpu={first!r} or gpu='any'."
+        )
+    if max(len(g) for g in groups) < spec.gpu_count:
+        raise InfeasibleJobError(
+            f"Job {spec.name!r} needs {want} at once; the largest group of such cards on this machine has "
+            f"{max(len(g) for g in groups)} (local machine: {pool.describe()}). Ask for at most that many "
+            f"with gpu_count=, or run it where more cards are attached."
+        )
+    return groups
+
+
+def _check_nested(spec: JobSpec, pool: Pool) -> list[list[int]]:
+    """For a job started inside a job: its caller's cards must be able to hold it, or it fails now."""
+    groups = [g for g in pool.groups(spec.gpu_types) if g]
+    if groups and max(len(g) for g in groups) >= spec.gpu_count:
+        return groups
+    visible = ",".join(str(c.nvml_index) for c in pool.cards)
+    raise InfeasibleJobError(
+        f"Job {spec.name!r} asks for {spec.describe_cards()} but was started inside job {pool.held_by}, which "
+        f"holds {pool.summary()} (CUDA_VISIBLE_DEVICES={visible}). A job started inside a job runs on its "
+        f"caller's cards: the caller keeps its cards while it waits, so waiting for other cards could "
+        f"deadlock (callers holding every card, each waiting for an inner job that needs one). Ask the inner "
+        f"job for at most {pool.summary()} (gpu_count=, gpu=), give the outer job the cards the inner one "
+        f"needs, or start the inner jobs from the top-level script rather than from inside a job."
+    )

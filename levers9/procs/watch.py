@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import errno
 import os
 import selectors
@@ -24,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 
-from levers9.procs import echo, fds, lines, reaping, tree
+from levers9.procs import echo, fds, lines, tree
 from levers9.procs.failure import FailureRecord, FrameReader
 
 TAIL_LINES = 400  # kept per child for failure reports
@@ -215,7 +216,7 @@ class Watcher:
         self._paused: dict[int, Child] = {}  # output pipes not read while the forwarder is full
         self._stopped_early = False  # stop() found children still running: output is not waited for
         self._cutting = {"immediate": immediate, "exact": exact}  # how output is cut: see lines.LineCutter
-        reaping.hold_exit_statuses()  # exit statuses stay readable even where the caller ignores SIGCHLD
+        hold_exit_statuses()  # exit statuses stay readable even where the caller ignores SIGCHLD
         self._holding = True
 
     def add(self, child: Child) -> Child:
@@ -379,4 +380,70 @@ class Watcher:
             fds.close(self._wake_w)
             if self._holding:
                 self._holding = False
-                reaping.release_exit_statuses()
+                release_exit_statuses()
+
+
+# Parent side: exit statuses stay readable while levers9 waits for its children, whatever SIGCHLD was set to.
+#
+# A process whose SIGCHLD is ignored (SIG_IGN, set by the caller or inherited from whoever started it:
+# a daemon, a job scheduler's shell) never gets its children's exit statuses: the kernel reaps them
+# at once and waitpid fails with ECHILD, so a rank that succeeded would read as "exited with code
+# None". While any Watcher is open, SIGCHLD is set to SIG_DFL (which, for SIGCHLD, also ignores the
+# signal, but leaves each exited child for its parent to reap); when the last one closes, SIG_IGN is
+# put back. The change is made at the C level (any thread may open a Watcher, and Python lets only the
+# main thread call signal.signal), so `signal.getsignal(SIGCHLD)` still says SIG_IGN throughout; a
+# handler the caller installed, or the default, is never touched. Children started meanwhile begin
+# with SIGCHLD at its default.
+
+_SIG_DFL, _SIG_IGN = 0, 1
+_lock = threading.Lock()
+_holders = 0
+_restore = False  # SIGCHLD was ignored when the first holder came, and is put back when the last goes
+
+
+def hold_exit_statuses() -> None:
+    """One more waiter that needs exit statuses (pair with `release_exit_statuses`)."""
+    global _holders, _restore
+    with _lock:
+        _holders += 1
+        if _holders == 1 and signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:
+            _restore = _set(_SIG_DFL) == _SIG_IGN
+
+
+def release_exit_statuses() -> None:
+    """One waiter less; the last puts back an ignored SIGCHLD."""
+    global _holders, _restore
+    with _lock:
+        _holders -= 1
+        if _holders == 0 and _restore:
+            _set(_SIG_IGN)
+            _restore = False
+
+
+def _set(disposition: int) -> int | None:
+    """Set SIGCHLD's disposition at the C level; the previous one."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    previous: int | None = libc.signal(int(signal.SIGCHLD), disposition)
+    return previous or 0
+
+
+# Waits of the caller's thread that a Ctrl-C always cuts short.
+#
+# The kernel hands a signal sent to a process to any of its threads that does not block it, not always to
+# the main one. Python runs the handler (the KeyboardInterrupt of a Ctrl-C) on the main thread only, and
+# only when that thread next runs Python code: a main thread asleep in one long blocking call sleeps through
+# a Ctrl-C that one of levers9's own threads (the forker, the output forwarder) happened to receive, until
+# the call returns. So every long wait of the caller's thread is cut into WAKE_S steps.
+
+
+WAKE_S = 0.1  # the longest a Ctrl-C handed to another thread waits before the main thread raises it
+
+
+def sleep(seconds: float) -> None:
+    """`time.sleep(seconds)` in WAKE_S steps: a signal handler's exception (KeyboardInterrupt) is raised
+    within WAKE_S of the signal, whichever thread the kernel handed it to."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(left, WAKE_S))

@@ -2,10 +2,10 @@
 
 Each run started by `distributed.run` gets a private board folder holding
 - `progress.bin`: one slot per rank, read by the parent to notice a stall (board.py);
-- `sample-<rank>`: a FIFO asking that rank's thread for a fresh flight-recorder sample (sampler.py,
+- `sample-<rank>`: a FIFO asking that rank's thread for a fresh flight-recorder sample (board.py,
   flight_recorder.py);
 - `stack-<rank>.txt`: where a rank writes every thread's Python stack on SIGUSR1 (report.py);
-- `ranks.json`: the caller's pid and the ranks' pids, for `levers9 stacks` (stalls/lookup.py).
+- `ranks.json`: the caller's pid and the ranks' pids, for `levers9 stacks` (find_board, below).
 A run gets its folder only when `timeout=` or `stall_timeout=` asks for reports; nothing of torch's is
 wrapped: what a rank waits for comes from torch's own flight recorder, where it is from stack dumps.
 The three functions below are what `distributed.run`'s parent and ranks call.
@@ -13,10 +13,23 @@ The three functions below are what `distributed.run`'s parent and ranks call.
 
 from __future__ import annotations
 
+import json
+import mmap
+import os
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
-from levers9.distributed.stalls.board import BoardFolder, RankSlot
-from levers9.distributed.stalls.lookup import find_board, live_boards, report_for_board
+from levers9.distributed.stalls.board import (
+    BOARD_DIR_PREFIX,
+    BoardFolder,
+    RankSlot,
+    board_roots,
+    fresh_states,
+    read_slot,
+    start_recorder_sampler,
+)
 from levers9.distributed.stalls.report import (
     Quiet,
     collect_stacks,
@@ -27,7 +40,6 @@ from levers9.distributed.stalls.report import (
     stall_text,
     stalled,
 )
-from levers9.distributed.stalls.sampler import start_recorder_sampler
 
 __all__ = [
     "BoardFolder",
@@ -88,3 +100,47 @@ def where_ranks_are(folder: BoardFolder, live: dict[int, int], names: list[str] 
     answering = {slot: pid for slot, pid in live.items() if slot not in stopped}
     states = folder.fresh_states(list(live))
     return describe_ranks(states, collect_stacks(answering, folder.path), time.monotonic(), names, stopped)
+
+
+# Finding boards from outside their runs: the board folder of a pid, every live one, and a report taken on demand (`levers9 stacks`).
+
+def _board_folders() -> list[Path]:
+    return sorted(folder for root in board_roots() for folder in root.glob(f"{BOARD_DIR_PREFIX}*"))
+
+
+def find_board(pid: int) -> Path | None:
+    """The board folder of the run whose caller or one of whose ranks has `pid`."""
+    for folder in _board_folders():
+        info = folder / "ranks.json"
+        try:
+            data = json.loads(info.read_text())
+        except (OSError, ValueError):
+            continue
+        if pid == data.get("parent") or pid in data.get("pids", []):
+            return folder
+    return None
+
+
+def live_boards() -> Iterator[tuple[Path, dict[str, Any]]]:
+    """Every board folder whose caller is still alive, with its ranks.json."""
+    for folder in _board_folders():
+        try:
+            data = json.loads((folder / "ranks.json").read_text())
+            os.kill(int(data["parent"]), 0)
+        except (OSError, ValueError, KeyError):
+            continue
+        yield folder, data
+
+
+def report_for_board(folder: Path) -> str:
+    """The stall-style report for a live run, taken on demand without stopping it."""
+    data = json.loads((folder / "ranks.json").read_text())
+    pids = {rank: pid for rank, pid in enumerate(data["pids"])}
+    with open(folder / "progress.bin", "rb") as f:
+        board = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            states = fresh_states(folder, list(pids), lambda: [read_slot(board, rank) for rank in pids])
+        finally:
+            board.close()
+    dumps = collect_stacks(pids, folder)
+    return f"levers9 run of pid {data['parent']} ({len(pids)} ranks):\n" + describe_ranks(states, dumps, time.monotonic())

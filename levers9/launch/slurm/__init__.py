@@ -1,4 +1,6 @@
-"""What a job asks of SLURM beyond its cards: @job(slurm={...}) and the workspace's [slurm] table.
+"""SLURM: a job is an sbatch job (an array for a sweep), its ranks srun tasks, followed through squeue and its
+tasks' reports (backend.py and its modules). This face of the package holds what a job asks of SLURM beyond its
+cards, @job(slurm={...}) and the workspace's [slurm] table, so that checking them loads nothing else:
 
     @job(gpu_count=4, backend="slurm", slurm={"partition": "gpu", "account": "lab", "qos": "normal",
                                               "sbatch": "--exclusive --constraint=a100", "max_running": 8})
@@ -9,7 +11,7 @@ Checked at decoration time (keys and types); the keyword's values win over the w
 from __future__ import annotations
 
 import shlex
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from levers9.errors import JobConfigError
@@ -26,7 +28,19 @@ KEYS = {
                "requeues the job, which resumes from the function's checkpoint (#SBATCH --signal=USR2@N)",
 }
 REQUEUE_SIGNAL_S = 60  # requeue=True: the early signal this many seconds before the time limit
-SETTING_KEYS = ("partition", "account", "qos", "sbatch")  # the workspace's [slurm] table
+# the workspace's [slurm] table (levers9/launch/settings.py reads it through this module): key -> what it must be
+SETTINGS = {
+    "partition": 'a string: #SBATCH --partition of backend="slurm" jobs',
+    "account": 'a string: #SBATCH --account of backend="slurm" jobs',
+    "qos": 'a string: #SBATCH --qos of backend="slurm" jobs',
+    "sbatch": 'a string of more #SBATCH options, such as "--exclusive --constraint=a100"',
+}
+# what a new workspace settings file says of that table
+SETTINGS_TEMPLATE = """
+[slurm]
+# partition = "gpu"                # backend="slurm": #SBATCH --partition (also account, qos)
+# sbatch = "--exclusive"           # more #SBATCH options; @job(slurm={...}) wins key by key
+"""
 # the keys whose value is a whole number >= 1 -> what the message says it must be
 _WHOLE_KEYS = {"requeue": "True or whole seconds >= 1", "max_running": "a whole number >= 1"}
 
@@ -93,7 +107,7 @@ def sbatch_options(text: str, source: str = "slurm=") -> dict[str, Any]:
     return options
 
 
-def merged(job: tuple[tuple[str, str], ...], workspace: Mapping[str, str | None]) -> dict[str, str]:
+def merged(job: Iterable[tuple[str, str]], workspace: Mapping[str, str | None]) -> dict[str, str]:
     """The workspace's values overridden, key by key, by the job's."""
     out = {key: value for key, value in workspace.items() if value}
     out.update(dict(job))

@@ -5,7 +5,7 @@ distributed.run inside reads, as on a workstation) and calls the function. A job
 task per card, started by SLURM's srun (no levers9 agent runs there: SLURM is the launcher); each task is a
 rank, and the function runs in every rank through `distributed.run`, which finds the world SLURM made
 (levers9.distributed.detect). A restart of a job across nodes (max_restarts=) is a new job whose ranks see
-TORCHELASTIC_RESTART_COUNT one higher, as under torchrun (slurm_backend.py). The ranks of a job across nodes
+TORCHELASTIC_RESTART_COUNT one higher, as under torchrun (backend.py). The ranks of a job across nodes
 meet on a store rank 0 serves on a port it bound itself (`_meeting_place`), under a secret only the job's payload
 holds, not on a port derived from the job id (which anyone who reads squeue could take first). Every task reports
 back a TaskReport (its value, or its failure with the traceback) in submitit's result file, never an
@@ -33,12 +33,11 @@ import cloudpickle
 from levers9 import distributed as dist
 from levers9 import runtime
 from levers9.distributed import group
+from levers9.distributed.control_store import serve_store
 from levers9.distributed.restarts import attempt_env
-from levers9.distributed.store_server import serve_store
 from levers9.errors import LauncherEnvError
 from levers9.launch import job_process
-from levers9.launch.job_process import TaskPayload
-from levers9.launch.scratch import remove_scratch_dir, scratch_dir
+from levers9.launch.job_process import TaskPayload, remove_scratch_dir, scratch_dir
 from levers9.procs.failure import FailureRecord, capture, exit_status, ship_value
 from levers9.procs.outcome import wall_clock
 from levers9.runtime import Runtime
@@ -61,11 +60,9 @@ class TaskReport:
     wall: float | None = None  # when it failed, on the wall clock: the caller orders reports of several nodes by it
 
 
-def run_task(payload: TaskPayload | dict[str, Any]) -> TaskReport:
+def run_task(payload: TaskPayload) -> TaskReport:
     """Run this task's part of the cell in `payload` and report how it ended (never raises an Exception); a run
     being requeued (at the time limit) ends without a report: the job's next run reports."""
-    if isinstance(payload, dict):  # a job submitted by levers9 before TaskPayload, pending while levers9 was upgraded
-        payload = TaskPayload(**{**payload, "sys_path": tuple(payload["sys_path"])})
     # submitit's worker ignores SIGTERM (it waits for a requeue); levers9's cancel is SIGTERM, then the kill after
     # stop_grace, as on a workstation: the default ends the task, and a handler the function installs can save
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

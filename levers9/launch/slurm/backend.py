@@ -7,7 +7,7 @@
 submitit (the field's choice) writes the pickles and the sbatch script, submits single jobs and job
 arrays, and runs each task through `python -m submitit.core._submit` under srun. It reads job states
 with sacct, which needs SLURM's accounting database; this backend reads squeue instead (every cluster
-has it), and follows each job by itself (slurm_follow.py): its state and node, its output files
+has it), and follows each job by itself (follow.py): its state and node, its output files
 (streamed to the caller as they grow, with the local backend's prefixes), and the result file of each
 task (slurm_task.TaskReport). A gpu_count no node holds is one training across the fewest nodes with
 equal shares (`--nodes`, `--ntasks-per-node=share`, `--gres=gpu:share`): srun starts every rank (no levers9
@@ -16,7 +16,7 @@ submitted again, its ranks' TORCHELASTIC_RESTART_COUNT one higher.
 
 `timeout=` is the job's SLURM time limit (rounded up to whole minutes, plus one) and is enforced here to
 the second from the moment the job runs (then a stop and JobTimeout). A stop (Ctrl-C, SIGTERM, leaving a
-map, timeout=) is SIGTERM to the job's tasks and the kill after stop_grace, done by slurm_reaper.py, which
+map, timeout=) is SIGTERM to the job's tasks and the kill after stop_grace, done by reaper.py, which
 also stops the jobs of a caller that died without stopping them.
 """
 
@@ -34,23 +34,25 @@ from typing import Any
 
 import submitit
 
+import levers9.launch.slurm as slurm_options
 from levers9 import state_files
 from levers9.errors import (
     FailureKind,
     JobConfigError,
     NotShippableError,
 )
-from levers9.launch import job_process, outcomes, slurm_collect, slurm_nodes, slurm_options, slurm_task
-from levers9.launch.backend import Batch
-from levers9.launch.cell_keys import cell_key, function_key
-from levers9.launch.cells import Cell
+from levers9.launch import job_process, outcomes
+from levers9.launch.backend import Batch, dispatch
+from levers9.launch.cells import Cell, cell_key, function_key
 from levers9.launch.job_process import TaskPayload
-from levers9.launch.lanes import dispatch
 from levers9.launch.outcomes import Cancelled
 from levers9.launch.run_reader import RESULTS
 from levers9.launch.settings import load_settings
-from levers9.launch.slurm_follow import POLL_S, Follower, Reaper, Tracker
-from levers9.launch.slurm_nodes import SlurmPlan
+from levers9.launch.slurm import collect as slurm_collect
+from levers9.launch.slurm import nodes as slurm_nodes
+from levers9.launch.slurm import task as slurm_task
+from levers9.launch.slurm.follow import POLL_S, Follower, Reaper, Tracker
+from levers9.launch.slurm.nodes import SlurmPlan
 from levers9.procs.failure import ship
 from levers9.retries import restart_policy, run_with_retries, word_for
 
@@ -70,7 +72,7 @@ class SlurmBackend:
         _check_room(batch)
         spec = batch.spec
         settings = load_settings()
-        options = slurm_options.merged(spec.slurm, {k: getattr(settings, k) for k in slurm_options.SETTING_KEYS})
+        options = slurm_options.merged(spec.options_for("slurm"), settings.backend_table("slurm"))
         nodes = slurm_nodes.cluster_nodes(options.get("partition"))
         slurm_nodes.check_account_and_qos(options.get("account"), options.get("qos"))
         plan = slurm_nodes.plan_job(spec, nodes, options.get("partition"))
@@ -177,7 +179,7 @@ class Submitter:
 
     def cancel(self, job_id: str) -> None:
         """Stop `job_id` (a job, an array element, or a whole array by its base id) with the job's stop_grace:
-        SIGTERM to its tasks now, the kill after stop_grace s (slurm_reaper.py does both: it outlives this process)."""
+        SIGTERM to its tasks now, the kill after stop_grace s (reaper.py does both: it outlives this process)."""
         self.reaper.stop(job_id)
 
 

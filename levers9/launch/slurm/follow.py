@@ -1,11 +1,11 @@
-"""Following and stopping a batch's SLURM jobs from the caller (slurm_backend.py submits them).
+"""Following and stopping a batch's SLURM jobs from the caller (backend.py submits them).
 
 One thread per batch (`Follower`) asks squeue for every job's state once a second and reads each live job's
 output files (streamed to the caller with the local backend's prefixes, kept in the attempt's logs) and its
 tasks' result files (slurm_task.TaskReport); a `Tracker` per job decides when its outcome is known: rank 0's
 report, the failure that came first, srun's word on a task killed by a signal, a requeue (followed into the
 job's next run), the caller's timeout=. Every stop goes through `Reaper`, the caller's side of
-slurm_reaper.py: SIGTERM to the job's tasks, the kill after stop_grace, even when the caller is gone.
+reaper.py: SIGTERM to the job's tasks, the kill after stop_grace, even when the caller is gone.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ from submitit.core import utils as submitit_utils
 from levers9 import state_files
 from levers9.distributed.detect import expand_nodelist
 from levers9.errors import FailureKind
-from levers9.launch import outcomes, slurm_nodes, slurm_task
+from levers9.launch import outcomes
 from levers9.launch.outcomes import Cancelled, OutputTail
-from levers9.launch.slurm_collect import ENDED, queue_states
+from levers9.launch.slurm import nodes as slurm_nodes
+from levers9.launch.slurm import task as slurm_task
+from levers9.launch.slurm.collect import ENDED, queue_states
 from levers9.procs.outcome import Outcome, root_cause, this_clock
 from levers9.procs.supervise import ROOT_CAUSE_WINDOW_S
 from levers9.state_files import AppendLog
@@ -43,17 +45,17 @@ log = logging.getLogger("levers9.launch.slurm")
 POLL_S = 0.25  # seconds between reads of the live jobs' output and result files
 STATES_EVERY_S = 1.0  # seconds between squeue calls (each one costs slurmctld an RPC)
 RUNNING = {"RUNNING", "COMPLETING", "STOPPED", "SUSPENDED", "SIGNALING", "STAGE_OUT"} | ENDED
-# lines of a job's output that say it is requeued: SLURM's (scontrol requeue, preemption) and slurm_task.py's own
+# lines of a job's output that say it is requeued: SLURM's (scontrol requeue, preemption) and task.py's own
 REQUEUED_WORDS = ("DUE TO JOB REQUEUE", "DUE TO PREEMPTION", slurm_task.REQUEUE_WORDS)
 REQUEUE_WAIT_POLLS = 60  # squeue answers (about a second apart) a requeued job may show as ended
 ROOT_WAIT_S = 3.0  # how long reports of a lost peer wait for the report of the rank that failed first
 # after the first report of a failure of its own, how long an earlier one on its way (written, not yet read) is awaited
 ROOT_WINDOW_S = ROOT_CAUSE_WINDOW_S + 2 * POLL_S
-REAPER = Path(__file__).with_name("slurm_reaper.py")
+REAPER = Path(__file__).with_name("reaper.py")
 
 
 class Reaper:
-    """The helper process that cancels this batch's jobs if this process dies first (slurm_reaper.py)."""
+    """The helper process that cancels this batch's jobs if this process dies first (reaper.py)."""
 
     def __init__(self, grace: float) -> None:
         self.grace = grace

@@ -6,7 +6,7 @@
 Every option of `torchrun --help` is accepted in both spellings (`--nproc-per-node`, `--nproc_per_node`) with
 torchrun's meaning (restarts after any failure, its log folder, error files, role and prefixes:
 distributed/torchrun_agent.py), or refused, before anything starts, with why it has no meaning here; each option's
-PET_ variable is read as torchrun reads it (torchrun_env.py). Across nodes (--nnodes, or srun with one task per
+PET_ variable is read as torchrun reads it (below). Across nodes (--nnodes, or srun with one task per
 node) this launcher is one node of the run: distributed/torchrun_nodes.py and distributed/slurm_gang.py.
 The exit status is torchrun's: 0 when every rank succeeded, 1 when any rank failed (an exception,
 sys.exit(N), a signal, a timeout or stall) and when levers9 run itself got SIGTERM or SIGHUP (or a signal of
@@ -23,9 +23,9 @@ import os
 import secrets
 import signal
 import sys
+from collections.abc import Mapping
 from typing import Any
 
-from levers9 import torchrun_env
 from levers9.distributed import script as scripts
 from levers9.distributed import slurm_gang, torchrun_agent, torchrun_nodes
 from levers9.distributed.detect import LEVERS9_RUN_ID_PREFIX
@@ -144,7 +144,7 @@ def register(sub: Any) -> None:
     parser.add_argument("script", metavar="SCRIPT_OR_MODULE", help="the training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     parser.set_defaults(handler=main)
-    torchrun_env.read_pet_variables(parser, os.environ)  # each torchrun option's PET_ variable, as torchrun reads it
+    read_pet_variables(parser, os.environ)  # each torchrun option's PET_ variable, as torchrun reads it
 
 
 def _refuse_multi_node(args: argparse.Namespace) -> None:
@@ -185,7 +185,7 @@ def main(args: argparse.Namespace) -> int:
     """Run the script on every rank; the exit status follows torchrun's rules."""
     agent: TorchrunAgent | None = None
     try:
-        torchrun_env.check(args)
+        check(args)
         layout = torchrun_nodes.layout_of(args)  # None for one node
         across_nodes = _slurm_step_across_nodes()
         if layout is None and not across_nodes:
@@ -398,3 +398,63 @@ def _restart_account(exc: BaseException) -> list[str]:
 
 def _ours(text: str) -> str:
     return text.replace("distributed.run:", "levers9 run:", 1).replace("distributed.run ", "levers9 run ", 1)
+
+
+# torchrun's PET_* variables: each of torchrun's options may come from `PET_<DEST>` instead of the command
+# line.
+#
+# torchrun's parser reads every option's default from `PET_` + its destination in capitals (torch's
+# distributed/argparse_util.py: `env` for an option with a value, `check_env` for a flag, where "1" is on
+# and "0" off); a flag on the command line wins. Kubeflow's PyTorchJob and TrainJob start `torchrun
+# train.py` with nothing but PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and
+# PET_MASTER_PORT, so `levers9 run` reads them the same way: a drop-in that ignored them would run a world
+# of one on each node. `levers9 run` takes every torchrun option (a PET_ variable's value is then checked as
+# the option's is).
+
+
+# torchrun's options (their argparse destinations) and whether each is a flag (check_env) or takes a value (env).
+TORCHRUN_OPTIONS: dict[str, bool] = {
+    "nnodes": False, "nproc_per_node": False, "rdzv_backend": False, "rdzv_endpoint": False, "rdzv_id": False,
+    "rdzv_conf": False, "standalone": True, "max_restarts": False, "monitor_interval": False, "start_method": False,
+    "event_log_handler": False, "role": False, "module": True, "no_python": True, "run_path": True, "log_dir": False,
+    "redirects": False, "tee": False, "local_ranks_filter": False, "duplicate_stdout_filters": False,
+    "duplicate_stderr_filters": False, "node_rank": False, "master_addr": False, "master_port": False,
+    "local_addr": False, "signals_to_handle": False, "shutdown_timeout": False, "virtual_local_rank": True,
+}  # fmt: skip
+PROBLEMS = "pet_problems"  # the Namespace attribute that holds what `check` refuses
+
+
+def variable(dest: str) -> str:
+    """The PET_ variable of the option stored at `dest` (torchrun's rule)."""
+    return f"PET_{dest.upper()}"
+
+
+def read_pet_variables(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """Make every torchrun option of `parser` default to its PET_ variable where that is set (a command-line flag
+    still wins); what cannot be honoured is noted for `check`: the PET_ variable of a torchrun option `parser` does
+    not take, a flag's variable that is not a whole number, a value outside the option's choices."""
+    problems = []
+    for action in parser._actions:
+        if action.dest not in TORCHRUN_OPTIONS:
+            continue
+        name = variable(action.dest)
+        if name not in env:
+            continue
+        text = env[name]
+        if TORCHRUN_OPTIONS[action.dest]:
+            try:
+                action.default = bool(int(text))
+            except ValueError:
+                problems.append(f"{name}={text!r}; expected 1 or 0 (torchrun reads it as a whole number)")
+        elif action.choices and text not in action.choices:
+            problems.append(f"{name}={text!r}; expected one of {', '.join(map(str, action.choices))}")
+        else:
+            action.default = text  # argparse converts a default string by the option's type, as a flag's value
+    parser.set_defaults(**{PROBLEMS: problems})
+
+
+def check(args: argparse.Namespace) -> None:
+    """ConfigError for the first PET_ variable `levers9 run` could not honour (see `read_pet_variables`)."""
+    problems = getattr(args, PROBLEMS, [])
+    if problems:
+        raise ConfigError(f"{problems[0]}. Unset it, or set it as torchrun's option takes it.")

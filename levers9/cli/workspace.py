@@ -14,8 +14,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from levers9.cli import said_as, whole_number
 from levers9.errors import Levers9Error
-from levers9.launch.cli_errors import said_as, whole_number
 from levers9.launch.pool import local_pool
 from levers9.launch.settings import MAX_GPU_COUNT_LIMIT, Settings, load_settings, update_settings
 

@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, NoReturn
 
@@ -44,18 +45,17 @@ from levers9.errors import (
     NotShippableError,
     first_line,
 )
-from levers9.launch import job_process, outcomes, ray_gang
-from levers9.launch.backend import Batch
+from levers9.launch import job_process, outcomes
+from levers9.launch.backend import Batch, dispatch
 from levers9.launch.cells import Cell
 from levers9.launch.job_process import GangSlot, TaskPayload
-from levers9.launch.lanes import dispatch
 from levers9.launch.local import LocalBackend
 from levers9.launch.outcomes import Cancelled, OutputTail
 from levers9.launch.pool import holds_cards
-from levers9.launch.ray_admission import Admission, Entry
-from levers9.launch.ray_cli import node_resources, resource_name
-from levers9.launch.ray_gang import Node
-from levers9.launch.ray_node_task import TaskEnded, TaskOutput, TaskStarted, node_task
+from levers9.launch.ray import gang as ray_gang
+from levers9.launch.ray.gang import Node
+from levers9.launch.ray.node_task import TaskEnded, TaskOutput, TaskStarted, node_task
+from levers9.launch.ray.resources import node_resources, resource_name
 from levers9.launch.spec import JobSpec
 from levers9.procs.failure import ship
 from levers9.state_files import AppendLog
@@ -73,7 +73,7 @@ class RayBackend:
         self.admission = Admission()
 
     def submit(self, batch: Batch) -> list[Future[Any]]:
-        """Connect, check that some alive node could hold the job, then run the cells on lanes (lanes.py):
+        """Connect, check that some alive node could hold the job, then run the cells on lanes (backend.py):
         twice as many as the alive nodes could run at once, so the next task is already queued in Ray
         when one ends, and threads grow with the cluster, never with the number of cells.
         A GPU job started inside a job that holds cards runs on those cards instead (see pool.py): the
@@ -237,7 +237,7 @@ def plan_text(gpu: str, gpu_count: int) -> str:
 
 
 def _gang_plan(spec: JobSpec, nodes: list[Node], single: InfeasibleJobError) -> TaskRequest:
-    """The plan of a job split across nodes (ray_gang.py), or InfeasibleJobError with a table of the nodes."""
+    """The plan of a job split across nodes (gang.py), or InfeasibleJobError with a table of the nodes."""
     gang = ray_gang.plan_gang(spec, nodes, single, ray_gang.free_by_node())
     num_cpus = spec.cpu if spec.cpu is not None else 0.0
     resources = {resource_name(gang.gpu_type): float(gang.share)} if gang.gpu_type else {}
@@ -426,3 +426,53 @@ def _free_gpus() -> str:
         return f"{ray.available_resources().get('GPU', 0):g}"
     except Exception:
         return "an unknown number of"
+
+
+# The Ray backend's admission: first come, first served across task shapes, in this process.
+
+
+@dataclasses.dataclass(eq=False)
+class Entry:
+    """One task waiting for its turn, by its shape (what it asks of Ray)."""
+
+    shape: tuple[Any, ...]
+    submitted: bool = False  # its task was handed to Ray
+
+
+class Admission:
+    """First come, first served across shapes: a task is submitted only when every earlier task that
+    has not started yet has the same shape and was submitted already (Ray keeps one shape's queue in the
+    order tasks were submitted, so tasks are handed to Ray in the order cells entered here)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: list[Entry] = []
+
+    def enter(self, shape: tuple[Any, ...]) -> Entry:
+        with self._cond:
+            entry = Entry(shape)
+            self._queue.append(entry)
+            return entry
+
+    def wait_turn(self, entry: Entry, stop: Callable[[], bool], deadline: float | None) -> bool:
+        """True when `entry` may be submitted; False if `stop()` or the deadline came first."""
+        with self._cond:
+            while True:
+                ahead = self._queue[: self._queue.index(entry)]
+                if all(e.shape == entry.shape and e.submitted for e in ahead):
+                    return True
+                if stop() or (deadline is not None and time.monotonic() >= deadline):
+                    return False
+                self._cond.wait(0.1)
+
+    def submitted(self, entry: Entry) -> None:
+        """`entry`'s task was handed to Ray: the entries behind it may be submitted now."""
+        with self._cond:
+            entry.submitted = True
+            self._cond.notify_all()
+
+    def leave(self, entry: Entry) -> None:
+        with self._cond:
+            if entry in self._queue:
+                self._queue.remove(entry)
+                self._cond.notify_all()

@@ -1,6 +1,6 @@
 """The local executor: each cell is a process of its own on cards leased from this machine.
 
-The cells run in input order on as many lanes (threads, see lanes.py) as the batch could ever run at
+The cells run in input order on as many lanes (threads, see backend.py) as the batch could ever run at
 once: eligible cards // cards per job, or the CPU count for CPU jobs. A lane waits in the lease
 queue for its cell's cards, starts the job process (a fork of the caller when that is safe, which
 costs milliseconds; a fresh interpreter otherwise), streams its output to the caller and to a log
@@ -20,19 +20,18 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from levers9.context import JobContext
 from levers9.launch import job_process, outcomes
-from levers9.launch.backend import Batch
+from levers9.launch.backend import Batch, dispatch
 from levers9.launch.cells import Cell
-from levers9.launch.lanes import dispatch
-from levers9.launch.leases import Lease, LeaseDir
+from levers9.launch.local.leases import Lease, LeaseDir
 from levers9.launch.outcomes import Cancelled, OutputTail
-from levers9.launch.policy import check_feasible
 from levers9.launch.pool import Pool, local_pool
 from levers9.launch.settings import lease_dirs, load_settings
+from levers9.launch.spec import check_feasible
 from levers9.procs import start
 from levers9.procs.supervise import Supervisor
 from levers9.procs.watch import Child, Watcher
+from levers9.runtime import JobContext
 from levers9.state_files import AppendLog
 
 log = logging.getLogger("levers9.launch")

@@ -21,14 +21,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from levers9.context import GangContext, describe_split
-from levers9.distributed.control_store import ControlStore
-from levers9.distributed.store_server import serve_store
+from levers9.distributed.control_store import ControlStore, serve_store
 from levers9.errors import InfeasibleJobError
-from levers9.launch.job_process import TaskPayload
-from levers9.launch.ray_cli import RESOURCE_PREFIX, resource_name
-from levers9.launch.scratch import remove_scratch_dir, scratch_dir
+from levers9.launch.job_process import TaskPayload, remove_scratch_dir, scratch_dir
+from levers9.launch.ray.resources import RESOURCE_PREFIX, resource_name
 from levers9.launch.spec import JobSpec
+from levers9.runtime import GangContext, describe_split
 
 PG_POLL_S = 0.2  # how often a waiting placement group is checked against the deadline and cancellation
 AGENT_EXIT_WAIT_S = 5.0  # after the job, how long the agents get to stop their ranks before they are cancelled

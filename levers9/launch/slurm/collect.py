@@ -73,7 +73,7 @@ def is_detached(run_path: Path) -> bool:
 def queue_states(job_ids: list[str] | None = None) -> dict[str, tuple[str, str, str]] | None:
     """job id ('123', '123_4' for array elements) -> (state, reason, nodes) as squeue shows them, of `job_ids`, else
     of every job of this user; None when squeue gives no answer (then nothing is concluded from a job's absence).
-    levers9's one reader of squeue (slurm_reaper.py, a script that imports nothing of levers9's, keeps its own)."""
+    levers9's one reader of squeue (reaper.py, a script that imports nothing of levers9's, keeps its own)."""
     which = ["-u", str(os.getuid())] if job_ids is None else ["-j", ",".join(job_ids)]
     try:
         done = subprocess.run(["squeue", "-h", "-r", "-t", "all", *which, "-o", "%i|%T|%r|%N"],
@@ -114,7 +114,7 @@ def _report(folder: Path, job_id: str) -> Any:
     """The TaskReport of task 0 of `job_id` (None if it has not written one, or it cannot be read)."""
     from submitit.core import utils as submitit_utils  # here: `levers9 runs` itself needs no submitit
 
-    from levers9.launch import slurm_task
+    from levers9.launch.slurm import task as slurm_task
 
     path = folder / f"{job_id}_0_result.pkl"
     if not path.exists():
@@ -194,7 +194,7 @@ def result(run: str, cell: int = 0, timeout: float | None = None) -> Any:
 
 
 def register(runs_commands: Any) -> None:
-    """`levers9 runs result RUN [CELL] [--timeout S]` (added to `levers9 runs` by runs_cli.py)."""
+    """`levers9 runs result RUN [CELL] [--timeout S]` (added to `levers9 runs` by cli/runs.py)."""
     parser = runs_commands.add_parser("result", help="a SLURM cell's value, once its job ends (slurm={'detach': True})")
     parser.add_argument("run", help="run id, a unique prefix of one, or 'last'")
     parser.add_argument("cell", type=int, nargs="?", default=0, help="the cell's index (default 0)")

@@ -18,10 +18,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from levers9.cli import said_as, whole_number
 from levers9.errors import Levers9Error
-from levers9.launch import run_reader, run_retention, slurm_collect
-from levers9.launch.cli_errors import said_as, whole_number
+from levers9.launch import run_folder, run_reader
 from levers9.launch.settings import runs_dir
+from levers9.launch.slurm import collect as slurm_collect
 from levers9.seconds import say_duration
 from levers9.state_files import read_private
 
@@ -175,8 +176,8 @@ def _follow(run: run_reader.Run, index: int) -> None:
 def _clean(args: argparse.Namespace) -> int:
     keep = args.keep
     if keep is None and args.older_than is None:
-        keep = run_retention.keep_runs()
-    removed = run_retention.clean(keep=keep, older_than=args.older_than)
+        keep = run_folder.keep_runs()
+    removed = run_folder.clean(keep=keep, older_than=args.older_than)
     kept, skipped = run_reader.scan_runs()
     _say_skipped(skipped)
     print(f"removed {len(removed)} run folder(s) from {runs_dir()}; {len(kept)} kept")

@@ -2,7 +2,7 @@
 (SIGKILL, a SIGTERM that ends Python without its clean-up) the jobs it did not see end. A small process of
 its own session, reading lines from a pipe, so a stop outlives the caller that asked for it.
 
-    python slurm_reaper.py GRACE     # GRACE: seconds between a job's SIGTERM and its kill (@job(stop_grace=))
+    python reaper.py GRACE     # GRACE: seconds between a job's SIGTERM and its kill (@job(stop_grace=))
 
 The caller writes "+ID" when it submits a job, "-ID" when the job is over, and "!ID" to stop it now. A stop
 is `scancel --state=PENDING ID` (what has not started never will: a pending element of a job array would

@@ -102,7 +102,7 @@ def _ray_plan(asked: str) -> dict[str, Any]:
     gpu, _, count = asked.rpartition(":")
     if not gpu or not count.isdigit() or int(count) < 1:
         return {"error": f"--ray-plan {asked!r}; expected GPU:N, e.g. --ray-plan RTXPro6000:4 (or any:4)."}
-    from levers9.launch import ray_backend  # imports Ray: only when asked for
+    from levers9.launch.ray import backend as ray_backend  # imports Ray: only when asked for
 
     try:
         return {"plan": ray_backend.plan_text(gpu, int(count))}
@@ -112,7 +112,7 @@ def _ray_plan(asked: str) -> dict[str, Any]:
 
 def _slurm(gpu_count: int | None, partition: str | None) -> dict[str, Any]:
     """{'report': nodes, cards free and the plan (slurm_nodes.report)}, or {'error': why not}."""
-    from levers9.launch import slurm_nodes  # the job layer loads only when --slurm asks for it
+    from levers9.launch.slurm import nodes as slurm_nodes  # the job layer loads only when --slurm asks for it
 
     try:
         return {"report": slurm_nodes.report(gpu_count, partition)}
@@ -231,7 +231,7 @@ def probe(ncards: int, *, timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
 def _probe_once(ncards: int, extra: dict[str, str], timeout: float) -> dict[str, Any]:
     env = dict(os.environ, **extra)
     env["LEVERS9_PG_TIMEOUT"] = str(max(5.0, timeout - 10))  # NCCL's own watchdog fires before we kill
-    code = f"from levers9.doctor import _probe_child; _probe_child({ncards}, {max(1.0, timeout - 5)!r})"
+    code = f"from levers9.cli.doctor import _probe_child; _probe_child({ncards}, {max(1.0, timeout - 5)!r})"
     start = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-c", code],

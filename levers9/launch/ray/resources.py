@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from levers9.launch.cli_errors import said_as
+from levers9.cli import said_as
 from levers9.launch.pool import local_pool
 
 RESOURCE_PREFIX = "levers9_"

@@ -1,6 +1,6 @@
 """Inside a Ray task, on its node: the job process started with the task's cards, supervised, reported back.
 
-The Ray backend (ray_backend.py) submits `node_task`; its items are one TaskStarted, TaskOutput items with the
+The Ray backend (backend.py) submits `node_task`; its items are one TaskStarted, TaskOutput items with the
 job's output (a long line in pieces, at most ITEM_CHARS in one item, so the caller never holds it whole) and
 one TaskEnded with the job's Outcome. A job across nodes also hosts its control store and agents here
 (ray_gang.host).
@@ -16,14 +16,14 @@ from collections.abc import Iterator
 
 import ray
 
-from levers9.context import describe_split
-from levers9.launch import job_process, ray_gang
-from levers9.launch.job_process import TaskPayload
-from levers9.launch.scratch import remove_scratch_dir, scratch_dir
+from levers9.launch import job_process
+from levers9.launch.job_process import TaskPayload, remove_scratch_dir, scratch_dir
+from levers9.launch.ray import gang as ray_gang
 from levers9.procs import start
 from levers9.procs.outcome import Outcome
 from levers9.procs.supervise import Supervisor
 from levers9.procs.watch import Watcher
+from levers9.runtime import describe_split
 
 OUTPUT_EVERY = 0.1  # seconds between batches of output lines sent back from a task
 ITEM_CHARS = 4 << 20  # of output in one item a task sends back (a long line comes in pieces of about 1 MB)
