@@ -176,3 +176,37 @@ def test_account_and_qos_are_checked_only_where_accounting_enforces_them_and_ans
     monkeypatch.setenv("PATH", _slurm_commands(tmp_path, "associations", "", assoc_exit=1))
     check_account_and_qos("nosuch", None)  # slurmdbd did not answer: sbatch judges
 
+
+
+def test_a_detached_cells_failures_are_built_as_every_backends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`levers9 runs result` on a detached SLURM cell: its own exception (rebuilt, with where it ran), a job that ended
+    without a result, and one still running when the wait is over, each as the job layer's one builder makes it. The
+    run folder is a real one; squeue and the task's result file are the boundary it reads."""
+    from submitit.core import utils as submitit_utils
+
+    from levers9.errors import JobCrashed, JobTimeout
+    from levers9.launch import run_reader
+    from levers9.launch.slurm import collect as slurm_collect
+    from levers9.launch.slurm.task import TaskReport
+    from levers9.procs.failure import capture
+
+    job(name="collected")(jobfns.add).remote(1, 2)  # a run folder of this user's, as a SLURM batch makes one
+    folder = run_reader.find_run("last").path / "slurm"
+    folder.mkdir()
+    (folder / slurm_collect.JOBS_FILE).write_text('{"0": "77"}')
+    try:
+        raise KeyError("boom")
+    except KeyError as exc:
+        failure = capture(exc)
+    submitit_utils.cloudpickle_dump(("success", TaskReport(0, "l9node2", 5, failure=failure)), folder / "77_0_result.pkl")
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")  # squeue: none yet, so nothing is known to run
+    with pytest.raises(KeyError, match="boom") as raised:
+        slurm_collect.result("last", 0)
+    assert any("traceback of SLURM job 77" in note and "on l9node2" in note for note in raised.value.__notes__)
+    (folder / "77_0_result.pkl").unlink()
+    with pytest.raises(JobCrashed, match=r"SLURM job 77 \(run \S+, cell 0\) ended without a result .* Its output: \S+77_0_log.err"):
+        slurm_collect.result("last", 0)
+    (tmp_path / "squeue").write_text("#!/bin/sh\necho '77|RUNNING|None|l9node1'\n")
+    (tmp_path / "squeue").chmod(0o755)
+    with pytest.raises(JobTimeout, match=r"SLURM job 77 \(run \S+, cell 0\) still runs after 0.2 s. Wait longer"):
+        slurm_collect.result("last", 0, timeout=0.2)

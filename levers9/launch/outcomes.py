@@ -26,7 +26,7 @@ from levers9.launch.cells import Cell
 from levers9.launch.run_folder import RunFolder
 from levers9.launch.spec import JobSpec
 from levers9.procs import oom
-from levers9.procs.failure import rebuild, unship_value
+from levers9.procs.failure import FailureRecord, rebuild, unship_value
 from levers9.procs.outcome import Outcome, StopReason, kind_of
 from levers9.procs.watch import TAIL_LINE_CHARS, cut_line
 from levers9.retries import run_with_retries, word_for
@@ -234,7 +234,25 @@ def result(run: JobAttempt, outcome: Outcome, tail: OutputTail, node: str | None
         )
     if failure is None:
         return unship_value(outcome.value, f"the return value of {run.label}")
+    raise raised(failure, f"levers9: traceback of {run.label}, from its job process:\n{failure.traceback.rstrip()}",
+                 f"levers9: {run.label} ran as pid {pid}{_on(node)} ({run.attempts}). {run.where}")
+
+
+def raised(failure: FailureRecord, *notes: str) -> BaseException:
+    """The job's own exception, rebuilt from its record (a RemoteError where its type cannot be), with `notes`."""
     exc = rebuild(failure) or RemoteError(failure.exc_type, failure.message, failure.traceback)
-    add_note(exc, f"levers9: traceback of {run.label}, from its job process:\n{failure.traceback.rstrip()}")
-    add_note(exc, f"levers9: {run.label} ran as pid {pid}{_on(node)} ({run.attempts}). {run.where}")
-    raise exc
+    for note in notes:
+        add_note(exc, note)
+    return exc
+
+
+def collected_still_running(where: str, timeout: float) -> JobTimeout:
+    """The error for a detached job still running after `timeout` s of waiting for it (`levers9 runs result`)."""
+    return JobTimeout(f"{where} still runs after {timeout:g} s. Wait longer (--timeout), or see its output with "
+                      f"`levers9 runs logs`.")  # fmt: skip
+
+
+def collected_without_result(where: str, index: int, output: str) -> JobCrashed:
+    """The error for a detached job that ended without a result of its own (killed, cancelled, out of time)."""
+    return JobCrashed(f"{where} ended without a result (killed, cancelled, or out of time). Its output: {output}.",
+                      JobFailure(cell=index, pid=0, output_tail=""))  # fmt: skip

@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from levers9.errors import JobCrashed, JobFailure, JobTimeout, Levers9Error, add_note
-from levers9.launch import run_reader
-from levers9.procs.failure import rebuild, unship_value
+from levers9.errors import Levers9Error
+from levers9.launch import outcomes, run_reader
+from levers9.procs.failure import unship_value
 
 JOBS_FILE = "jobs.json"
 DETACHED_FILE = "detached"  # in a run's slurm/ folder: its jobs outlive their caller
@@ -172,25 +172,18 @@ def result(run: str, cell: int = 0, timeout: float | None = None) -> Any:
         )
     report_path = folder / f"{job_id}_0_result.pkl"
     deadline = None if timeout is None else time.monotonic() + timeout
+    where = f"SLURM job {job_id} (run {found.name_on_disk}, cell {cell})"
     while not report_path.exists() and _running(job_id):
         if deadline is not None and time.monotonic() > deadline:
-            raise JobTimeout(f"SLURM job {job_id} (run {found.name_on_disk}, cell {cell}) still runs after {timeout:g} s. "
-                             f"Wait longer (--timeout), or see its output with `levers9 runs logs`.")  # fmt: skip
+            raise outcomes.collected_still_running(where, timeout or 0.0)
         time.sleep(POLL_S)
     report = _report(folder, job_id)
-    where = f"SLURM job {job_id} (run {found.name_on_disk}, cell {cell})"
     if report is None:
-        raise JobCrashed(
-            f"{where} ended without a result (killed, cancelled, or out of time). Its output: "
-            f"{folder / f'{job_id}_0_log.err'} and .out beside it.",
-            JobFailure(cell=cell, pid=0, output_tail=""),
-        )
+        raise outcomes.collected_without_result(where, cell, f"{folder / f'{job_id}_0_log.err'} and .out beside it")
     if report.failure is None:
         return unship_value(report.value, f"the return value of {where}")
-    exc = rebuild(report.failure) or JobCrashed(f"{where} raised {report.failure.exc_type}: {report.failure.message}",
-                                                JobFailure(cell=cell, pid=report.pid, output_tail=""))  # fmt: skip
-    add_note(exc, f"levers9: traceback of {where}, on {report.node}:\n{report.failure.traceback.rstrip()}")
-    raise exc
+    raise outcomes.raised(report.failure, f"levers9: traceback of {where}, on {report.node}:\n"
+                                          f"{report.failure.traceback.rstrip()}")  # fmt: skip
 
 
 def register(runs_commands: Any) -> None:
