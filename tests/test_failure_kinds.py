@@ -89,7 +89,7 @@ def test_a_job_process_raises_an_error_of_the_kind_its_outcome_has(
     if kind is None:
         outcome = dataclasses.replace(outcome, value=ship("v"))
     try:
-        value = outcomes.finish(run, outcome, outcomes.OutputTail(), 5.0, {})
+        value = outcomes.finish(run, outcome, 5.0, {})
     except BaseException as exc:  # noqa: BLE001 - the table holds the job's own exceptions too
         assert failure_kind(exc) == job_kind
     else:

@@ -12,7 +12,6 @@ the same words and the same files whichever backend ran it.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import logging
 from collections.abc import Callable
@@ -23,14 +22,12 @@ from typing import Any
 from levers9.errors import FailureKind, JobCrashed, JobFailure, JobTimeout, RemoteError, add_note
 from levers9.launch.backend import Batch
 from levers9.launch.cells import Cell
-from levers9.launch.run_folder import RunFolder
-from levers9.launch.spec import JobSpec
 from levers9.procs import oom
 from levers9.procs.failure import FailureRecord, rebuild, unship_value
 from levers9.procs.outcome import Outcome, StopReason, kind_of
 from levers9.procs.watch import TAIL_LINE_CHARS, cut_line
 from levers9.retries import run_with_retries, word_for
-from levers9.state_files import Losses, write_atomic
+from levers9.state_files import AppendLog, Losses, write_atomic
 
 TAIL_LINES = 40  # lines of a job's output kept for the message when it crashes
 
@@ -126,27 +123,50 @@ class OutputTail:
         return self.text.rstrip() or "(no output)"
 
 
-@dataclasses.dataclass(frozen=True)
 class JobAttempt:
-    """One attempt of one cell, as the messages about it name it."""
+    """One attempt of one cell, for every backend: its folder (<run folder>/<index>-<attempt>, with stdout.log,
+    stderr.log and meta.json), the tail of its output, its output passed on as events, and the names its messages
+    use. A backend starts the cell where it runs, hands each piece of output it reads to `output`, and ends the
+    attempt through `finish` (or one of the builders below); `close` (or the with block) closes the logs."""
 
-    label: str
-    index: int
-    attempt: int
-    allowed: int  # attempts in all: retries + 1
-    job_dir: Path
-    losses: Losses  # the run folder's: what could not be written there
+    def __init__(self, label: str, index: int, attempt: int, allowed: int, job_dir: Path, losses: Losses,
+                 output_to: Callable[[str, str], None] | None = None) -> None:  # fmt: skip
+        self.label, self.index, self.attempt, self.allowed = label, index, attempt, allowed
+        self.job_dir, self.losses = job_dir, losses  # losses: the run folder's (what could not be written there)
+        self.tail = OutputTail()
+        self._output_to = output_to
+        self._logs = {stream: AppendLog(job_dir / f"{stream}.log", losses) for stream in ("stdout", "stderr")}
 
     @classmethod
-    def begin(cls, folder: RunFolder, label: str, index: int, attempt: int, spec: JobSpec) -> JobAttempt:
-        """The attempt, with its log folder <run folder>/<index>-<attempt> created (0700) if the run folder
-        exists and the disk has room; what cannot be written there is counted as lost, never raised."""
-        job_dir = folder.path / f"{index:04d}-{attempt}"
+    def begin(cls, batch: Batch, label: str, cell: Cell, attempt: int) -> JobAttempt:
+        """The attempt, with its log folder created (0700) if the run folder exists and the disk has room; what
+        cannot be written there is counted as lost, never raised."""
+        folder = batch.folder
+        job_dir = folder.path / f"{cell.index:04d}-{attempt}"
         try:
             job_dir.mkdir(mode=0o700, exist_ok=True)
         except OSError as exc:
             folder.losses.lost("attempt log folder", exc)
-        return cls(label, index, attempt, spec.retries.max_retries + 1, job_dir, folder.losses)
+        return cls(label, cell.index, attempt, batch.spec.retries.max_retries + 1, job_dir, folder.losses,
+                   lambda stream, text: batch.events.output(cell, stream, text))  # fmt: skip
+
+    def output(self, stream: str, text: str) -> None:
+        """What the job wrote on `stream`: a whole line with its "\n", or a piece of a long one (without): into its
+        log (a full disk drops it, never the cell), its tail, and the batch's events."""
+        self._logs[stream].write(text.encode(errors="surrogateescape"))
+        self.tail.add(text, piece=not text.endswith("\n"))
+        if self._output_to is not None:
+            self._output_to(stream, text)
+
+    def close(self) -> None:
+        for append_log in self._logs.values():
+            append_log.close()
+
+    def __enter__(self) -> JobAttempt:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def attempts(self) -> str:
@@ -190,20 +210,19 @@ def queue_timed_out(label: str, queue_timeout: float | None, waited_for: str, no
     )
 
 
-def ended_without_outcome(run: JobAttempt, where: str, how: str, tail: OutputTail, kind: FailureKind, *,
+def ended_without_outcome(run: JobAttempt, where: str, how: str, kind: FailureKind, *,
                           pid: int = 0, oom_killed: bool = False, hint: str = "") -> JobCrashed | JobTimeout:  # fmt: skip
     """The error for an attempt that ended with no outcome of its own reported (its task, job or node lost, a
     cancel or limit from outside): `where` names it ('(SLURM job 5 on l9node1)'), `how` says how it ended."""
-    message = (f"{run.label}{where} {how} before returning; {run.attempts}.{hint} Last output:\n{tail.last_output}\n"
+    message = (f"{run.label}{where} {how} before returning; {run.attempts}.{hint} Last output:\n{run.tail.last_output}\n"
                f"{run.where}")  # fmt: skip
     if kind is FailureKind.TIMEOUT:
         return JobTimeout(message)
-    failure = JobFailure(cell=run.index, pid=pid, output_tail=tail.text, kind=kind, oom_killed=oom_killed)
+    failure = JobFailure(cell=run.index, pid=pid, output_tail=run.tail.text, kind=kind, oom_killed=oom_killed)
     return JobCrashed(message, failure, kind=kind)
 
 
-def finish(run: JobAttempt, outcome: Outcome, tail: OutputTail, timeout: float | None, meta: dict[str, Any],
-           node: str | None = None) -> Any:  # fmt: skip
+def finish(run: JobAttempt, outcome: Outcome, timeout: float | None, meta: dict[str, Any], node: str | None = None) -> Any:
     """What a supervised attempt comes to, the same for every backend: its meta.json written (how it ran
     and ended; `meta` adds the backend's own facts), then its value, or Cancelled, JobTimeout, JobCrashed
     or the job's own exception raised."""
@@ -214,10 +233,10 @@ def finish(run: JobAttempt, outcome: Outcome, tail: OutputTail, timeout: float |
         raise Cancelled()
     if stopped is StopReason.TIMEOUT:
         raise timed_out(run, timeout, f"its process group {outcome.pid}{_on(node)} was killed")
-    return result(run, outcome, tail, node)
+    return result(run, outcome, node)
 
 
-def result(run: JobAttempt, outcome: Outcome, tail: OutputTail, node: str | None = None) -> Any:
+def result(run: JobAttempt, outcome: Outcome, node: str | None = None) -> Any:
     """The value of a finished attempt; raises the job's exception with a note saying where it ran, or
     JobCrashed (how it ended, the output's tail) if it reported no outcome or called sys.exit(N)."""
     pid, exitcode, signum, failure = outcome.pid, outcome.exitcode, outcome.signal, outcome.failure
@@ -227,8 +246,8 @@ def result(run: JobAttempt, outcome: Outcome, tail: OutputTail, node: str | None
         how = f"was {oom.killed_by(signum, *outcome.oom_counts)}" if signum is not None else f"exited with code {exitcode}"
         raise JobCrashed(
             f"{run.label} (pid {pid}{_on(node)}) {how} before returning; {run.attempts}. "
-            f"Last output:\n{tail.last_output}\n{run.where}",
-            JobFailure(cell=run.index, pid=pid, exitcode=exitcode, signal=signum, output_tail=tail.text,
+            f"Last output:\n{run.tail.last_output}\n{run.where}",
+            JobFailure(cell=run.index, pid=pid, exitcode=exitcode, signal=signum, output_tail=run.tail.text,
                         oom_killed=outcome.oom_killed, kind=kind_of(outcome)),
             kind=kind_of(outcome) or FailureKind.EXIT,
         )

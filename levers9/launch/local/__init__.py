@@ -24,15 +24,14 @@ from levers9.launch import job_process, outcomes
 from levers9.launch.backend import Batch, dispatch
 from levers9.launch.cells import Cell
 from levers9.launch.local.leases import Lease, LeaseDir
-from levers9.launch.outcomes import Cancelled, OutputTail
+from levers9.launch.outcomes import Cancelled
 from levers9.launch.pool import Pool, local_pool
 from levers9.launch.settings import lease_dirs, load_settings
 from levers9.launch.spec import check_feasible
 from levers9.procs import start
 from levers9.procs.supervise import Supervisor
-from levers9.procs.watch import Child, Watcher
+from levers9.procs.watch import Watcher
 from levers9.runtime import JobContext
-from levers9.state_files import AppendLog
 
 log = logging.getLogger("levers9.launch")
 
@@ -131,35 +130,25 @@ class _LocalCell:
 
     def _run_process(self, attempt: int, lease: Lease | None) -> Any:
         spec, cell = self.batch.spec, self.cell
-        run = outcomes.JobAttempt.begin(self.batch.folder, self.label, cell.index, attempt, spec)
-        cards = (
-            [self.pool.cards[s] for s in lease.slots] if lease is not None and self.pool is not None else []
-        )
-        env = job_process.job_env(spec, [c.nvml_index for c in cards])
-        context = JobContext(
-            run_id=self.batch.run_id,
-            cell_index=cell.index,
-            attempt=attempt,
-            job_dir=str(run.job_dir),
-            gpu_count=len(cards),
-            gpu_type=cards[0].type_name if cards else "",
-            simulated=bool(cards and self.pool and self.pool.simulated),
-            stall_timeout=spec.stall_timeout,
-            max_restarts=spec.max_restarts,
-        )
-        target = job_process.JobTarget(self.batch.func, cell.args, cell.kwargs, context)
-        shipped = None if self.method.forks else job_process.ship_target(target)
-        tail = OutputTail()
-        losses = run.losses
-        with AppendLog(run.job_dir / "stdout.log", losses) as out_log, AppendLog(run.job_dir / "stderr.log", losses) as err_log:
-            logs = {"stdout": out_log, "stderr": err_log}
-
-            def on_line(child: Child, stream: str, line: str) -> None:
-                logs[stream].write(line.encode() + b"\n")  # a full disk drops the line, never the cell
-                tail.add(line)
-                self.batch.events.output(cell, stream, line + "\n")
-
-            watcher = Watcher(on_line)
+        with outcomes.JobAttempt.begin(self.batch, self.label, cell, attempt) as run:  # its logs close at the end
+            cards = (
+                [self.pool.cards[s] for s in lease.slots] if lease is not None and self.pool is not None else []
+            )
+            env = job_process.job_env(spec, [c.nvml_index for c in cards])
+            context = JobContext(
+                run_id=self.batch.run_id,
+                cell_index=cell.index,
+                attempt=attempt,
+                job_dir=str(run.job_dir),
+                gpu_count=len(cards),
+                gpu_type=cards[0].type_name if cards else "",
+                simulated=bool(cards and self.pool and self.pool.simulated),
+                stall_timeout=spec.stall_timeout,
+                max_restarts=spec.max_restarts,
+            )
+            target = job_process.JobTarget(self.batch.func, cell.args, cell.kwargs, context)
+            shipped = None if self.method.forks else job_process.ship_target(target)
+            watcher = Watcher(lambda child, stream, line: run.output(stream, line + "\n"))
             try:
                 child = watcher.add(start.start(target, method=self.method, shipped=shipped, env=env,
                                                 keep=tuple(lease.fds) if lease is not None else (), name=self.label))  # fmt: skip
@@ -175,5 +164,5 @@ class _LocalCell:
             finally:
                 watcher.stop(spec.stop_grace)
                 watcher.close()
-        meta = {"cards": env.get("CUDA_VISIBLE_DEVICES", ""), "started": started, "ended": time.time()}
-        return outcomes.finish(run, outcome, tail, spec.timeout, meta)
+            meta = {"cards": env.get("CUDA_VISIBLE_DEVICES", ""), "started": started, "ended": time.time()}
+            return outcomes.finish(run, outcome, spec.timeout, meta)

@@ -50,7 +50,7 @@ from levers9.launch.backend import Batch, dispatch
 from levers9.launch.cells import Cell
 from levers9.launch.job_process import GangSlot, TaskPayload
 from levers9.launch.local import LocalBackend
-from levers9.launch.outcomes import Cancelled, OutputTail
+from levers9.launch.outcomes import Cancelled
 from levers9.launch.pool import holds_cards
 from levers9.launch.ray import gang as ray_gang
 from levers9.launch.ray.gang import Node
@@ -58,7 +58,6 @@ from levers9.launch.ray.node_task import TaskEnded, TaskOutput, TaskStarted, nod
 from levers9.launch.ray.resources import node_resources, resource_name
 from levers9.launch.spec import JobSpec
 from levers9.procs.failure import ship
-from levers9.state_files import AppendLog
 
 log = logging.getLogger("levers9.launch.ray")
 
@@ -363,14 +362,10 @@ class _RayCell:
     def _follow(self, current: _RayTask, attempt: int) -> Any:
         """Read the task's items (started, output, end) into events, logs and the outcome."""
         spec, cell = self.batch.spec, self.cell
-        run = outcomes.JobAttempt.begin(self.batch.folder, self.label, cell.index, attempt, spec)
-        job_dir = run.job_dir
-        tail = OutputTail()
         info: TaskStarted | None = None
         end: TaskEnded | None = None
         try:
-            losses = run.losses
-            with AppendLog(job_dir / "stdout.log", losses) as out_log, AppendLog(job_dir / "stderr.log", losses) as err_log:
+            with outcomes.JobAttempt.begin(self.batch, self.label, cell, attempt) as run:
                 for ref in current.gen:
                     item = ray.get(ref)
                     if isinstance(item, TaskStarted):
@@ -384,27 +379,23 @@ class _RayCell:
                         self.batch.events.started(cell, where, attempt)
                     elif isinstance(item, TaskOutput):
                         for stream, text in item.lines:
-                            (out_log if stream == "stdout" else err_log).write(text.encode())  # never raises
-                            tail.add(text, piece=not text.endswith("\n"))
-                            self.batch.events.output(cell, stream, text)
+                            run.output(stream, text)
                     elif isinstance(item, TaskEnded):
                         end = item
         except ray.exceptions.RayError as exc:
             if end is None:
-                self._raise_lost(exc, current, run, info, tail)
+                self._raise_lost(exc, current, run, info)
             log.warning("%s: the Ray task that ran it died after the job had ended (%s: %s); the job's outcome "
                         "stands.", self.label, type(exc).__name__, first_line(str(exc)))  # only its clean-up was cut short
         if end is None:
             if current.killed_for == "cancel" or self.stopped():
                 raise Cancelled()
-            raise outcomes.ended_without_outcome(run, "", "ended with no outcome from its Ray task", tail,
-                                                 FailureKind.CRASH)  # fmt: skip
+            raise outcomes.ended_without_outcome(run, "", "ended with no outcome from its Ray task", FailureKind.CRASH)
         node = "?" if info is None else info.node
         meta = {} if info is None else {"node": info.node, "node_id": info.node_id, "cards": info.cards, "started": info.time}
-        return outcomes.finish(run, end.outcome, tail, spec.timeout, {**meta, "ended": end.time}, node)
+        return outcomes.finish(run, end.outcome, spec.timeout, {**meta, "ended": end.time}, node)
 
-    def _raise_lost(self, exc: Exception, current: _RayTask, run: outcomes.JobAttempt, info: TaskStarted | None,
-                    tail: OutputTail) -> NoReturn:  # fmt: skip
+    def _raise_lost(self, exc: Exception, current: _RayTask, run: outcomes.JobAttempt, info: TaskStarted | None) -> NoReturn:
         """Raise what the Ray task's end before the job's outcome means: a cancel or queue timeout of this
         process's, levers9's own task code failing, or the task lost (its worker or its node died)."""
         if current.killed_for == "cancel" or self.stopped():
@@ -416,8 +407,7 @@ class _RayCell:
         if isinstance(exc, ray.exceptions.RayTaskError):
             raise exc.as_instanceof_cause() from None  # levers9's own task code failed
         raise outcomes.ended_without_outcome(
-            run, "", f"lost the Ray task running it ({type(exc).__name__}: {first_line(str(exc))})", tail,
-            FailureKind.LOST, pid=0 if info is None else info.pid, hint=" The node may have died or run out of memory.",
+            run, "", f"lost the Ray task running it ({type(exc).__name__}: {first_line(str(exc))})", FailureKind.LOST, pid=0 if info is None else info.pid, hint=" The node may have died or run out of memory.",
         ) from exc
 
 

@@ -28,13 +28,12 @@ from levers9 import state_files
 from levers9.distributed.detect import expand_nodelist
 from levers9.errors import FailureKind
 from levers9.launch import outcomes
-from levers9.launch.outcomes import Cancelled, OutputTail
+from levers9.launch.outcomes import Cancelled
 from levers9.launch.slurm import nodes as slurm_nodes
 from levers9.launch.slurm import task as slurm_task
 from levers9.launch.slurm.collect import ENDED, queue_states
 from levers9.procs.outcome import Outcome, root_cause, this_clock
 from levers9.procs.supervise import ROOT_CAUSE_WINDOW_S
-from levers9.state_files import AppendLog
 
 if TYPE_CHECKING:
     from levers9.launch.backend import Batch
@@ -154,8 +153,7 @@ class Tracker:
     def __init__(self, submitter: Submitting, cell: FollowedCell, job_id: str, attempt: int) -> None:
         self.submitter, self.cell, self.job_id, self.attempt = submitter, cell, job_id, attempt
         batch = submitter.batch
-        self.run = outcomes.JobAttempt.begin(batch.folder, cell.label, cell.cell.index, attempt, batch.spec)
-        self.tail = OutputTail()
+        self.run = outcomes.JobAttempt.begin(batch, cell.label, cell.cell, attempt)
         tasks = submitter.plan.nodes * submitter.plan.tasks
         folder = submitter.folder
         self.streams = [
@@ -183,7 +181,6 @@ class Tracker:
         self.requeued = False  # SLURM requeued the job (scontrol requeue, preemption): its kills are not deaths
         self.queued_again = False  # ... and it was seen queued since
         self.ended_polls = 0
-        self.logs: dict[str, AppendLog] = {}
 
     def poll(self, states: dict[str, tuple[str, str, str]] | None) -> None:
         """Read what is new (output, state, reports); set `done` when the job's outcome is known."""
@@ -256,8 +253,6 @@ class Tracker:
         return reports
 
     def _read_output(self) -> None:
-        events, cell = self.submitter.batch.events, self.cell.cell
-        losses = self.run.losses
         for stream in self.streams:
             for line in stream.read():
                 said = slurm_said(line)
@@ -273,19 +268,13 @@ class Tracker:
                     self.requeued = True
                 elif not self.requeued and self.died is None:
                     self.died = srun_error(line)
-                if stream.stream not in self.logs:
-                    self.logs[stream.stream] = AppendLog(self.run.job_dir / f"{stream.stream}.log", losses)
-                self.logs[stream.stream].write((stream.prefix + line + "\n").encode())
-                self.tail.add(stream.prefix + line)
-                if self.submitter.batch.spec.stream_output:
-                    events.output(cell, stream.stream, stream.prefix + line + "\n")
+                self.run.output(stream.stream, stream.prefix + line + "\n")
 
     def _end(self, report: slurm_task.TaskReport | None) -> None:
         if report is not None and report.failure is not None:
             self.submitter.cancel(self.job_id)  # the other ranks would wait for the failed one
         self._read_output()
-        for append_log in self.logs.values():
-            append_log.close()
+        self.run.close()
         self.report = report
         self.submitter.reaper.remove(self.job_id)
         self.started.set()
@@ -305,13 +294,12 @@ class Tracker:
             run.write_meta({**meta, "attempt": run.attempt, "killed_for": None,
                             **({"died": self.died[2]} if self.died is not None else {})})  # fmt: skip
             kind, how = self._ending()
-            raise outcomes.ended_without_outcome(run, f" (SLURM job {self.job_id} on {self.node or '?'})", how, self.tail,
-                                                 kind, oom_killed=bool(self.oom_said) or self.ended_state == "OUT_OF_MEMORY",
+            raise outcomes.ended_without_outcome(run, f" (SLURM job {self.job_id} on {self.node or '?'})", how, kind, oom_killed=bool(self.oom_said) or self.ended_state == "OUT_OF_MEMORY",
                                                  hint=self.hint)  # fmt: skip
         node = f"{report.node} as rank {report.rank} of {where}"
         outcome = Outcome(pid=report.pid, exitcode=0 if report.failure is None else 1, signal=None,
                           value=report.value, failure=report.failure, reported=True)  # fmt: skip
-        return outcomes.finish(run, outcome, self.tail, spec.timeout, meta, node)
+        return outcomes.finish(run, outcome, spec.timeout, meta, node)
 
     def _ending(self) -> tuple[FailureKind, str]:
         """How a job that reported nothing ended, in SLURM's own words first (its state, slurmstepd's CANCELLED
