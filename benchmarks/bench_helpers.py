@@ -76,12 +76,12 @@ def bench(cfg: dict[str, int]) -> dict[str, Any]:
 
 def recorder_sample_us(samples: int = 2000) -> float:
     """What one flight-recorder sample costs the rank that answers it (microseconds)."""
-    from levers9.distributed.stalls import flight_recorder
+    from levers9.distributed.stalls import board
 
-    assert flight_recorder.read_status() is not None, "torch's flight recorder recorded nothing"
+    assert board.read_status() is not None, "torch's flight recorder recorded nothing"
     start = time.perf_counter()
     for _ in range(samples):
-        flight_recorder.read_status()
+        board.read_status()
     return (time.perf_counter() - start) / samples * 1e6
 
 

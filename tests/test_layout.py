@@ -103,7 +103,7 @@ def test_the_circle_finder_finds_circles_through_function_level_and_type_checkin
 
 
 def named_files(text: str) -> set[str]:
-    """The file paths a page names in backticks (`levers9/procs/start.py`, `procs/outcome.py`, `world.py`)."""
+    """The file paths a page names in backticks (`levers9/procs/start.py`, `procs/outcome.py`, `detect.py`)."""
     return set(re.findall(r"`([\w/.-]+\.(?:py|md|toml))`", text))
 
 

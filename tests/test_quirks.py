@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from levers9.distributed.hardware import cards, platform, quirk_rows, quirks
+from levers9.distributed.hardware import cards, quirk_checks, quirk_rows, quirks
 from levers9.distributed.hardware.cards import Inventory
 from levers9.distributed.hardware.nccl import NcclInfo
-from levers9.distributed.hardware.platform import Platform
+from levers9.distributed.hardware.quirk_checks import Platform
 from levers9.distributed.hardware.quirk_rows import Match, Quirk
 from levers9.distributed.hardware.quirks import plan_quirks
 from levers9.errors import ConfigError, QuirkError
@@ -290,9 +290,9 @@ def test_small_shm_rule_does_not_match(monkeypatch, lws, backend, env, shm) -> N
 
 
 def test_shm_size_is_read_from_the_filesystem(tmp_path: Path) -> None:
-    size = platform.shm_bytes(str(tmp_path))
+    size = quirk_checks.shm_bytes(str(tmp_path))
     assert isinstance(size, int) and size > 0
-    assert platform.shm_bytes(str(tmp_path / "missing")) is None
+    assert quirk_checks.shm_bytes(str(tmp_path / "missing")) is None
 
 
 # --- Q6 WSL2, Q8 ROCm, Q9 timeouts ----------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 
 from levers9 import distributed as dist
 from levers9.distributed import stalls
-from levers9.distributed.stalls import board, flight_recorder, report
+from levers9.distributed.stalls import board, report
 from levers9.errors import StallError
 from tests import rankfns
 from tests.proc_util import board_folders_of, children_of, left_behind
@@ -123,7 +123,7 @@ def test_a_hang_without_stall_timeout_ends_at_timeout_with_the_same_report() -> 
     text = str(info.value)
     assert f"rank 1: {NONE_YET} at {RANKFNS}:{_line_of('STALL-LINE')}" in text
     waiting = "rank 0: waiting for gloo:all_reduce #1 to complete" in text
-    if flight_recorder.forked_ranks_cannot_record("gloo"):
+    if board.forked_ranks_cannot_record("gloo"):
         # torch < 2.11: if this (pytest's) process made a group before, forked ranks record nothing, and the
         # report still says where each rank is (stall_timeout= starts fresh interpreters there instead)
         assert waiting or f"rank 0: not in a collective (no collective recorded yet) at {RANKFNS}:" in text, text

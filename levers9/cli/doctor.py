@@ -24,11 +24,11 @@ import time
 from typing import Any
 
 from levers9 import distributed as dist
-from levers9.distributed import world
+from levers9.distributed import detect
 from levers9.distributed.hardware import cards as _cards
 from levers9.distributed.hardware import nccl as _nccl
 from levers9.distributed.hardware import quirks as _quirks
-from levers9.distributed.hardware.platform import read_platform
+from levers9.distributed.hardware.quirk_checks import read_platform
 from levers9.errors import Levers9Error
 
 PROBE_TIMEOUT_S = 60.0
@@ -165,9 +165,9 @@ def collect(nprocs: int | None = None) -> dict[str, Any]:
 
 def _launch() -> dict[str, Any]:
     try:
-        info = world.launch_info()
+        info = detect.launch_info()
         out: dict[str, Any] = dataclasses.asdict(info)
-        out["rank"], out["world_size"] = world.rank(), world.world_size()
+        out["rank"], out["world_size"] = detect.rank(), detect.world_size()
         return out
     except Exception as exc:  # a partial launcher environment is worth reporting, not crashing on
         return {"launcher": "unknown", "error": f"{type(exc).__name__}: {exc}"}

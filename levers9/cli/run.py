@@ -254,7 +254,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-ALSO_FAILED = "\nAlso failed, after the root cause:\n"  # where each other failed rank's report begins (root_failure.py)
+ALSO_FAILED = "\nAlso failed, after the root cause:\n"  # where each other failed rank's report begins (restarts.py)
 
 
 def _agent(args: argparse.Namespace, console_ranks: tuple[int, ...] | None, *, one_node: bool) -> TorchrunAgent:

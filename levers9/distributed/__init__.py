@@ -25,11 +25,7 @@ from typing import TYPE_CHECKING
 from levers9.lazy_names import lazy_names
 
 if TYPE_CHECKING:
-    from levers9.distributed.helpers import PaddedShard, all_reduce_mean, barrier, device, print0, shard, wrap
-    from levers9.distributed.mpspawn import spawn
-    from levers9.distributed.running import run
-    from levers9.distributed.script import run_script
-    from levers9.distributed.world import (
+    from levers9.distributed.detect import (
         is_main,
         launcher,
         local_rank,
@@ -39,6 +35,10 @@ if TYPE_CHECKING:
         restart_count,
         world_size,
     )
+    from levers9.distributed.helpers import PaddedShard, all_reduce_mean, barrier, device, print0, shard, wrap
+    from levers9.distributed.mpspawn import spawn
+    from levers9.distributed.running import run
+    from levers9.distributed.script import run_script
 
 __all__ = [
     "run",
@@ -69,5 +69,5 @@ __getattr__ = lazy_names(__name__, {
     "run": ".running",
     "run_script": ".script",
     **dict.fromkeys(("is_main", "launcher", "local_rank", "local_world_size", "node_rank", "rank", "restart_count",
-                     "world_size"), ".world"),  # fmt: skip
+                     "world_size"), ".detect"),  # fmt: skip
 })

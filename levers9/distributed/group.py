@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from levers9 import runtime
-from levers9.distributed import devices, slurm_env, world
+from levers9.distributed import detect, devices, slurm_env
 from levers9.distributed.detect import LaunchInfo
 from levers9.errors import ConfigError, LauncherEnvError
 
@@ -42,7 +42,7 @@ def destroy_own_group() -> None:
     if not this.own_group:
         return
     this.own_group = False
-    td = world.live_group()
+    td = detect.live_group()
     if td is not None:
         # Let DDP models and pending work objects go first: gloo threads still holding them at
         # interpreter exit abort the process (pytorch/pytorch#190489, pytorch/pytorch#179291).
@@ -79,7 +79,7 @@ def join_launcher_group(info: LaunchInfo, backend: str | None = None) -> bool:
     under distributed.run those keys start with the run's secret (STORE_SECRET_VAR).
     Elsewhere torch's env:// rendezvous (rank 0 hosts a fresh store), or tcp://MASTER under SLURM and MPI.
     """
-    if info.world_size <= 1 or world.live_group() is not None:
+    if info.world_size <= 1 or detect.live_group() is not None:
         return False
     if info.launcher == "slurm":
         slurm_env.check_tasks_match_cards(os.environ, info.local_world_size)
@@ -156,15 +156,15 @@ def joined(backend: str, slot: Any = None) -> Iterator[None]:
     (fn is a classic torchrun main()) becomes a ConfigError naming `init_group=False`.
     """
     made = False
-    if world.live_group() is None:
+    if detect.live_group() is None:
         with contextlib.nullcontext() if slot is None else slot.inside("init_process_group"):
-            made = join_launcher_group(world.launch_info(), backend)
+            made = join_launcher_group(detect.launch_info(), backend)
     try:
         yield
     except ValueError as exc:
         if _raised_by_second_init(exc):
             raise ConfigError(
-                f"fn called torch.distributed.init_process_group on rank {world.rank()}, but distributed.run had "
+                f"fn called torch.distributed.init_process_group on rank {detect.rank()}, but distributed.run had "
                 f"already joined every rank into a process group before calling fn (torch: {exc}). Expected fn to use "
                 f"the live group; drop fn's init_process_group/destroy_process_group calls, or pass "
                 f"init_group=False to distributed.run so that fn makes its own group, or run the script unchanged "
@@ -183,7 +183,7 @@ def _raised_by_second_init(exc: ValueError) -> bool:
         bool(frames)
         and frames[-1].name == "init_process_group"
         and frames[-1].filename.endswith("distributed_c10d.py")
-        and world.live_group() is not None
+        and detect.live_group() is not None
     )
 
 

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from levers9.distributed import devices, group, world
+from levers9.distributed import detect, devices, group
 
 if TYPE_CHECKING:
     import torch
@@ -22,7 +22,7 @@ def device() -> torch.device:
     """This rank's card (`cuda:<local rank>`, made the current device), else `cpu`."""
     import torch
 
-    local = world.local_rank()
+    local = detect.local_rank()
     key = (local, devices.cpu_only(), os.environ.get("ACCELERATE_USE_CPU"))
     cached = _device_cache.get(key)
     if cached is not None:
@@ -52,7 +52,7 @@ def wrap(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
     dev = device()
     model = model.to(dev)
     _ensure_group()
-    if world.world_size() <= 1:
+    if detect.world_size() <= 1:
         return model
     if dev.type == "cuda":
         ddp_kwargs.setdefault("device_ids", [dev.index])
@@ -89,7 +89,7 @@ def shard(rows: Sequence[T], *, pad: bool = False) -> Any:
         The slice; with `pad=True` a `PaddedShard(rows, padding)` saying how many of this rank's
         rows are repeats.
     """
-    ranks, index = world.world_size(), world.rank()
+    ranks, index = detect.world_size(), detect.rank()
     start, end = _bounds(len(rows), ranks, index)
     mine = rows[start:end]
     if not pad:
@@ -121,7 +121,7 @@ def all_reduce_mean(x: Any) -> torch.Tensor:
     if not out.is_floating_point() and not out.is_complex():
         out = out.to(torch.get_default_dtype())
     _ensure_group()  # under a launcher with several ranks and no group yet, make it now
-    td = world.live_group()
+    td = detect.live_group()
     if td is None or td.get_world_size() == 1:
         return out
     work = out.to(device() if td.get_backend() == "nccl" else "cpu")  # `out` itself where it already is
@@ -136,7 +136,7 @@ def print0(*args: Any, **kwargs: Any) -> None:
         *args: As for `print`.
         **kwargs: As for `print` (`flush` defaults to True).
     """
-    if world.rank() == 0:
+    if detect.rank() == 0:
         kwargs.setdefault("flush", True)
         builtins.print(*args, **kwargs)
 
@@ -144,7 +144,7 @@ def print0(*args: Any, **kwargs: Any) -> None:
 def barrier() -> None:
     """Every rank waits here for every other; a no-op in a world of one."""
     _ensure_group()
-    if world.world_size() <= 1:
+    if detect.world_size() <= 1:
         return
     import torch.distributed as td
 
@@ -154,9 +154,9 @@ def barrier() -> None:
 def _ensure_group() -> None:
     """Under a launcher with several ranks and no group (helpers used without `distributed.run`): the quirks for
     the launcher's world applied, then the group made now; it is destroyed when the process exits."""
-    if world.live_group() is not None:  # the common case, checked first: every helper call comes here
+    if detect.live_group() is not None:  # the common case, checked first: every helper call comes here
         return
-    info = world.launch_info()
+    info = detect.launch_info()
     if info.world_size <= 1:
         return
     from levers9.distributed.hardware import quirks  # loads on use, not with levers9.distributed

@@ -33,7 +33,7 @@ from typing import Any, NoReturn, TypeVar
 from levers9.distributed import detect, restarts, stalls
 from levers9.distributed.control_store import ControlStore, Report, StartRequest, hosted_store
 from levers9.distributed.rank_set import RankOutput, RankSet, Share, rank_vars
-from levers9.distributed.root_failure import raise_root, rank0_value, rank_failure
+from levers9.distributed.restarts import raise_root, rank0_value, rank_failure
 from levers9.errors import ConfigError, FailureKind, NodeLost, RankFailure, RunTimeout, StallError
 from levers9.procs import lines, start
 from levers9.procs.failure import FailureRecord

@@ -23,12 +23,12 @@ from collections.abc import Callable, Sequence
 from types import FrameType, TracebackType
 from typing import Any
 
-from levers9.distributed import detect, devices, group, slurm_env, started_ranks, world
+from levers9.distributed import detect, devices, group, slurm_env, started_ranks
 from levers9.distributed.devices import Layout, plan_layout
 from levers9.distributed.helpers import device
 from levers9.distributed.rank_process import to_cpu
-from levers9.distributed.root_failure import rank_failed_behind
-from levers9.distributed.stalls import flight_recorder
+from levers9.distributed.restarts import rank_failed_behind
+from levers9.distributed.stalls import board
 from levers9.distributed.started_ranks import STOP_GRACE_S
 from levers9.errors import ConfigError, RunTimeout
 from levers9.procs.start import held_heap
@@ -188,8 +188,8 @@ def run_with(fn: Callable[..., Any], cfg: Any, options: RunOptions) -> Any:
         policy = options.check()
         slurm_env.check_started_by_srun(os.environ)  # a job script's own process, where srun was meant
         call = fn if cfg is None and _takes_no_arguments(fn) else functools.partial(fn, cfg)
-        info = world.launch_info()
-        if info.launcher != "single" or world.live_group() is not None:
+        info = detect.launch_info()
+        if info.launcher != "single" or detect.live_group() is not None:
             held.close()  # fn runs in this process, with its collector as the caller left it
             return _run_under_launcher(call, info, options)
         layout = plan_layout(options.nprocs, options.backend)
@@ -221,12 +221,12 @@ def _run_under_launcher(call: Callable[[], Any], info: detect.LaunchInfo, option
     backend = options.backend or devices.default_backend()
     from levers9.distributed.hardware import quirks  # loads on use, not with levers9.distributed
 
-    quirks.apply_quirks(local_world_size=info.local_world_size, backend=backend, is_main=world.rank() == 0,
+    quirks.apply_quirks(local_world_size=info.local_world_size, backend=backend, is_main=detect.rank() == 0,
                         disabled=options.disable_quirks)  # fmt: skip
-    with SelfTimer(options.timeout, f"rank {world.rank()} of distributed.run", under_launcher=True):
+    with SelfTimer(options.timeout, f"rank {detect.rank()} of distributed.run", under_launcher=True):
         with group.joined(backend) if options.init_group else contextlib.nullcontext():
             result = call()
-            if world.live_group() is not None:
+            if detect.live_group() is not None:
                 return _from_rank0(result)
         return _from_rank0_without_group(result, backend)
 
@@ -262,7 +262,7 @@ def _run_across_nodes(fn: Callable[..., Any], cfg: Any, call: Callable[..., Any]
     assert gang is not None
     nodes.refuse_across_nodes(options.nprocs, gang)
     if options.stall_timeout is not None:
-        flight_recorder.require(layout.backend)
+        board.require(layout.backend)
     method = started_ranks.start_method(options.start_method, options.stall_timeout, layout.backend)
     env = started_ranks.ranks_env_with_diagnostics(layout, options.disable_quirks, options.diagnostics)
     env = {k: v for k, v in env.items() if k not in nodes.SOCKET_VARS}
@@ -313,9 +313,9 @@ def _from_rank0(result: Any) -> Any:
 
 def _from_rank0_without_group(result: Any, backend: str) -> Any:
     """Rank 0's `result` on every rank after fn destroyed its own group: through a group made for it alone."""
-    if world.launch_info().world_size == 1:
+    if detect.launch_info().world_size == 1:
         return result
-    if not group.join_launcher_group(world.launch_info(), backend):
+    if not group.join_launcher_group(detect.launch_info(), backend):
         return _from_rank0(result)
     try:
         return _from_rank0(result)

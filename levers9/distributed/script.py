@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from levers9.console_log import fresh_logging
-from levers9.distributed import devices, world
+from levers9.distributed import detect, devices
 from levers9.distributed.control_store import hosted_store
 from levers9.distributed.devices import plan_layout, visible_card_count
 from levers9.distributed.rank_set import rank_vars
-from levers9.distributed.root_failure import rank_failed_behind
+from levers9.distributed.restarts import rank_failed_behind
 from levers9.distributed.running import RunOptions, run_with
 from levers9.distributed.started_ranks import one_thread_each
 from levers9.distributed.torchrun_agent import default_handlers_in_rank
@@ -123,8 +123,8 @@ def run_script(
 
 def refuse_inside_a_rank(what: str) -> None:
     """ConfigError when this process is already a rank of torchrun, srun, mpirun or levers9."""
-    info = world.launch_info()
-    if info.launcher == "single" and world.live_group() is None:
+    info = detect.launch_info()
+    if info.launcher == "single" and detect.live_group() is None:
         return
     raise ConfigError(
         f"{what} was started inside rank {info.rank} of {info.world_size} (launcher: {info.launcher}), but it starts "
@@ -270,12 +270,12 @@ def with_log_folder(script: ScriptTarget, what: str = "distributed.run_script") 
 
 def run_script_target(script: ScriptTarget) -> None:
     """What each rank of run_script does: run the target as __main__ (in place, as a world of one, if no rank was started)."""
-    if world.launch_info().launcher == "single":
+    if detect.launch_info().launcher == "single":
         _run_script_in_place(script)
         return
     fresh_logging()  # the script starts with a fresh interpreter's root logger, as under torchrun
     default_handlers_in_rank()  # and with the signal handlers a fresh process has (levers9 run --signals-to-handle)
-    local = world.launch_info().local_rank
+    local = detect.launch_info().local_rank
     if script.console_ranks is not None and local not in script.console_ranks:
         _silence_console()
     with _copies_to(script.log_dir, local):
@@ -333,7 +333,7 @@ def _run_script_in_place(script: ScriptTarget) -> None:
             if code != 0:
                 _raise_exit(code, None, f"{script.kind} {script.name}")
         finally:
-            td = world.live_group()
+            td = detect.live_group()
             if td is not None:
                 td.destroy_process_group()  # the script's group: in its own process it would end with it
             sys.argv[:], sys.path[:] = saved_argv, saved_path

@@ -22,8 +22,8 @@ from levers9.distributed import restarts, stalls
 from levers9.distributed.control_store import hosted_store
 from levers9.distributed.devices import Layout, plan_layout
 from levers9.distributed.rank_set import RankOutput, RankSet, Share, rank_vars
-from levers9.distributed.root_failure import raise_root, rank0_value, rank_failed_behind, rank_failure
-from levers9.distributed.stalls import flight_recorder
+from levers9.distributed.restarts import raise_root, rank0_value, rank_failed_behind, rank_failure
+from levers9.distributed.stalls import board
 from levers9.errors import ConfigError, NotShippableError, RankFailed, RunTimeout, StallError, add_note
 from levers9.procs import start
 from levers9.procs.failure import process_limit_note, ship, unpicklable_part
@@ -43,7 +43,7 @@ def start_method(asked: str | None, stall_timeout: float | None, backend: str) -
     """How the ranks start: start_method= `asked` (or fork where safe), but fresh interpreters where stall_timeout=
     needs a flight recorder that forked ranks could not have."""
     method = start.choose(asked)
-    if stall_timeout is None or not method.forks or not flight_recorder.forked_ranks_cannot_record(backend):
+    if stall_timeout is None or not method.forks or not board.forked_ranks_cannot_record(backend):
         return method
     if asked == "fork":
         raise ConfigError(
@@ -59,13 +59,13 @@ def start_method(asked: str | None, stall_timeout: float | None, backend: str) -
 def ranks_env_with_diagnostics(layout: Layout, disabled: tuple[str, ...], diagnostics: bool) -> dict[str, str]:
     """Every rank's variables: the quirks' defaults, and a recording flight recorder when timeout= or stall_timeout=
     asks for reports (`diagnostics`: they read it)."""
-    return {**ranks_env(layout, disabled), **(flight_recorder.env_for_ranks() if diagnostics else {})}
+    return {**ranks_env(layout, disabled), **(board.env_for_ranks() if diagnostics else {})}
 
 
 def start_attempts(ranks: StartedRanks, policy: RetryPolicy) -> Any:
     """Start the ranks (again after each failure the policy restarts) and return rank 0's value."""
     if ranks.stall_timeout is not None:
-        flight_recorder.require(ranks.layout.backend)
+        board.require(ranks.layout.backend)
     with exit_on_terminate():  # SIGTERM to this process stops the ranks with stop_grace, as Ctrl-C does
         try:
             return restarts.run_attempts(policy, lambda attempt_env: _RanksAttempt(ranks, attempt_env).run(), ranks=ranks.layout.nprocs,

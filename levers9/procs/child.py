@@ -7,7 +7,7 @@ runs the target and sends back one message: ("result", value) or ("error", Failu
 interpreter ends (interpreter.py: threads joined, exit handlers run, files flushed; a forked child also
 began with its own random state and exit handlers). It is a child
 subreaper, and when the target is done it kills every descendant it still has, daemons that left
-its group or session included (tree.py), so nothing it started outlives it. Descriptors it was handed
+its group or session included (watch.py), so nothing it started outlives it. Descriptors it was handed
 (its message pipe, lifeline, lease locks) are never inherited by what it starts (fds.py). The target's
 value must already be bytes or None (the caller's target decides what is shipped back).
 
@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from levers9.procs import fds, interpreter, tree
+from levers9.procs import fds, interpreter, watch
 from levers9.procs.failure import capture, exit_status, send, unship
 
 _PR_SET_PDEATHSIG = 1
@@ -91,7 +91,7 @@ def run_target(target: Callable[[], Any] | bytes, ends: Ends, env: dict[str, str
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # kept ignored under nohup, as exec keeps it
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
     faulthandler.enable(file=sys.stderr, all_threads=True)
-    tree.become_subreaper()
+    watch.become_subreaper()
     watchdog: subprocess.Popen[bytes] | int | None = None
     status = 0
     try:
@@ -111,7 +111,7 @@ def run_target(target: Callable[[], Any] | bytes, ends: Ends, env: dict[str, str
         flush_std_streams()
         if watchdog is not None:
             _stop_watchdog(watchdog)
-        tree.end_descendants()
+        watch.end_descendants()
     return status
 
 

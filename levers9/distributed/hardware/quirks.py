@@ -23,8 +23,7 @@ from collections.abc import Iterable, Mapping
 from levers9 import runtime
 from levers9.distributed.hardware.cards import Card, Inventory
 from levers9.distributed.hardware.nccl import NcclInfo
-from levers9.distributed.hardware.platform import Platform
-from levers9.distributed.hardware.quirk_checks import Facts, check_match
+from levers9.distributed.hardware.quirk_checks import Facts, Platform, check_match
 from levers9.distributed.hardware.quirk_rows import QUIRKS, Quirk, QuirkOutcome, QuirkPlan
 from levers9.errors import ConfigError
 

@@ -3,7 +3,7 @@
 Each run started by `distributed.run` gets a private board folder holding
 - `progress.bin`: one slot per rank, read by the parent to notice a stall (board.py);
 - `sample-<rank>`: a FIFO asking that rank's thread for a fresh flight-recorder sample (board.py,
-  flight_recorder.py);
+  board.py);
 - `stack-<rank>.txt`: where a rank writes every thread's Python stack on SIGUSR1 (report.py);
 - `ranks.json`: the caller's pid and the ranks' pids, for `levers9 stacks` (find_board, below).
 A run gets its folder only when `timeout=` or `stall_timeout=` asks for reports; nothing of torch's is
