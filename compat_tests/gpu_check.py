@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from levers9 import distributed as dist
-from levers9.distributed.stalls import flight_recorder
+from levers9.distributed.stalls import board
 from levers9.errors import StallError
 
 SPIN_CYCLES = 3_000_000_000  # about a second and a half of torch.cuda._sleep on current cards
@@ -53,21 +53,21 @@ def on_every_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     model(torch.ones(4, 8, device=device)).sum().backward()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    settled = wait_for(lambda: (s := flight_recorder.read_status()) is not None and not s.waiting, 5)
-    after_step = flight_recorder.read_status()
+    settled = wait_for(lambda: (s := board.read_status()) is not None and not s.waiting, 5)
+    after_step = board.read_status()
     pending_seen = None
     if device.type == "cuda":
         torch.cuda._sleep(SPIN_CYCLES)  # the all_reduce below queues behind this kernel
         torch.distributed.all_reduce(torch.ones(1, device=device))  # returns once enqueued
-        pending_seen = wait_for(lambda: (s := flight_recorder.read_status()) is not None and s.waiting, 1.0)
-        pending_name = flight_recorder.name_pending(flight_recorder.read_status())  # type: ignore[arg-type]
+        pending_seen = wait_for(lambda: (s := board.read_status()) is not None and s.waiting, 1.0)
+        pending_name = board.name_pending(board.read_status())  # type: ignore[arg-type]
         torch.cuda.synchronize()
-        cleared = wait_for(lambda: (s := flight_recorder.read_status()) is not None and not s.waiting, 5)
+        cleared = wait_for(lambda: (s := board.read_status()) is not None and not s.waiting, 5)
     else:
         pending_name, cleared = "", True
     import pickle
 
-    raw = {label: pickle.loads(dump(False, False, False)).get("pg_status") for label, dump in flight_recorder._dumpers()}
+    raw = {label: pickle.loads(dump(False, False, False)).get("pg_status") for label, dump in board._dumpers()}
     return {
         "recorder_raw_pg_status": raw,  # to see by eye that the two recorders do not count the same groups twice
         "rank": dist.rank(),
@@ -137,7 +137,7 @@ def check_stall(nprocs: int) -> str:
     # On torch < 2.11 with gloo, stall_timeout= ranks are fresh interpreters, which get this script's functions by
     # value (cloudpickle names their file "<dynamic-code>").
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    where = "<dynamic-code>" if flight_recorder.forked_ranks_cannot_record(backend) else __file__
+    where = "<dynamic-code>" if board.forked_ranks_cannot_record(backend) else __file__
     assert f"{where}:{waits_at}" in text and "rank 0: waiting" in text, text
     assert "rank 1: not in a collective" in text and f"{where}:{line_of('GPU-CHECK-SLEEP')}" in text, text
     return f"reported after {elapsed:.1f} s:\n" + text
