@@ -79,7 +79,7 @@ _KNOWN: dict[tuple[str, str], _Key] = {
 
 # A backend's options live with the backend: its module of them checks `@job(<name>={...})` (`check`) and owns the
 # table of this file under the backend's name (`SETTINGS`: key -> what it must be, each a string). Loaded only
-# where a job or this file uses them, so a local map loads no other backend's code.
+# where a job uses that backend, so a local map loads no other backend's code.
 BACKEND_OPTIONS: dict[str, str] = {"slurm": "levers9.launch.slurm"}
 
 

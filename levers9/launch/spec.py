@@ -1,7 +1,8 @@
 """What a job asks for (`JobSpec`), built from @job's arguments and checked once, at decoration time.
 
 Every rule here is static: no file or hardware is read. The workspace policy (cap, switch) and the
-machine's feasibility are checked per call, in spec.py and by the backend.
+machine's feasibility are checked per call, at the end of this file (given the settings and the pool the caller
+read) and by the backend.
 """
 
 from __future__ import annotations
