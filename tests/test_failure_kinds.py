@@ -85,15 +85,15 @@ def test_a_job_process_raises_an_error_of_the_kind_its_outcome_has(
 ) -> None:
     """The job layer's one builder (launch.outcomes.finish) ends each outcome of the table in an error of its
     kind, as the rank layer's failure records carry kind_of(outcome) (test_a_runs_errors_carry_their_kind)."""
-    run = outcomes.JobAttempt("cell #0", 0, 1, 1, tmp_path, Losses(tmp_path))
     if kind is None:
         outcome = dataclasses.replace(outcome, value=ship("v"))
-    try:
-        value = outcomes.finish(run, outcome, 5.0, {})
-    except BaseException as exc:  # noqa: BLE001 - the table holds the job's own exceptions too
-        assert failure_kind(exc) == job_kind
-    else:
-        assert kind is None and value == "v"
+    with outcomes.JobAttempt("cell #0", 0, 1, 1, tmp_path, Losses(tmp_path)) as run:
+        try:
+            value = outcomes.finish(run, outcome, 5.0, {})
+        except BaseException as exc:  # noqa: BLE001 - the table holds the job's own exceptions too
+            assert failure_kind(exc) == job_kind
+        else:
+            assert kind is None and value == "v"
 
 
 @pytest.mark.parametrize(("outcome", "kind", "job_kind"), [
