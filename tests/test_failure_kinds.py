@@ -6,6 +6,7 @@ process is started."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 import signal
 import warnings
@@ -232,3 +233,24 @@ def test_a_jobs_failure_names_its_cell_and_the_old_rank_spelling_still_reads_it_
         assert failure.rank == 3
     crashed = pickle.loads(pickle.dumps(JobCrashed("cell #3 died", failure)))
     assert crashed.failure == failure
+
+
+def test_an_attempt_holds_no_descriptor_until_its_job_writes_and_leaves_both_logs(tmp_path: Path) -> None:
+    """A sweep's attempts that wait (a SLURM array's pending cells, each with its attempt begun) hold no file
+    descriptor; at the end every attempt has both logs, what the job wrote in them and in its tail."""
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    for i in range(50):
+        (tmp_path / str(i)).mkdir()
+    before = fds()
+    waiting = [outcomes.JobAttempt(f"cell #{i}", i, 1, 1, tmp_path / str(i), Losses(tmp_path)) for i in range(50)]
+    assert fds() == before
+    waiting[0].output("stdout", "first line\n")
+    waiting[0].output("stdout", "a long line's first piece, ")
+    waiting[0].output("stdout", "and its end\n")
+    assert fds() == before + 1
+    for attempt in waiting:
+        attempt.close()
+    assert fds() == before
+    assert (tmp_path / "0" / "stdout.log").read_text() == "first line\na long line's first piece, and its end\n"
+    assert waiting[0].tail.text == "first line\na long line's first piece, and its end\n"
+    assert all((tmp_path / str(i) / name).read_bytes() == b"" for i in range(1, 50) for name in ("stdout.log", "stderr.log"))

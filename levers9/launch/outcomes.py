@@ -135,7 +135,8 @@ class JobAttempt:
         self.job_dir, self.losses = job_dir, losses  # losses: the run folder's (what could not be written there)
         self.tail = OutputTail()
         self._output_to = output_to
-        self._logs = {stream: AppendLog(job_dir / f"{stream}.log", losses) for stream in ("stdout", "stderr")}
+        # each log opened at its first output, so attempts that wait (a 10,000-cell SLURM array) hold no descriptor
+        self._logs: dict[str, AppendLog] = {}
 
     @classmethod
     def begin(cls, batch: Batch, label: str, cell: Cell, attempt: int) -> JobAttempt:
@@ -153,13 +154,17 @@ class JobAttempt:
     def output(self, stream: str, text: str) -> None:
         """What the job wrote on `stream`: a whole line with its "\n", or a piece of a long one (without): into its
         log (a full disk drops it, never the cell), its tail, and the batch's events."""
+        if stream not in self._logs:
+            self._logs[stream] = AppendLog(self.job_dir / f"{stream}.log", self.losses)
         self._logs[stream].write(text.encode(errors="surrogateescape"))
         self.tail.add(text, piece=not text.endswith("\n"))
         if self._output_to is not None:
             self._output_to(stream, text)
 
     def close(self) -> None:
-        for append_log in self._logs.values():
+        """Close the logs; a stream the job wrote nothing to gets its empty log, so every attempt has both."""
+        for stream in ("stdout", "stderr"):
+            append_log = self._logs.pop(stream, None) or AppendLog(self.job_dir / f"{stream}.log", self.losses)
             append_log.close()
 
     def __enter__(self) -> JobAttempt:
