@@ -146,13 +146,17 @@ def fail_on(cfg: dict[str, Any]) -> None:
 
 def fail_apart(cfg: dict[str, Any]) -> None:
     """Every rank joins a collective; then rank cfg['first'] raises NodeError, and rank cfg['second'] raises KeyError
-    cfg['gap'] s later (it waits for the first's mark at cfg['mark']); the others wait in a collective."""
+    cfg['gap'] s after the first's failure was recorded (the first's mark at cfg['mark'], made at its process's
+    exit, after levers9 captured and sent its failure, so a busy machine cannot put the two in the other order);
+    the others wait in a collective."""
+    import atexit
+
     from levers9 import distributed as dist
 
     dist.all_reduce_mean(1.0)  # every rank is up
     mark = Path(cfg["mark"])
     if dist.rank() == cfg["first"]:
-        mark.touch()
+        atexit.register(mark.touch)
         raise NodeError(f"rank {dist.rank()} fails first")
     if dist.rank() == cfg["second"]:
         while not mark.exists():
