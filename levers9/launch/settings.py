@@ -287,8 +287,9 @@ max_gpu_count = 8        # per job; `levers9 workspace max-gpu-count N`
 def render(settings: Settings, existing: str | None = None) -> str:
     """The file's text for `settings`: the user's `existing` text with levers9's keys set to these values
     (comments, layout and unknown keys kept), or levers9's commented template when there is no file."""
-    template = _TEMPLATE + "".join(backend_options(name).SETTINGS_TEMPLATE for name in BACKEND_OPTIONS)
-    doc = tomlkit.parse(existing if existing is not None else template)
+    if existing is None:  # a new file: levers9's template, each backend's table explained by the backend
+        existing = _TEMPLATE + "".join(backend_options(name).SETTINGS_TEMPLATE for name in BACKEND_OPTIONS)
+    doc = tomlkit.parse(existing)
     for table, key in _KNOWN:
         value = getattr(settings, key)
         section = doc.get(table)
