@@ -115,8 +115,8 @@ def save_on_sigterm(folder: str, seconds_to_save: float) -> str:
 
 
 def save_at_time_limit(folder: str, seconds_to_save: float = 0) -> dict[str, Any]:
-    """A long training that saves on SIGTERM: the first run waits for the time limit (its `started` file says it
-    runs), takes `seconds_to_save` to save its checkpoint when SIGTERM comes, and exits; a later run resumes from it
+    """A long training that saves on SIGTERM: the first run computes until the time limit (its `started` file says
+    it runs), takes `seconds_to_save` to save its checkpoint when SIGTERM comes, and exits; a later run resumes from it
     and returns (without a checkpoint: says so)."""
     from pathlib import Path
 
@@ -135,8 +135,34 @@ def save_at_time_limit(folder: str, seconds_to_save: float = 0) -> dict[str, Any
 
     signal.signal(signal.SIGTERM, on_term)
     (Path(folder) / "started").write_text(os.environ.get("SLURM_JOB_ID", ""))
-    time.sleep(300)
+    deadline, total = time.monotonic() + 300, 0
+    while time.monotonic() < deadline:  # computes, as training does, until the time limit's stop
+        total += sum(i * i for i in range(10_000))
     return {"attempt": None, "resumed": "the time limit never came"}
+
+
+def killed_by_usr2_when_requeued(folder: str) -> None:
+    """The first run computes until SIGTERM, saves and exits; the next run (the job requeued) dies at once of SIGUSR2
+    with no handler, as a run does that SLURM's early signal reaches before its handler is set."""
+    from pathlib import Path
+
+    from levers9 import current_job
+
+    context = current_job()
+    if (Path(folder) / "saved").exists() or (context is not None and context.attempt > 1):
+        (Path(folder) / "second run").write_text("")
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGUSR2)
+
+    def on_term(_signum: int, _frame: Any) -> None:
+        (Path(folder) / "saved").write_text("")
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    (Path(folder) / "ready").write_text("")
+    deadline, total = time.monotonic() + 300, 0
+    while time.monotonic() < deadline:  # computes, as training does, until the stop
+        total += sum(i * i for i in range(10_000))
 
 
 def ranks_resume_after_requeue(folder: str) -> dict[str, Any]:

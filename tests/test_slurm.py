@@ -26,8 +26,9 @@ from levers9.distributed import slurm_env
 from levers9.errors import InfeasibleJobError, JobConfigError, JobCrashed, JobTimeout, WorkspacePolicyError
 from levers9.launch import job, run_reader
 from levers9.launch.settings import update_settings
-from tests import jobfns, slurm_cluster, slurmfns
+from tests import jobfns, proc_util, slurm_cluster, slurmfns
 from tests.test_faults_state import small_disk  # noqa: F401  (the fixture: a real small tmpfs)
+from tests.timeouts import timed_out_once_started
 
 pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]  # one worker: the one cluster
 
@@ -148,6 +149,20 @@ def wait_until(condition: Callable[[], bool], within: float) -> bool:
             return False
         time.sleep(0.2)
     return True
+
+
+def early_signal_once(ready: Callable[[], bool], name: str, env: dict[str, str]) -> threading.Thread:
+    """A started thread that sends job `name` SLURM's early signal (`scancel --signal=USR2`, as SLURM sends it) once
+    `ready()` holds; join it after the job."""
+
+    def signal_when_ready() -> None:
+        assert wait_until(ready, 90)
+        job_id = squeue(name, env)[0].split()[0]
+        subprocess.run(["scancel", "--signal=USR2", job_id], env=env, check=True, timeout=60)
+
+    helper = threading.Thread(target=signal_when_ready, daemon=True)
+    helper.start()
+    return helper
 
 
 def test_remote_runs_one_job_on_a_node(on_slurm: None) -> None:
@@ -424,10 +439,12 @@ def test_a_gpu_type_the_cluster_lacks_is_refused_before_submitting(on_slurm: Non
 
 def test_timeout_cancels_the_job(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
     marker = tmp_path / "started"
-    with pytest.raises(JobTimeout, match=r"exceeded timeout=2s .* was cancelled"):
-        job(slurmfns.sleep_then, backend="slurm", timeout=2, name="l9-timeout").remote(120, str(marker))
+    timed_out_once_started(
+        lambda timeout: job(slurmfns.sleep_then, backend="slurm", timeout=timeout, name="l9-timeout").remote(120, str(marker)),
+        started=marker.exists, match=r"exceeded timeout={timeout}s .* was cancelled",
+    )  # fmt: skip
     pid = int(marker.read_text().split()[0])
-    assert wait_until(lambda: not squeue("l9-timeout", env) and not _alive(pid), 30), squeue("l9-timeout", env)
+    assert wait_until(lambda: not squeue("l9-timeout", env) and not proc_util.alive(pid), 30), squeue("l9-timeout", env)
 
 
 def test_max_restarts_restarts_a_training_across_nodes(on_slurm: None, tmp_path: Path) -> None:
@@ -443,8 +460,11 @@ def test_max_restarts_restarts_a_training_across_nodes(on_slurm: None, tmp_path:
 def test_a_cancel_gives_the_job_its_stop_grace(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
     """timeout= stops the job as a cancel does: SIGTERM, the function's handler saves for 7 s (more than the
     cluster's KillWait of 5 s, after which SLURM's own cancel kills), the kill only after stop_grace."""
-    with pytest.raises(JobTimeout):
-        job(slurmfns.save_on_sigterm, backend="slurm", timeout=3, stop_grace=30, name="l9-grace").remote(str(tmp_path), 7)
+    timed_out_once_started(
+        lambda timeout: job(slurmfns.save_on_sigterm, backend="slurm", timeout=timeout, stop_grace=30, name="l9-grace")
+        .remote(str(tmp_path), 7),
+        started=(tmp_path / "started").exists,
+    )  # fmt: skip
     assert wait_until(lambda: not squeue("l9-grace", env), 60), squeue("l9-grace", env)
     assert (tmp_path / "term").exists(), "the job never got SIGTERM"
     assert (tmp_path / "saved").read_text() == "saved"
@@ -487,7 +507,7 @@ def test_stopping_the_caller_leaves_nothing_in_squeue(on_slurm: None, env: dict[
             caller.kill()
             caller.wait()
     pid = int(marker.read_text().split()[0])
-    assert wait_until(lambda: not squeue(name, env) and not _alive(pid), 30), squeue(name, env)
+    assert wait_until(lambda: not squeue(name, env) and not proc_util.alive(pid), 30), squeue(name, env)
 
 
 def test_a_detached_job_outlives_its_caller_and_is_collected_later(
@@ -566,15 +586,6 @@ def test_a_detached_run_is_followed_from_slurm_and_resume_takes_its_value(
     assert len((tmp_path / "runs-6").read_text().splitlines()) == 1  # the job ran once: resume did not submit it
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split(")")[-1].split()[0] != "Z"
-
-
 def test_a_requeued_job_resumes_from_its_checkpoint(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
     """`scontrol requeue` (as preemption does): the job runs again, knows it (attempt 2), and resumes."""
 
@@ -591,13 +602,33 @@ def test_a_requeued_job_resumes_from_its_checkpoint(on_slurm: None, env: dict[st
 
 
 def test_the_time_limit_requeues_the_job_which_resumes(on_slurm: None, env: dict[str, str], tmp_path: Path) -> None:
-    """A 1-minute SLURM time limit, the early signal 45 s before it: the function's SIGTERM handler saves for 8 s,
-    within its stop_grace=30 (and longer than the cluster's KillWait of 5 s, all a requeue asked of SLURM at once
-    would leave it); then the job is requeued, and the next run (attempt 2, once the old run's credential expires:
-    20 s on this cluster) resumes from that checkpoint. Takes about a minute."""
+    """A 2-minute SLURM time limit, the early signal 45 s before it (SLURM may send it up to a minute early: 15 s
+    after a run starts at the earliest, after its handler is set; with a 1-minute limit it came at a run's start and
+    killed it): the function's SIGTERM handler saves for 8 s, within its stop_grace=30 (and longer than the
+    cluster's KillWait of 5 s, all a requeue asked of SLURM at once would leave it); then the job is requeued, and
+    the next run (attempt 2, once the old run's credential expires: 20 s on this cluster) resumes from that
+    checkpoint. Takes one to two minutes."""
     value = job(slurmfns.save_at_time_limit, backend="slurm", stop_grace=30,
-                slurm={"requeue": 45, "sbatch": "--time=1"}).remote(str(tmp_path), 8)  # fmt: skip
+                slurm={"requeue": 45, "sbatch": "--time=2"}).remote(str(tmp_path), 8)  # fmt: skip
     assert value == {"attempt": 2, "resumed": "saved at the time limit"}
+
+
+def test_a_requeued_jobs_next_run_killed_as_it_starts_is_named_with_the_fix(
+    on_slurm: None, env: dict[str, str], tmp_path: Path
+) -> None:
+    """The early signal (sent here with `scancel --signal=USR2`) requeues a computing job, whose next run dies at once
+    of SIGUSR2 before any handler (as SLURM's early signal kills a run that starts within a minute of it). That death
+    is the next run's: the error names it, SLURM's early signal and the time limit that avoids it, not 'ended
+    (COMPLETED)' (the follower read srun's line on it as the old run's, and the old run ended with no report)."""
+    helper = early_signal_once((tmp_path / "ready").exists, "l9-usr2-next", env)
+    with pytest.raises(JobCrashed) as caught:
+        job(slurmfns.killed_by_usr2_when_requeued, backend="slurm", stop_grace=30, name="l9-usr2-next",
+            slurm={"requeue": 60}).remote(str(tmp_path))  # fmt: skip
+    helper.join(60)
+    said = str(caught.value)
+    assert (tmp_path / "saved").exists() and (tmp_path / "second run").exists(), said
+    assert re.search(r"rank\(s\) 0 on l9node\d killed by SIGUSR2 \(srun: User defined signal 2\)", said), said
+    assert "SLURM's early signal before the time limit (--signal=USR2@60)" in said and "over 120 s" in said, said
 
 
 def test_the_early_signal_gives_the_ranks_of_a_jobs_distributed_run_their_grace(
@@ -607,14 +638,7 @@ def test_the_early_signal_gives_the_ranks_of_a_jobs_distributed_run_their_grace(
     whose function calls distributed.run: each rank's handler saves (for 2 s), the job is requeued, and its next
     run (attempt 2) finds both checkpoints. (The ranks inherited the task's handler, and each started a stopper:
     the second SIGTERM ended the job process while it gave its ranks their grace, and no rank saved.)"""
-
-    def signal_when_ready() -> None:
-        assert wait_until(lambda: len(list(tmp_path.glob("ready-*"))) == 2, 90)
-        job_id = squeue("l9-early-ranks", env)[0].split()[0]
-        subprocess.run(["scancel", "--signal=USR2", job_id], env=env, check=True, timeout=60)
-
-    helper = threading.Thread(target=signal_when_ready, daemon=True)
-    helper.start()
+    helper = early_signal_once(lambda: len(list(tmp_path.glob("ready-*"))) == 2, "l9-early-ranks", env)
     value = job(slurmfns.ranks_resume_after_requeue, gpu_count=2, backend="slurm", stop_grace=30, name="l9-early-ranks",
                 slurm={"requeue": 60}).remote(str(tmp_path))  # fmt: skip
     helper.join(60)
@@ -622,8 +646,8 @@ def test_the_early_signal_gives_the_ranks_of_a_jobs_distributed_run_their_grace(
 
 
 def test_the_early_signal_leaves_a_job_that_did_not_ask_for_a_requeue_running(on_slurm: None, tmp_path: Path) -> None:
-    """submitit asks SLURM for its early signal in every job (--signal=USR2@60; a minute or two before the time
-    limit, so before the caller's timeout= can come). Without slurm={'requeue': ...} it changes nothing: the
+    """Without slurm={'requeue': ...} a job asks SLURM for no early signal (--signal=USR2@0: SLURM may send one up to
+    a minute early, and killed a run that started in that minute), and a SIGUSR2 sent by hand changes nothing: the
     function runs on. (submitit's handler raised UncompletedJobError in it.)"""
     marker = tmp_path / "started"
 
@@ -635,6 +659,8 @@ def test_the_early_signal_leaves_a_job_that_did_not_ask_for_a_requeue_running(on
     helper.start()
     assert job(slurmfns.sleep_then, backend="slurm", timeout=100).remote(4, str(marker)) == "slept"
     helper.join(60)
+    scripts = list((Path(os.environ["LEVERS9_STATE_DIR"]) / "runs").glob("*/slurm/*submission.sh"))
+    assert len(scripts) == 1 and "#SBATCH --signal=USR2@0\n" in scripts[0].read_text()
 
 
 def test_an_early_signal_shorter_than_stop_grace_is_refused(on_slurm: None, env: dict[str, str]) -> None:

@@ -186,9 +186,10 @@ def test_a_detached_cells_failures_are_built_as_every_backends(tmp_path: Path, m
 
     from levers9.errors import JobCrashed, JobTimeout
     from levers9.launch import run_reader
+    from levers9.launch.job_process import TaskEnded
     from levers9.launch.slurm import collect as slurm_collect
-    from levers9.launch.slurm.task import TaskReport
     from levers9.procs.failure import capture
+    from levers9.procs.outcome import Outcome
 
     job(name="collected")(jobfns.add).remote(1, 2)  # a run folder of this user's, as a SLURM batch makes one
     folder = run_reader.find_run("last").path / "slurm"
@@ -198,7 +199,8 @@ def test_a_detached_cells_failures_are_built_as_every_backends(tmp_path: Path, m
         raise KeyError("boom")
     except KeyError as exc:
         failure = capture(exc)
-    submitit_utils.cloudpickle_dump(("success", TaskReport(0, "l9node2", 5, failure=failure)), folder / "77_0_result.pkl")
+    ended = TaskEnded.of(Outcome(5, 1, None, failure=failure, reported=True), 0, "l9node2")
+    submitit_utils.cloudpickle_dump(("success", ended), folder / "77_0_result.pkl")
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")  # squeue: none yet, so nothing is known to run
     with pytest.raises(KeyError, match="boom") as raised:
         slurm_collect.result("last", 0)
@@ -210,3 +212,72 @@ def test_a_detached_cells_failures_are_built_as_every_backends(tmp_path: Path, m
     (tmp_path / "squeue").chmod(0o755)
     with pytest.raises(JobTimeout, match=r"SLURM job 77 \(run \S+, cell 0\) still runs after 0.2 s. Wait longer"):
         slurm_collect.result("last", 0, timeout=0.2)
+
+
+def test_srun_words_on_a_task_ended_by_any_signal_name_the_signal() -> None:
+    """srun says how a task ended in strsignal's words ('User defined signal 2', 'Bus error'; '(core dumped)' after
+    some): each is read as its signal, an exit code as itself, and srun's other error lines as no task's end."""
+    from levers9.launch.slurm.follow import SRUN_SIGNALS, srun_error
+
+    said = {
+        "srun: error: l9node1: task 0: User defined signal 2": ("l9node1", "0", "SIGUSR2"),
+        "srun: error: l9node2: tasks 2-3: Killed": ("l9node2", "2-3", "SIGKILL"),
+        "srun: error: l9node1: task 1: Segmentation fault (core dumped)": ("l9node1", "1", "SIGSEGV"),
+        "srun: error: l9node1: task 0: Bus error": ("l9node1", "0", "SIGBUS"),
+        "srun: error: l9node1: task 0: Terminated": ("l9node1", "0", "SIGTERM"),
+    }
+    for line, (node, tasks, name) in said.items():
+        ended = srun_error(line)
+        assert ended is not None and ended[:2] == (node, tasks) and SRUN_SIGNALS[ended[2]] == name, (line, ended)
+    assert srun_error("srun: error: l9node1: task 3: Exited with exit code 7") == ("l9node1", "3", "Exited with exit code 7")
+    for other in ("srun: error: Node failure on l9node2", "srun: error: l9node1: task 0: Something went wrong",
+                  "srun: Job step aborted: Waiting up to 7 seconds for job step to finish."):  # fmt: skip
+        assert srun_error(other) is None, other
+
+
+def test_a_slurm_jobs_ranks_end_on_the_core_supervisors_rules(tmp_path: Path) -> None:
+    """A SLURM job's tasks as the one Supervisor watches them: a rank killed as srun says has no report and is the
+    root cause over the peers whose reports only say they lost it, by procs.outcome.root_cause; a report's failure
+    time (another node's wall clock) is made this machine's; the window waits for the earlier failure."""
+    import signal
+    import time
+
+    from submitit.core import utils as submitit_utils
+
+    from levers9.launch.job_process import TaskEnded
+    from levers9.launch.slurm.follow import ROOT_WAIT_S, SlurmRank, expand_ranks, srun_error
+    from levers9.procs.failure import capture
+    from levers9.procs.outcome import Outcome, root_cause, wall_clock
+    from levers9.procs.supervise import Supervisor
+
+    assert expand_ranks("3") == [3] and expand_ranks("0,2-3") == [0, 2, 3]
+    ranks = [SlurmRank(tmp_path / f"5_{t}_result.pkl") for t in range(3)]
+    stopped: list[str] = []
+    supervisor = Supervisor(None, ranks, timeout=None, grace=1.0, stop_on_failure=True,
+                            before_stop=lambda reason: stopped.append(reason.value), window=60.0, peer_loss_window=ROOT_WAIT_S)  # fmt: skip
+    assert not supervisor.step(0) and not stopped  # no rank has ended
+    try:
+        raise RuntimeError("Connection closed by peer")
+    except RuntimeError as exc:
+        lost = capture(exc)
+    assert lost.peer_loss
+    earlier = time.monotonic() - 30
+    ended = TaskEnded(Outcome(7, 1, None, failure=lost, reported=True), wall_clock(earlier), 2, "l9node2")
+    submitit_utils.cloudpickle_dump(("success", ended), tmp_path / "5_2_result.pkl")
+    assert not supervisor.step(0) and ranks[2].reported and ranks[2].failure is not None
+    assert abs(ranks[2].failure.when - earlier) < 1.0  # on this machine's clock
+    node, tasks, how = srun_error("srun: error: l9node1: task 1: Killed") or ("", "", "")
+    for rank in expand_ranks(tasks):
+        ranks[rank].ended_unreported(how)
+    assert ranks[1].status == (None, signal.SIGKILL) and not ranks[1].reported
+    assert not supervisor.step(0)  # a failure of its own: the window (60 s here) for an earlier one runs
+    supervisor.window = 0.0
+    assert supervisor.step(0) and stopped == ["sibling"]
+    outcomes = supervisor.outcomes()
+    assert outcomes[0].stopped_for is not None  # rank 0 was running: stopped for its peer
+    assert outcomes.index(root_cause([o for o in outcomes if not o.succeeded])) == 1  # the killed rank, not rank 2
+    reported_first = SlurmRank(tmp_path / "5_0_result.pkl")  # a report written before srun's word on its end: kept
+    submitit_utils.cloudpickle_dump(("success", TaskEnded.of(Outcome(9, 0, None, value=b"v", reported=True))),
+                                    reported_first.path)  # fmt: skip
+    reported_first.ended_unreported("Killed")
+    assert reported_first.reported and reported_first.status == (0, None) and reported_first.result == b"v"

@@ -107,6 +107,13 @@ def sbatch_options(text: str, source: str = "slurm=") -> dict[str, Any]:
     return options
 
 
+def early_signal_s(options: Mapping[str, str]) -> int:
+    """How long before the time limit SLURM is to send the job its early signal (#SBATCH --signal=USR2@N, which
+    submitit puts in every job): `requeue`'s seconds; else 0, for which SLURM sends none (it may send one up to a
+    minute early: it would kill a run that starts in that minute, before any handler, and no job needs it)."""
+    return int(options.get("requeue", 0))
+
+
 def merged(job: Iterable[tuple[str, str]], workspace: Mapping[str, str | None]) -> dict[str, str]:
     """The workspace's values overridden, key by key, by the job's."""
     out = {key: value for key, value in workspace.items() if value}

@@ -9,7 +9,7 @@ arrays, and runs each task through `python -m submitit.core._submit` under srun.
 with sacct, which needs SLURM's accounting database; this backend reads squeue instead (every cluster
 has it), and follows each job by itself (follow.py): its state and node, its output files
 (streamed to the caller as they grow, with the local backend's prefixes), and the result file of each
-task (slurm_task.TaskReport). A gpu_count no node holds is one training across the fewest nodes with
+task (job_process.TaskEnded, as a Ray task's). A gpu_count no node holds is one training across the fewest nodes with
 equal shares (`--nodes`, `--ntasks-per-node=share`, `--gres=gpu:share`): srun starts every rank (no levers9
 agent runs there) and the function runs in each through distributed.run; a restart (max_restarts=) is the job
 submitted again, its ranks' TORCHELASTIC_RESTART_COUNT one higher.
@@ -128,7 +128,7 @@ class Submitter:
             "ntasks_per_node": plan.tasks,
             "time": None if spec.timeout is None else math.ceil(spec.timeout / 60) + 1,  # a backstop: enforced here
             "array_parallelism": limit,
-            "signal_delay_s": int(options.get("requeue", slurm_options.REQUEUE_SIGNAL_S)),  # --signal=USR2@N
+            "signal_delay_s": slurm_options.early_signal_s(options),  # --signal=USR2@N
             "setup": ["export SUBMITIT_LOG_LEVEL=${SUBMITIT_LOG_LEVEL:-WARNING}"],  # the job's output is the user's
             "additional_parameters": slurm_options.sbatch_options(options.get("sbatch", ""), "the sbatch option"),
         }

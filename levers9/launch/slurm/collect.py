@@ -10,7 +10,7 @@
 `detach` is an explicit choice: without it, the reaper stops a caller's jobs when the caller is gone.
 A detached job is still stopped by an explicit cancel (Ctrl-C of a caller that waits on it, leaving a
 map early, a future's cancel). The backend records each cell's latest SLURM job id in the run's
-`slurm/jobs.json` when it submits it; the result is the job's task 0 report (submitit's result file),
+`slurm/jobs.json` when it submits it; the result is how the job's task 0 ended (its TaskEnded in submitit's result file),
 read once squeue no longer shows the job running.
 
 A detached run's folder says so (`slurm/detached`), and its jobs store their own value where resume
@@ -111,17 +111,17 @@ def _jobs(folder: Path) -> dict[str, str]:
 
 
 def _report(folder: Path, job_id: str) -> Any:
-    """The TaskReport of task 0 of `job_id` (None if it has not written one, or it cannot be read)."""
+    """How task 0 of `job_id` ended, its TaskEnded (None if it has not written one, or it cannot be read)."""
     from submitit.core import utils as submitit_utils  # here: `levers9 runs` itself needs no submitit
 
-    from levers9.launch.slurm import task as slurm_task
+    from levers9.launch.job_process import TaskEnded
 
     path = folder / f"{job_id}_0_result.pkl"
     if not path.exists():
         return None
     with contextlib.suppress(Exception):
         status, value = submitit_utils.pickle_load(path)
-        if status == "success" and isinstance(value, slurm_task.TaskReport):
+        if status == "success" and isinstance(value, TaskEnded):
             return value
     return None
 
@@ -140,12 +140,13 @@ def detached_cells(run: run_reader.Run) -> list[run_reader.CellState] | None:
     states = None if shown is None else {job_id: state for job_id, (state, _, _) in shown.items()}
     for index, job_id in jobs.items():
         cell = cells[index]
-        report = _report(folder, job_id)
+        ended = _report(folder, job_id)
+        report = None if ended is None else ended.outcome
         if report is not None and report.failure is None:
             cell.state, cell.error = "done", ""
             with contextlib.suppress(Exception):
                 cell.value = repr(unship_value(report.value, f"the return value of SLURM job {job_id}"))[:VALUE_CHARS]
-        elif report is not None:
+        elif report is not None and report.failure is not None:
             cell.state, cell.error = "failed", f"{report.failure.exc_type}: {report.failure.message}".splitlines()[0]
         elif states is None:
             continue
@@ -177,13 +178,13 @@ def result(run: str, cell: int = 0, timeout: float | None = None) -> Any:
         if deadline is not None and time.monotonic() > deadline:
             raise outcomes.collected_still_running(where, timeout or 0.0)
         time.sleep(POLL_S)
-    report = _report(folder, job_id)
-    if report is None:
+    ended = _report(folder, job_id)
+    if ended is None:
         raise outcomes.collected_without_result(where, cell, f"{folder / f'{job_id}_0_log.err'} and .out beside it")
-    if report.failure is None:
-        return unship_value(report.value, f"the return value of {where}")
-    raise outcomes.raised(report.failure, f"levers9: traceback of {where}, on {report.node}:\n"
-                                          f"{report.failure.traceback.rstrip()}")  # fmt: skip
+    failure = ended.outcome.failure
+    if failure is None:
+        return unship_value(ended.outcome.value, f"the return value of {where}")
+    raise outcomes.raised(failure, f"levers9: traceback of {where}, on {ended.node}:\n{failure.traceback.rstrip()}")
 
 
 def register(runs_commands: Any) -> None:

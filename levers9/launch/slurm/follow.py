@@ -2,10 +2,11 @@
 
 One thread per batch (`Follower`) asks squeue for every job's state once a second and reads each live job's
 output files (streamed to the caller with the local backend's prefixes, kept in the attempt's logs) and its
-tasks' result files (slurm_task.TaskReport); a `Tracker` per job decides when its outcome is known: rank 0's
-report, the failure that came first, srun's word on a task killed by a signal, a requeue (followed into the
-job's next run), the caller's timeout=. Every stop goes through `Reaper`, the caller's side of
-reaper.py: SIGTERM to the job's tasks, the kill after stop_grace, even when the caller is gone.
+tasks' result files (job_process.TaskEnded); a `Tracker` per job follows it through a requeue into its next
+run, and while it runs steps the one Supervisor over its tasks (`SlurmRank`: each one's report, srun's word
+on a task killed by a signal, the job's end), which decides when the outcome is known and which rank is its
+root cause, as on every path. Every stop goes through `Reaper`, the caller's side of reaper.py: SIGTERM to
+the job's tasks, the kill after stop_grace, even when the caller is gone.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import dataclasses
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -24,16 +26,20 @@ from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from submitit.core import utils as submitit_utils
 
+import levers9.launch.slurm as slurm_options
 from levers9 import state_files
 from levers9.distributed.detect import expand_nodelist
 from levers9.errors import FailureKind
 from levers9.launch import outcomes
+from levers9.launch.job_process import TaskEnded
 from levers9.launch.outcomes import Cancelled
 from levers9.launch.slurm import nodes as slurm_nodes
 from levers9.launch.slurm import task as slurm_task
 from levers9.launch.slurm.collect import ENDED, queue_states
-from levers9.procs.outcome import Outcome, root_cause, this_clock
-from levers9.procs.supervise import ROOT_CAUSE_WINDOW_S
+from levers9.procs.failure import FailureRecord
+from levers9.procs.outcome import StopReason, root_cause, this_clock
+from levers9.procs.supervise import ROOT_CAUSE_WINDOW_S, Supervisor
+from levers9.procs.watch import Ended
 
 if TYPE_CHECKING:
     from levers9.launch.backend import Batch
@@ -133,6 +139,7 @@ class Submitting(Protocol):
     batch: Batch
     plan: slurm_nodes.SlurmPlan
     folder: Path
+    options: dict[str, str]  # the job's slurm= options over the workspace's [slurm] table
     reaper: Reaper
 
     def cancel(self, job_id: str) -> None: ...
@@ -147,8 +154,45 @@ class FollowedCell(Protocol):
     def stopped(self) -> bool: ...
 
 
+class SlurmRank(Ended):
+    """One task (rank) of a running SLURM job, as the job's Supervisor watches it: over once its result file holds
+    its TaskEnded (a failure's time made this machine's), srun said it was killed, or the job ended without it."""
+
+    result: bytes | None = None
+    oom_before: int | None = None
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.pid, self.rank, self.node = path, 0, -1, ""
+        self.status: tuple[int | None, int | None] | None = None
+        self.failure: FailureRecord | None = None
+        self.reported = self.lost = False
+        self.ended_at: float | None = None
+
+    def poll(self) -> bool:
+        if self.status is None and self.path.exists():
+            with contextlib.suppress(Exception):  # not whole yet: read again at the next poll
+                status, ended = submitit_utils.pickle_load(self.path)
+                if status == "success" and isinstance(ended, TaskEnded):
+                    when, outcome = this_clock(ended.time), ended.outcome
+                    self.pid, self.rank, self.node, self.result, self.reported = outcome.pid, ended.rank, ended.node, outcome.value, True
+                    self.failure = None if outcome.failure is None else dataclasses.replace(outcome.failure, when=when)
+                    self.status, self.ended_at = (outcome.exitcode, outcome.signal), when
+        return self.status is not None
+
+    def ended_unreported(self, how: str | None) -> None:
+        """It ended with no report: killed as srun says (`how`, 'Killed' or 'Exited with exit code 3'), or
+        with its job (None: how is not known); a report it wrote first is read and kept."""
+        if not self.poll():
+            code = re.search(r"\d+$", how or "") if how is not None and how.startswith("Exited") else None
+            signum = getattr(signal, SRUN_SIGNALS.get(how or "", ""), None)
+            self.status = (int(code.group()), None) if code else (None, int(signum)) if signum else (None, None)
+            self.lost, self.ended_at = how is None, time.monotonic()
+
+
 class Tracker:
-    """One submitted job (or array element) of one cell's attempt, until it ends: its state, output and reports."""
+    """One submitted job (or array element) of one cell's attempt, until it ends: its state, output and reports.
+    While it runs, its tasks are `SlurmRank`s of one Supervisor (the core's rules: the root-cause window, timeout=,
+    the caller's cancel), whose stop is the job's cancel; a timeout or a cancel is over once SLURM says it ended."""
 
     def __init__(self, submitter: Submitting, cell: FollowedCell, job_id: str, attempt: int) -> None:
         self.submitter, self.cell, self.job_id, self.attempt = submitter, cell, job_id, attempt
@@ -162,16 +206,14 @@ class Tracker:
             for ext, stream in (("out", "stdout"), ("err", "stderr"))
         ]
         self.results = [folder / f"{job_id}_{t}_result.pkl" for t in range(tasks)]
+        self.ranks = [SlurmRank(path) for path in self.results]
+        self.supervisor: Supervisor | None = None  # from the moment the job runs (its run, after a requeue)
         self.state, self.reason, self.node = "PENDING", "", ""
         self.placed_on = ""  # the job's node list as it started: squeue drops a failed node from it afterwards
         self.started_at: float | None = None
         self.started = threading.Event()
         self.done = threading.Event()
-        self.report: slurm_task.TaskReport | None = None
         self.ended_state = ""  # SLURM's state when the job ended without a report
-        self.timed_out = False
-        self.failed_at: float | None = None  # when a rank's failure was first read (of any kind)
-        self.own_failure_at: float | None = None  # when a failure of its own (not a lost peer) was first read
         self.died: tuple[str, str, str] | None = None  # (node, tasks, how) of srun's "task N: Killed" line
         self.said: SlurmSaid | None = None  # slurmstepd's "*** JOB ... CANCELLED AT ... ***" line, if it ended the job
         self.oom_said = ""  # SLURM's own line on an out-of-memory kill in the job's cgroup
@@ -181,6 +223,10 @@ class Tracker:
         self.requeued = False  # SLURM requeued the job (scontrol requeue, preemption): its kills are not deaths
         self.queued_again = False  # ... and it was seen queued since
         self.ended_polls = 0
+
+    @property
+    def stopped_for(self) -> StopReason | None:
+        return None if self.supervisor is None else self.supervisor.stopped_for
 
     def poll(self, states: dict[str, tuple[str, str, str]] | None) -> None:
         """Read what is new (output, state, reports); set `done` when the job's outcome is known."""
@@ -193,70 +239,69 @@ class Tracker:
             self.placed_on = self.placed_on or (node if self.state == "RUNNING" else "")
             if self.state == "PENDING" and self.reason != reason_before:
                 self.submitter.batch.events.waiting(self.cell.cell, slurm_nodes.pending_words(self.submitter.plan, self.reason))
-            if self.requeued and self.state not in RUNNING:
-                self.queued_again = True
-            elif self.requeued and self.queued_again:  # running again: resumes, as the user's checkpoint allows
-                self.requeued = self.queued_again = False
+            if self.requeued and not self.queued_again and self.state not in RUNNING:
+                self.queued_again = True  # its next run comes: the old run's end is not the job's
                 self.said, self.oom_said, self.failed_node, self.srun_tasks = None, "", "", {}
+            elif self.requeued and self.queued_again and self.state == "RUNNING":  # its next run, which resumes as
+                # the user's checkpoint allows (a run too short for squeue to show it running ends as the requeued
+                # run would: its Supervisor reads its report, or srun's word on its death)
+                self.requeued = self.queued_again = False
                 self.placed_on = ""  # a new allocation
-        if self.started_at is None and (self.state in RUNNING or any(p.exists() for p in self.results)
-                                        or any(stream.offset for stream in self.streams)):
+                self.ranks, self.supervisor = [SlurmRank(path) for path in self.results], None
+        running = self.state in RUNNING or any(p.exists() for p in self.results) or any(s.offset for s in self.streams)
+        if self.started_at is None and running:
             self.started_at = time.monotonic()
             self.started.set()
-        if self.timed_out:  # stopped for timeout=: over once SLURM says the job ended, its tasks' stop_grace had
-            if states is not None and (state is None or self.state in ENDED):  # (as a local job's JobTimeout comes
-                self._end(None)  # once its process is gone: a SIGTERM handler's checkpoint is there, its cards free)
+        if self.supervisor is None and running and not self.requeued:
+            self.supervisor = self._supervise()
+        ended = states is not None and (state is None or self.state in ENDED)
+        over = self.supervisor is not None and self.supervisor.step(0)
+        if self.stopped_for in (StopReason.TIMEOUT, StopReason.CANCEL):  # over once SLURM says the job ended, its
+            if ended:  # tasks' stop_grace had (as a local job's JobTimeout comes once its process is gone: a
+                self._end()  # SIGTERM handler's checkpoint is there, its cards free)
             return
-        reports = sorted(self._reports(), key=lambda r: r.rank)
-        failed = [r for r in reports if r.failure is not None]
-        own = [r for r in failed if r.failure is not None and not r.failure.peer_loss]
-        now = time.monotonic()
-        if failed and self.failed_at is None:
-            self.failed_at = now
-        if own and self.own_failure_at is None:
-            self.own_failure_at = now
-        if not own and self.died is not None:  # a rank died without a report (a signal): it is the news,
-            self.submitter.cancel(self.job_id)  # not the peers that lost it
-            self._end(None)
+        if over:
+            self._end()
             return
-        over = self.state in ENDED or len(reports) == len(self.results)
-        own_long_ago = self.own_failure_at is not None and now - self.own_failure_at >= ROOT_WINDOW_S
-        failed_long_ago = self.failed_at is not None and now - self.failed_at > ROOT_WAIT_S
-        if failed and (over or own_long_ago or failed_long_ago):
-            self._end(_root_report(failed))  # the rank that failed first, not the peers that lost it
-            return
-        if not failed and reports and reports[0].rank == 0:
-            self._end(reports[0])
-            return
-        timeout = self.submitter.batch.spec.timeout
-        if self.started_at is not None and timeout is not None and time.monotonic() - self.started_at > timeout:
-            self.timed_out = True
-            self.submitter.cancel(self.job_id)
-            return
-        if states is not None and (state is None or self.state in ENDED):
+        if ended:
             self.ended_polls += 1  # the result file is written before the task exits: one more look, then over
             # (a requeued job may show its run's end for a while before SLURM queues it again)
             if self.ended_polls > (REQUEUE_WAIT_POLLS if self.requeued else 2):
                 self.ended_state = self.state if state is not None else "gone from squeue"
-                self._end(None)
+                for rank in self.ranks:
+                    rank.ended_unreported(None)
+                if self.supervisor is None or self.supervisor.step(0):
+                    self._end()
         elif states is not None:
             self.ended_polls = 0
 
-    def _reports(self) -> list[slurm_task.TaskReport]:
-        reports = []
-        for path in self.results:
-            if path.exists():
-                with contextlib.suppress(Exception):
-                    status, value = submitit_utils.pickle_load(path)
-                    if status == "success" and isinstance(value, slurm_task.TaskReport):
-                        reports.append(value)
-        return reports
+    def _supervise(self) -> Supervisor:
+        """The job's tasks under the one Supervisor, its timeout= counted from the job's first start."""
+        timeout = self.submitter.batch.spec.timeout
+        assert self.started_at is not None
+        return Supervisor(None, self.ranks, timeout=None if timeout is None else timeout - (time.monotonic() - self.started_at),
+                          grace=self.submitter.batch.spec.stop_grace, stop_on_failure=True, should_stop=self.cell.stopped,
+                          before_stop=self._stop, window=ROOT_WINDOW_S, peer_loss_window=ROOT_WAIT_S)  # fmt: skip
+
+    def _stop(self, reason: StopReason) -> None:
+        """The Supervisor's stop: the job cancelled with its stop_grace (the caller's cancel already asked for it)."""
+        if reason is not StopReason.CANCEL:
+            self.submitter.cancel(self.job_id)
 
     def _read_output(self) -> None:
+        """The job's new output: kept in the attempt's logs, and what SLURM and srun say in it of how the job ends.
+        A requeued run's last words (its stop, srun's lines on it) say nothing of that; lines read after a poll at
+        which SLURM showed the job queued again are its next run's."""
         for stream in self.streams:
             for line in stream.read():
+                self.run.output(stream.stream, stream.prefix + line + "\n")
+                if any(word in line for word in REQUEUED_WORDS):  # this run's end is not the job's
+                    self.requeued, self.queued_again = True, False
+                elif self.requeued and not self.queued_again:
+                    continue
                 said = slurm_said(line)
-                if said is not None and self.died is None and (self.said is None or said.job > self.said.job):
+                if said is not None and said.due != "JOB REQUEUE" and self.died is None and \
+                        (self.said is None or said.job > self.said.job):  # fmt: skip
                     self.said = said  # the job's line rather than its step's; never levers9's cancel after a death
                 if not self.oom_said and _SLURM_OOM.search(line):
                     self.oom_said = line.strip()
@@ -264,31 +309,31 @@ class Tracker:
                     self.failed_node = lost.group(1)
                 if (ended := srun_error(line)) is not None:
                     self.srun_tasks.setdefault(ended[0], ended[1])
-                if any(word in line for word in REQUEUED_WORDS):
-                    self.requeued = True
-                elif not self.requeued and self.died is None:
-                    self.died = srun_error(line)
-                self.run.output(stream.stream, stream.prefix + line + "\n")
+                if ended is not None:
+                    self.died = self.died or ended
+                    for rank in expand_ranks(ended[1]):  # a rank killed with no report: it is the news, not the
+                        if rank < len(self.ranks):  # peers that lost it
+                            self.ranks[rank].ended_unreported(ended[2])
 
-    def _end(self, report: slurm_task.TaskReport | None) -> None:
-        if report is not None and report.failure is not None:
-            self.submitter.cancel(self.job_id)  # the other ranks would wait for the failed one
+    def _end(self) -> None:
         self._read_output()
         self.run.close()
-        self.report = report
         self.submitter.reaper.remove(self.job_id)
         self.started.set()
         self.done.set()
 
     def outcome(self) -> Any:
         """The attempt's value, or its exception (the job's own, JobTimeout, JobCrashed, Cancelled)."""
-        spec, run, report = self.submitter.batch.spec, self.run, self.report
+        spec, run = self.submitter.batch.spec, self.run
         where = f"{self.node or '?'} (SLURM job {self.job_id})"
         meta = {"slurm_job": self.job_id, "node": self.node, "state": self.state}
-        if self.timed_out:
+        if self.stopped_for is StopReason.TIMEOUT:
             run.write_meta({**meta, "attempt": run.attempt, "killed_for": "timeout"})
             raise outcomes.timed_out(run, spec.timeout, f"SLURM job {self.job_id} on {self.node or '?'} was cancelled")
-        if report is None:
+        ended = self.supervisor.outcomes() if self.supervisor is not None and self.supervisor.over else []
+        failed = [o for o in ended if not o.succeeded]
+        root = root_cause(failed) if failed else ended[0] if ended else None
+        if root is None or not root.reported or self.stopped_for is StopReason.CANCEL:
             if self.cell.stopped():
                 raise Cancelled()
             run.write_meta({**meta, "attempt": run.attempt, "killed_for": None,
@@ -296,10 +341,8 @@ class Tracker:
             kind, how = self._ending()
             raise outcomes.ended_without_outcome(run, f" (SLURM job {self.job_id} on {self.node or '?'})", how, kind, oom_killed=bool(self.oom_said) or self.ended_state == "OUT_OF_MEMORY",
                                                  hint=self.hint)  # fmt: skip
-        node = f"{report.node} as rank {report.rank} of {where}"
-        outcome = Outcome(pid=report.pid, exitcode=0 if report.failure is None else 1, signal=None,
-                          value=report.value, failure=report.failure, reported=True)  # fmt: skip
-        return outcomes.finish(run, outcome, spec.timeout, meta, node)
+        rank = self.ranks[ended.index(root)]
+        return outcomes.finish(run, root, spec.timeout, meta, f"{rank.node} as rank {rank.rank} of {where}")
 
     def _ending(self) -> tuple[FailureKind, str]:
         """How a job that reported nothing ended, in SLURM's own words first (its state, slurmstepd's CANCELLED
@@ -341,6 +384,12 @@ class Tracker:
         if self.died is not None:
             node, tasks, how = self.died
             ended = f"killed by {SRUN_SIGNALS[how]}" if how in SRUN_SIGNALS else how.lower()
+            early = slurm_options.early_signal_s(self.submitter.options) if SRUN_SIGNALS.get(how) == "SIGUSR2" else 0
+            if early:  # SLURM's early signal reached a run before its handler: SLURM may send it a minute early
+                self.hint = (f" SIGUSR2 is SLURM's early signal before the time limit (--signal=USR2@{early}), which "
+                             f"SLURM may send up to a minute early: it reached the task as it started, before the task "
+                             f"had set its handler. Give the job a time limit over {early + 60} s plus its start-up "
+                             f"(timeout=, or slurm={{'sbatch': '--time=MINUTES'}}).")  # fmt: skip
             return FailureKind.CRASH, (f"had rank(s) {tasks} on {node} {ended} (srun: {how}) with no word from SLURM on "
                                        f"why (no CANCELLED line, no oom-kill event: see that node's kernel log); the "
                                        f"other ranks lost them and the job was cancelled")  # fmt: skip
@@ -357,14 +406,6 @@ class Tracker:
                 first = nodes.index(node) * per
                 return f"{first}-{first + per - 1}" if per > 1 else str(first)
         return ""
-
-
-def _root_report(failed: list[slurm_task.TaskReport]) -> slurm_task.TaskReport:
-    """The report of the root cause among failed ranks, by the core's rule (procs.outcome.root_cause: a failure of
-    its own before a lost peer, then the first in time), their times taken from each node's wall clock."""
-    ended = [Outcome(r.pid, 1, None, failure=r.failure if r.failure is None or r.wall is None else
-                     dataclasses.replace(r.failure, when=this_clock(r.wall)), reported=True) for r in failed]  # fmt: skip
-    return failed[ended.index(root_cause(ended))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,16 +439,27 @@ def slurm_said(line: str) -> SlurmSaid | None:
                      match.group(5).strip())
 
 
-# srun's words for a task ended by a signal (the strsignal text of slurmstepd) -> the signal's name
-SRUN_SIGNALS = {"Killed": "SIGKILL", "Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Terminated": "SIGTERM"}
-_SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): (Killed|Segmentation fault|Aborted|Terminated|Exited with exit code \d+)")
+# srun's words for a task ended by a signal (slurmstepd's strsignal text, glibc's as Python's) -> the signal's name
+SRUN_SIGNALS = {text: sig.name for sig in signal.Signals if (text := signal.strsignal(sig))}
+_SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): (Exited with exit code \d+|[A-Z][\w -]*\w)(?: \(core dumped\))?\s*$")
+
+
+def expand_ranks(tasks: str) -> list[int]:
+    """srun's task list ('3', '2-3', '0,2-3') as ranks."""
+    ranks: list[int] = []
+    for part in tasks.split(","):
+        first, _, last = part.partition("-")
+        ranks.extend(range(int(first), int(last or first) + 1))
+    return ranks
 
 
 def srun_error(output: str) -> tuple[str, str, str] | None:
     """(node, tasks, how) from srun's own report of a task that ended badly ('srun: error: l9node2: task 3:
     Killed'), which is all SLURM says of a rank that died without a Python exception; None if there is none."""
     match = _SRUN_ERROR.search(output)
-    return None if match is None else (match.group(1), match.group(2), match.group(3))
+    if match is None or not (match.group(3) in SRUN_SIGNALS or match.group(3).startswith("Exited")):
+        return None
+    return match.group(1), match.group(2), match.group(3)
 
 
 class Follower:
@@ -454,7 +506,7 @@ class Follower:
                     except Exception as exc:  # never leave a cell waiting forever
                         log.warning("following SLURM job %s failed: %s", tracker.job_id, exc)
                         tracker.ended_state = f"not followed ({type(exc).__name__}: {exc})"
-                        tracker._end(None)
+                        tracker._end()
             self.wake.wait(POLL_S)
             self.wake.clear()
         if self.reaper is not None:  # the helper exits once the stops it was asked for are done

@@ -8,14 +8,13 @@ rank, and the function runs in every rank through `distributed.run`, which finds
 TORCHELASTIC_RESTART_COUNT one higher, as under torchrun (backend.py). The ranks of a job across nodes
 meet on a store rank 0 serves on a port it bound itself (`_meeting_place`), under a secret only the job's payload
 holds, not on a port derived from the job id (which anyone who reads squeue could take first). Every task reports
-back a TaskReport (its value, or its failure with the traceback) in submitit's result file, never an
+back a job_process.TaskEnded (its value, or its failure with the traceback) in submitit's result file, never an
 exception of its own, so the caller sees the job's exception with its type.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 import shlex
@@ -37,9 +36,9 @@ from levers9.distributed.control_store import serve_store
 from levers9.distributed.restarts import attempt_env
 from levers9.errors import LauncherEnvError
 from levers9.launch import job_process
-from levers9.launch.job_process import TaskPayload, remove_scratch_dir, scratch_dir
-from levers9.procs.failure import FailureRecord, capture, exit_status, ship_value
-from levers9.procs.outcome import wall_clock
+from levers9.launch.job_process import TaskEnded, TaskPayload, remove_scratch_dir, scratch_dir
+from levers9.procs.failure import capture, exit_status, ship_value
+from levers9.procs.outcome import Outcome
 from levers9.runtime import Runtime
 from levers9.state_files import write_atomic
 
@@ -48,19 +47,7 @@ MEET_WAIT_S = 300.0  # how long a rank waits for rank 0's store to be named (ran
 _served: list[Any] = []  # rank 0's rendezvous store: it serves for as long as this task lives
 
 
-@dataclasses.dataclass(frozen=True)
-class TaskReport:
-    """How one task of a SLURM job ended: its rank's value (shipped) or its failure."""
-
-    rank: int
-    node: str
-    pid: int
-    value: bytes | None = None
-    failure: FailureRecord | None = None
-    wall: float | None = None  # when it failed, on the wall clock: the caller orders reports of several nodes by it
-
-
-def run_task(payload: TaskPayload) -> TaskReport:
+def run_task(payload: TaskPayload) -> TaskEnded:
     """Run this task's part of the cell in `payload` and report how it ended (never raises an Exception); a run
     being requeued (at the time limit) ends without a report: the job's next run reports."""
     # submitit's worker ignores SIGTERM (it waits for a requeue); levers9's cancel is SIGTERM, then the kill after
@@ -70,8 +57,8 @@ def run_task(payload: TaskPayload) -> TaskReport:
         # SLURM's early signal before the time limit (--signal=USR2@N)
         requeue = functools.partial(_requeue, payload.folder, payload.spec.stop_grace, os.getpid())
         signal.signal(signal.SIGUSR2, requeue)
-    else:  # submitit asks every job for the early signal (#SBATCH --signal=USR2@N), and its handler would raise
-        signal.signal(signal.SIGUSR2, _early_signal_ignored)  # UncompletedJobError in the function, before timeout=
+    else:  # the early signal of a requeued job's other ranks, or a SIGUSR2 sent by hand: submitit's handler would
+        signal.signal(signal.SIGUSR2, _early_signal_ignored)  # raise UncompletedJobError in the function
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     job_dir = scratch_dir("slurm", payload.index, payload.attempt)
@@ -81,20 +68,18 @@ def run_task(payload: TaskPayload) -> TaskReport:
             _store_for_resume(Path(payload.result_path), returned)
         value = ship_value(returned, "the job's return value")
         del returned
-        report = TaskReport(rank, node, os.getpid(), value=value)
+        outcome = Outcome(os.getpid(), 0, None, value=value, reported=True)
     except SystemExit as exc:
-        failure = capture(exc, exit_status(exc))
-        report = TaskReport(rank, node, os.getpid(), failure=failure, wall=wall_clock(failure.when))
+        outcome = Outcome(os.getpid(), 1, None, failure=capture(exc, exit_status(exc)), reported=True)
     except Exception as exc:
-        failure = capture(exc)
-        report = TaskReport(rank, node, os.getpid(), failure=failure, wall=wall_clock(failure.when))
+        outcome = Outcome(os.getpid(), 1, None, failure=capture(exc), reported=True)
     finally:
         remove_scratch_dir(job_dir)
     if payload.requeue and requeue_marker(payload.folder, os.environ.get("SLURM_JOB_ID", "")).exists():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # no result file: what a handler's sys.exit() left is not this cell's outcome
-    return report
+    return TaskEnded.of(outcome, rank, node)
 
 
 def _store_for_resume(path: Path, value: Any) -> None:
@@ -108,8 +93,9 @@ def _store_for_resume(path: Path, value: Any) -> None:
 
 
 def _early_signal_ignored(_signum: int, _frame: Any) -> None:
-    """SLURM's early signal in a job that did not ask to be requeued (or a rank after 0's): nothing to do. The job
-    runs on to its timeout= (which the caller enforces before SLURM's time limit) or the time limit."""
+    """SIGUSR2 in a job that did not ask to be requeued (SLURM sends it none: --signal=USR2@0) or in a rank after
+    0's: nothing to do. The job runs on to its timeout= (which the caller enforces before SLURM's time limit) or the
+    time limit."""
 
 
 def requeue_marker(folder: str, job_id: str) -> Path:
