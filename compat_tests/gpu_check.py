@@ -34,6 +34,9 @@ from levers9.distributed.stalls import board
 from levers9.errors import StallError
 
 SPIN_CYCLES = 3_000_000_000  # about a second and a half of torch.cuda._sleep on current cards
+# how long the recorder may take to count a finished collective completed (a hang guard): gloo's worker thread
+# counts it after the work's callbacks ran, late on a loaded machine (over 5 s once, on 2 busy cores)
+SETTLE_S = 60.0
 
 
 def wait_for(predicate: Callable[[], bool], seconds: float) -> bool:
@@ -53,7 +56,7 @@ def on_every_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     model(torch.ones(4, 8, device=device)).sum().backward()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    settled = wait_for(lambda: (s := board.read_status()) is not None and not s.waiting, 5)
+    settled = wait_for(lambda: (s := board.read_status()) is not None and not s.waiting, SETTLE_S)
     after_step = board.read_status()
     pending_seen = None
     if device.type == "cuda":
@@ -62,7 +65,7 @@ def on_every_rank(cfg: dict[str, Any]) -> dict[str, Any]:
         pending_seen = wait_for(lambda: (s := board.read_status()) is not None and s.waiting, 1.0)
         pending_name = board.name_pending(board.read_status())  # type: ignore[arg-type]
         torch.cuda.synchronize()
-        cleared = wait_for(lambda: (s := board.read_status()) is not None and not s.waiting, 5)
+        cleared = wait_for(lambda: (s := board.read_status()) is not None and not s.waiting, SETTLE_S)
     else:
         pending_name, cleared = "", True
     import pickle
