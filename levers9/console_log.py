@@ -1,11 +1,11 @@
 """Where levers9's own messages go: the `levers9` logger only, never the root logger.
 
 The command line gives that logger a handler of its own (`levers9: message` on stderr) and stops it
-propagating, so the root logger stays unconfigured, as a script expects it (its own
-`logging.basicConfig` works, and libraries' INFO lines stay quiet, as under torchrun). A script's
-ranks are forked from their caller (the command line, or a program calling run_script); before the
-script starts they take that handler back and empty the root logger (`fresh_logging`), so the script
-begins with the root logger of a fresh interpreter, as a torchrun worker does.
+propagating, so the root logger stays unconfigured, as a script expects it (its own `logging.basicConfig`
+works, and libraries' INFO lines stay quiet, as under torchrun). A script's ranks are forked from their caller
+(the command line, or a program calling run_script); before the script starts they take that handler back and
+empty the root logger (`fresh_logging`), so the script begins with the root logger of a fresh interpreter, as
+a torchrun worker does.
 """
 
 from __future__ import annotations

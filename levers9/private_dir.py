@@ -1,18 +1,16 @@
 """Folders at predictable paths that belong to this user alone.
 
-Every folder levers9 creates at a path another user could guess (card leases and Ray scratch under the
-temp dir, run folders, stall boards, $LEVERS9_STATE_DIR) goes through `private_dir`. On a shared
-machine another user could create that path first (a folder of theirs, or a symlink to one) and then
-hold our lock files, delete them, or plant a result file that we would unpickle. So the folder is
-created with mkdir(mode=0o700) (never through a symlink at its own path), then checked with lstat:
+Every folder levers9 creates at a path another user could guess (card leases and Ray scratch under the temp
+dir, run folders, stall boards, $LEVERS9_STATE_DIR) goes through `private_dir`. On a shared machine another
+user could create that path first (a folder of theirs, or a symlink to one) and then hold our lock files,
+delete them, or plant a result file that we would unpickle. So the folder is created with mkdir(mode=0o700)
+(never through a symlink at its own path), then checked with lstat:
 
 - a real directory, not a symlink, owned by the current user;
-- not writable by group or others; a folder of ours that is merely readable by others is tightened
-  to 0700 (nobody else could have written into it), while one that others could write into is refused,
-  because files may already have been planted in it;
-- every folder above it that sits in a folder others may write (such as /tmp/levers9-<uid>) passes the
-  same checks; any other folder above it is owned by root or us, and writable by others only if
-  sticky (as /tmp is).
+- not writable by group or others: one of ours merely readable by others is tightened to 0700 (nobody else
+  could have written into it), one others could write into is refused (files may already be planted in it);
+- every folder above it that sits in a folder others may write (such as /tmp/levers9-<uid>) passes the same
+  checks; any other is owned by root or us, and writable by others only if sticky (as /tmp is).
 
 Anything else is a PrivateDirError naming the folder, its owner and mode, and the fix.
 """
@@ -105,9 +103,7 @@ def _check_ours(path: Path, info: os.stat_result, fix: str = FIX) -> None:
 
 
 def _check_ancestors(folder: Path, fix: str = FIX) -> None:
-    """Every existing folder from `folder` up to / is safe to keep private folders under: one inside a
-    folder others may write (such as /tmp) is a real folder of ours; any other is owned by root or us
-    and, if others may write it, sticky."""
+    """Refuse `folder` or any folder above it that is not safe to keep private folders under (see above)."""
     me = os.getuid()
     for ancestor in (folder, *folder.parents):
         try:

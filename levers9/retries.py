@@ -1,12 +1,11 @@
 """One retry policy for both layers: how many more attempts a failure gets, on which kinds, how long between.
 
 `distributed.run(max_restarts=, restart_on=, restart_delay=)` and `@job(retries=...)` both become a
-`RetryPolicy`, and both loops run through `run_with_retries`. Both keywords take the same words, one
-per `FailureKind` (levers9.errors), each meaning the same kind in both (`WORDS`; the table is in
-docs/restarts-and-stalls.md). The words each keyword used before they were one vocabulary keep their
-old meaning where it was wider (`LEGACY`: restart_on="comm" also covered a lost node, retries
-on="crash" also an exit code of the process's own), with a DeprecationWarning that names the words
-which say the same today.
+`RetryPolicy`, and both loops run through `run_with_retries`. Both keywords take the same words, one per
+`FailureKind` (levers9.errors), each meaning the same kind in both (`WORDS`; the table is in
+docs/restarts-and-stalls.md). The words each keyword used before they were one vocabulary keep their old
+meaning where it was wider (`LEGACY`: restart_on="comm" also covered a lost node, retries on="crash" also an
+exit code of the process's own), with a DeprecationWarning that names the words which say the same today.
 """
 
 from __future__ import annotations
@@ -105,9 +104,8 @@ def word_for(kind: FailureKind) -> str:
 
 
 def kinds_of(words: tuple[str, ...], keyword: str) -> frozenset[FailureKind]:
-    """The kinds the public `words` (checked by the caller) name for `keyword` ("restart_on" or "on"): WORDS,
-    or a word's wider meaning from before the one vocabulary, with a DeprecationWarning naming the words
-    that say the same today."""
+    """The kinds the public `words` (checked by the caller) name for `keyword` ("restart_on" or "on"), a word's
+    wider LEGACY meaning included, with a DeprecationWarning naming the words that say the same today."""
     kinds = frozenset().union(*(WORDS[word] for word in words))
     legacy = LEGACY[keyword]
     wider = frozenset().union(*(legacy.get(word, WORDS[word]) for word in words))
@@ -128,7 +126,7 @@ def kinds_of(words: tuple[str, ...], keyword: str) -> frozenset[FailureKind]:
 def words_adding(words: tuple[str, ...], kind: FailureKind, keyword: str) -> tuple[str, ...]:
     """`words` (checked, for `keyword`) plus the word for `kind`, spelled to mean what they meant before
     (every kind a word once covered named by its own word), so passing them warns of nothing."""
-    asked = words + tuple(word for word in (word_for(kind),) if word not in words)
+    asked = words if word_for(kind) in words else (*words, word_for(kind))
     legacy = LEGACY[keyword]
     wider = frozenset().union(*(legacy.get(word, WORDS[word]) for word in asked))
     return asked + tuple(word_for(k) for k in FailureKind if k in wider and word_for(k) not in asked)
@@ -154,12 +152,7 @@ def restart_policy(max_restarts: object, restart_on: object, restart_delay: obje
             f"restart_delay={restart_delay!r}; expected a number of seconds >= 0 to wait between attempts. "
             f"Pass e.g. restart_delay=5, or leave it unset for {DEFAULT_RESTART_DELAY_S:g} s."
         )
-    return RetryPolicy(
-        max_retries=count,
-        on=words,
-        kinds=kinds_of(words, "restart_on"),
-        initial_delay=float(delay),
-    )
+    return RetryPolicy(count, words, kinds_of(words, "restart_on"), float(delay))
 
 
 def checked_max_restarts(value: object, error: type[ConfigError] = ConfigError, also: str = "") -> int:

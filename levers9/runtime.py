@@ -1,11 +1,11 @@
 """What levers9 knows about this process, as one typed value, built where a rank or a job process starts.
 
-A job process begins with its JobContext (launch/job_process.py); a rank of `distributed.run` with its
-job's context, the mark that its parent applied the quirks for it, and whether it computes on the CPU
-(distributed/rank_process.py); any other process has the empty value. The value is kept process-wide,
-once, because what reads it is process-wide by nature: torch's default process group (which levers9
-may have made, and then alone destroys), the environment the quirks set, and the helpers and
-`levers9.current_job()` that user code calls with no argument.
+A job process begins with its JobContext (launch/job_process.py); a rank of `distributed.run` with its job's
+context, the mark that its parent applied the quirks for it, and whether it computes on the CPU
+(distributed/rank_process.py); any other process has the empty value. The value is kept process-wide, once,
+because what reads it is process-wide by nature: torch's default process group (which levers9 may have made,
+and then alone destroys), the environment the quirks set, and the helpers and `levers9.current_job()` that
+user code calls with no argument.
 """
 
 from __future__ import annotations
@@ -51,15 +51,6 @@ def current_job() -> JobContext | None:
     return _this_process.job
 
 
-# What a job process knows about the job it runs: one typed value, handed over with the job's function.
-#
-# The job layer builds a JobContext for each attempt and hands it to the job process inside the job's target
-# (as it is when forked, pickled for a fresh interpreter), never through environment variables.
-# `distributed.run` inside the job reads it: the job's cards (simulated or real) decide how many ranks start
-# and on which backend, and its stall_timeout and max_restarts are the run's defaults. Ranks started there
-# carry it on. The job's own code can ask `levers9.current_job()` which run, cell and attempt it is.
-
-
 @dataclasses.dataclass(frozen=True)
 class GangContext:
     """A job that holds cards on several Ray nodes (issue 25), or `levers9 run` across nodes (srun's one task per
@@ -103,7 +94,12 @@ def describe_split(total: int, shares: tuple[int, ...], addresses: tuple[str, ..
 
 @dataclasses.dataclass(frozen=True)
 class JobContext:
-    """One attempt of one cell: where it belongs, its cards, and the limits `distributed.run` inherits."""
+    """One attempt of one cell: where it belongs, its cards, and the limits `distributed.run` inherits.
+
+    The job layer hands it to the job process inside the job's target (pickled for a fresh interpreter), never
+    through environment variables. `distributed.run` inside the job reads it: the job's cards (simulated or
+    real) decide how many ranks start and on which backend, and its stall_timeout and max_restarts are the
+    run's defaults; the ranks carry it on."""
 
     run_id: str
     cell_index: int

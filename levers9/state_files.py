@@ -1,16 +1,8 @@
 """Files levers9 keeps in its state folder, written so that a full disk costs only what could not be kept.
 
-- `write_atomic` writes a whole file or none (0600, never through a symlink, no partial file left).
-- `AppendLog` appends a job's log; once a write fails it counts what it could not write and never raises.
-- `Losses` collects what one run folder could not keep (output, results, its record) and says so in
-  one warning: at once when the run could not be recorded at all, else when the run closes. Each run
-  folder holds its own (launch/run_folder.py's RunFolder), handed to whatever writes there.
-- `read_private` reads back a regular file of ours without following a symlink or blocking on a FIFO.
-- `held` holds a lock file's exclusive flock while its body runs; `lock_now` takes one without waiting;
-  `hold_new` makes a lock file whose flock its caller keeps.
-
-A write that fails for lack of space (ENOSPC, EDQUOT) is reported as a full state folder; any other
-OSError by its own words. Neither ever fails a job: the state folder only records what jobs do.
+Files are this user's alone (0600) and never written or read through a symlink. A write that fails for lack
+of space (ENOSPC, EDQUOT) is reported as a full state folder; any other OSError by its own words. Neither ever
+fails a job: the state folder only records what jobs do (`Losses` says in one warning what a run lost).
 """
 
 from __future__ import annotations
@@ -32,8 +24,6 @@ log = logging.getLogger("levers9.launch")
 FULL = (errno.ENOSPC, errno.EDQUOT)
 MOVE_IT = "Free space there, or set LEVERS9_STATE_DIR to a folder on a disk with room"
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
-
-
 ROOM_PROBE = 1 << 20  # bytes room_for writes: room for a job's result and some output
 
 
@@ -71,11 +61,9 @@ def write_atomic(path: Path, blob: bytes, *, pad: int = 0, durable: bool = False
     is left behind (the old file stays) and the error is raised."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
     data = blob + (b" " * pad + b"\n" if pad else b"")
-    try:
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
-    except FileExistsError:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(partial)  # left by a crash of this very thread id; ours (the folder is private)
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
     try:
         with open(fd, "wb") as handle:
             handle.write(data)
@@ -183,7 +171,9 @@ def hold_new(path: Path, blob: bytes) -> int:
 
 
 class Losses:
-    """What one run folder could not keep; `report()` says it in one warning (once)."""
+    """What one run folder could not keep (its output, results, record), said in one warning: by `report()` when
+    the run closes, or at once by `unrecorded_run` when the run could not be recorded at all. Each run folder
+    (launch/run_folder.py's RunFolder) holds its own, handed to whatever writes there."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder

@@ -18,7 +18,7 @@ from levers9.errors import InfeasibleJobError, JobCrashed, JobTimeout, RemoteErr
 from levers9.launch import job
 from levers9.launch.local.leases import LeaseDir
 from levers9.launch.settings import lease_dir, runs_dir
-from tests import jobfns
+from tests import jobfns, proc_util
 from tests.proc_util import CTRL_C_HANDLER, sigint_to_a_thread_that_is_not_main
 
 pytestmark = pytest.mark.procs
@@ -162,7 +162,7 @@ def test_a_cancelled_running_job_gets_its_stop_grace(tmp_path: Path) -> None:
     results.close()
     assert (tmp_path / "saved-0").exists()  # its own SIGTERM handler ran before close() returned
     assert time.monotonic() - started < 20  # and close() did not wait out the 30 s grace
-    assert not _alive(pid)
+    assert not proc_util.alive(pid)
 
 
 def test_a_spawned_job_can_be_cancelled_while_it_queues(tmp_path: Path) -> None:
@@ -245,18 +245,7 @@ def test_script_style_usage_in_a_subprocess_leaves_nothing_running(tmp_path: Pat
     )
     subprocess.run([sys.executable, str(script)], env=_env(), timeout=60, check=True)
     pids = [int((tmp_path / n).read_text()) for n in ("bg.pid", "bg.child")]
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    assert not any(_alive(p) for p in pids)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert proc_util.wait_gone(pids, 10) == []
 
 
 def test_real_cards_skip_other_peoples_processes_and_honour_visible_devices(
@@ -314,4 +303,4 @@ def test_ctrl_c_in_the_caller_stops_the_sweep_and_raises_keyboard_interrupt(tmp_
             driver.kill()
             driver.wait()
     assert driver.returncode == 130 and "interrupted" in out
-    assert not any(_alive(p) for p in pids)  # every job was gone before KeyboardInterrupt reached the caller
+    assert not any(proc_util.alive(p) for p in pids)  # every job was gone before KeyboardInterrupt reached the caller

@@ -106,8 +106,17 @@ def keep_ray_logs(root: Path, into: Path) -> None:
 
 @pytest.fixture
 def on_cluster(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """The multi-GPU switch on, and a marker in every job's environment to find its processes by."""
+    """The multi-GPU switch on, every card free again as Ray counts them (Ray frees an earlier test's cards some
+    time after its processes are gone, and a loaded machine can make that minutes), and a marker in every job's
+    environment to find its processes by."""
+    import ray
+
     update_settings(multi_gpu=True)
+    cards = len(NODES) * NODE_ARGS["resources"][f"levers9_{TYPE}"]
+    deadline = time.monotonic() + 120
+    while ray.available_resources().get(f"levers9_{TYPE}", 0) < cards:
+        assert time.monotonic() < deadline, f"Ray still counts cards in use 120 s on: {ray.available_resources()}"
+        time.sleep(0.2)
     yield f"l9nodes-{os.getpid()}-{time.monotonic_ns()}"
 
 
@@ -138,11 +147,16 @@ def gang_job(marker: str, gpu_count: int = 4, **kwargs: Any) -> Any:
                stop_grace=2.0, **kwargs)(nodefns.train)  # fmt: skip
 
 
-def wait_for(path: Path, within: float = 90.0) -> str:
+def wait_for(path: Path, job: Any = None, within: float = 240.0) -> str:
+    """The text of `path` once a rank wrote it; fails when `within` s pass first (on a loaded machine four ranks
+    on two Ray nodes have taken 2 minutes to start), or at once when `job` (the job's Future) ended without it,
+    saying how it ended."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         if path.exists() and path.read_text():
             return path.read_text()
+        if job is not None and job.done():
+            raise AssertionError(f"{path} was never written: the job ended first ({job.exception()!r})")
         time.sleep(0.05)
     raise AssertionError(f"{path} was never written")
 
@@ -406,14 +420,14 @@ def test_a_rank_killed_on_the_second_node_is_named(on_cluster: str, tmp_path: Pa
     nothing_left(on_cluster)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(360)
 def test_a_lost_agent_is_named_by_the_heartbeat(on_cluster: str, tmp_path: Path) -> None:
     import concurrent.futures
 
     mark = tmp_path / "parked"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         future = pool.submit(gang_job(on_cluster).remote, {"fn": "park", "mark": str(mark)})
-        _, agent, ray_node = wait_for(Path(f"{mark}.2")).split()  # rank 2's parent: node 1's agent, a Ray worker
+        _, agent, ray_node = wait_for(Path(f"{mark}.2"), future).split()  # rank 2's parent: node 1's agent, a Ray worker
         os.kill(int(agent), signal.SIGKILL)
         killed = time.monotonic()
         with pytest.raises(NodeLost, match=rf"lost node 1 \({re.escape(ray_node)}, ranks 2-3\)") as err:
@@ -430,15 +444,15 @@ def parent_of(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(360)
 def test_a_frozen_node_is_named_by_the_heartbeat(on_cluster: str, tmp_path: Path) -> None:
     import concurrent.futures
 
     mark = tmp_path / "parked"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         future = pool.submit(gang_job(on_cluster).remote, {"fn": "park", "mark": str(mark)})
-        rank2, agent, ray_node = wait_for(Path(f"{mark}.2")).split()
-        rank3 = wait_for(Path(f"{mark}.3")).split()[0]
+        rank2, agent, ray_node = wait_for(Path(f"{mark}.2"), future).split()
+        rank3 = wait_for(Path(f"{mark}.3"), future).split()[0]
         frozen = [int(agent), int(rank2), int(rank3)]  # node 1's agent and ranks: no packet leaves them
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
@@ -458,14 +472,14 @@ def test_a_frozen_node_is_named_by_the_heartbeat(on_cluster: str, tmp_path: Path
 
 # Over 20 s in the three-worker suite (about 12 s alone on 2 idle cores): a 4-rank job on two Ray nodes, the
 # agent on node 1 killed, and a restart that starts a new agent there before every rank runs fn again.
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(360)
 def test_a_lost_agent_is_replaced_and_the_restart_runs_on_every_node(on_cluster: str, tmp_path: Path) -> None:
     import concurrent.futures
 
     mark = tmp_path / "parked"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         future = pool.submit(gang_job(on_cluster, max_restarts=1).remote, {"fn": "park_first", "mark": str(mark)})
-        _, agent, ray_node = wait_for(Path(f"{mark}.2")).split()
+        _, agent, ray_node = wait_for(Path(f"{mark}.2"), future).split()
         os.kill(int(agent), signal.SIGKILL)  # the node stays: Ray runs the new agent in the same bundle there
         killed = time.monotonic()
         result = future.result(timeout=90)
@@ -482,7 +496,7 @@ def park_then_remove_node_1(cluster: Any, pool: Any, marker: str, mark: Path, qu
     that holds ranks 2-3 outright. The job's future, that node's address, and when it was removed."""
     future = pool.submit(gang_job(marker, max_restarts=1, queue_timeout=queue_timeout).remote,
                          {"fn": "park_first", "mark": str(mark)})  # fmt: skip
-    _, _, address = wait_for(Path(f"{mark}.2")).split()
+    _, _, address = wait_for(Path(f"{mark}.2"), future).split()
     remove_node(cluster, address)
     return future, address, time.monotonic()
 
@@ -548,7 +562,7 @@ def test_a_stall_on_the_second_node_is_named_with_node_and_rank(on_cluster: str,
     nothing_left(on_cluster)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(360)
 def test_losing_the_store_host_ends_every_node(on_cluster: str, tmp_path: Path) -> None:
     import concurrent.futures
 
@@ -557,8 +571,8 @@ def test_losing_the_store_host_ends_every_node(on_cluster: str, tmp_path: Path) 
     mark = tmp_path / "parked"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         future = pool.submit(gang_job(on_cluster).remote, {"fn": "park", "mark": str(mark)})
-        _, job_process, _ = wait_for(Path(f"{mark}.0")).split()
-        wait_for(Path(f"{mark}.2"))
+        _, job_process, _ = wait_for(Path(f"{mark}.0"), future).split()
+        wait_for(Path(f"{mark}.2"), future)
         host = parent_of(int(job_process))  # node 0's Ray task: it hosts the control store
         os.kill(host, signal.SIGKILL)
         killed = time.monotonic()
@@ -570,7 +584,7 @@ def test_losing_the_store_host_ends_every_node(on_cluster: str, tmp_path: Path) 
     print(f"and nothing of the job was left on either node after {time.monotonic() - killed:.2f} s")
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(360)
 def test_a_node_task_that_dies_after_the_job_ended_keeps_the_jobs_result(
     on_cluster: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -585,7 +599,7 @@ def test_a_node_task_that_dies_after_the_job_ended_keeps_the_jobs_result(
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         future = pool.submit(job(gpu=TYPE, gpu_count=4, backend="ray", timeout=150, env={"L9_NODES_TEST": on_cluster},
                                  stop_grace=2.0)(nodefns.train_then_hold).remote, {"mark": str(mark)})  # fmt: skip
-        address, port, host, secret = wait_for(mark).split()
+        address, port, host, secret = wait_for(mark, future).split()
         agent = int(Path(f"{mark}.2").read_text().split()[1])  # rank 2's parent: node 1's agent
         os.kill(agent, signal.SIGSTOP)  # dist.run is over: nothing watches the agent until the task's clean-up
         try:

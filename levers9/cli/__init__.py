@@ -81,7 +81,6 @@ def _let_go_of_a_gone_stdout() -> None:
         pass
 
 
-
 # How the job layer's subcommands (`levers9 runs`, `workspace`, `ray`) answer bad input: a levers9 error in
 # its own words (what was seen, what was expected, the fix) as one line on stderr, never a traceback, and a
 # bad whole-number argument in argparse's usage error.

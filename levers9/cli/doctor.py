@@ -13,6 +13,7 @@ or the probe failed with every setting.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,7 +29,7 @@ from levers9.distributed import detect
 from levers9.distributed.hardware import cards as _cards
 from levers9.distributed.hardware import nccl as _nccl
 from levers9.distributed.hardware import quirks as _quirks
-from levers9.distributed.hardware.quirk_checks import read_platform
+from levers9.distributed.hardware.quirk_checks import read_platform, size_text
 from levers9.errors import Levers9Error
 
 PROBE_TIMEOUT_S = 60.0
@@ -52,21 +53,18 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--probe", action="store_true", help="run a short all_reduce across the visible cards")
+    p.add_argument("--probe-timeout", type=float, default=PROBE_TIMEOUT_S, metavar="S",
+                   help="seconds per attempt")
+    p.add_argument("--nprocs", type=int, help="ranks on this node to plan for (default: one per card)")
     p.add_argument(
-        "--probe-timeout", type=float, default=PROBE_TIMEOUT_S, metavar="S", help="seconds per attempt"
-    )
-    p.add_argument(
-        "--nprocs", type=int, default=None, help="ranks on this node to plan for (default: one per card)"
-    )
-    p.add_argument(
-        "--ray-plan", default=None, metavar="GPU:N",
+        "--ray-plan", metavar="GPU:N",
         help="how a job of N cards of type GPU would be placed on the Ray cluster (RAY_ADDRESS, or a local Ray)",
     )  # fmt: skip
     p.add_argument(
-        "--slurm-plan", type=int, default=None, metavar="N",
+        "--slurm-plan", type=int, metavar="N",
         help="the #SBATCH lines @job(gpu_count=N, backend='slurm') would submit (SLURM_CONF's cluster)",
     )  # fmt: skip
-    p.add_argument("--partition", default=None, help="the SLURM partition to show (default: all)")
+    p.add_argument("--partition", help="the SLURM partition to show (default: all)")
     p.set_defaults(handler=main)
 
 
@@ -79,11 +77,11 @@ def main(args: argparse.Namespace) -> int:
         )
         return 2
     report = collect(nprocs=args.nprocs)
-    if getattr(args, "ray_plan", None):
+    if args.ray_plan:
         report["ray_plan"] = _ray_plan(args.ray_plan)
     login_node = shutil.which("sinfo") and (os.environ.get("SLURM_CONF") or os.path.exists("/etc/slurm/slurm.conf"))
-    if login_node or getattr(args, "slurm_plan", None) is not None:
-        report["slurm"] = _slurm(getattr(args, "slurm_plan", None), getattr(args, "partition", None))
+    if login_node or args.slurm_plan is not None:
+        report["slurm"] = _slurm(args.slurm_plan, args.partition)
     if args.probe:
         report["probe"] = probe(len(report["cards"]["cards"]), timeout=args.probe_timeout)
     if args.json:
@@ -124,19 +122,16 @@ def collect(nprocs: int | None = None) -> dict[str, Any]:
     """Everything doctor reports, as JSON-ready data."""
     report: dict[str, Any] = {"launch": _launch(), "torch": _torch()}
     # Doctor asks NVML even where the fast path would not (no driver device files): it is a diagnosis.
-    try:
+    with contextlib.suppress(Exception):
         import pynvml  # noqa: F401
-    except Exception:
-        pass
     inv = _cards.inventory(refresh=True)
     report["cards"] = inv.to_dict()
     info = _nccl.nccl_info()
     report["nccl"] = {**dataclasses.asdict(info), "text": info.describe()}
     report["platform"] = dataclasses.asdict(read_platform())
     report["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(_REPORTED_ENV_PREFIXES)}
-    launched_lws = (
-        report["launch"].get("local_world_size") if report["launch"].get("launcher") != "single" else None
-    )
+    launch = report["launch"]
+    launched_lws = launch.get("local_world_size") if launch.get("launcher") != "single" else None
     lws = nprocs or launched_lws or max(1, len(inv.cards))
     backend = "nccl" if inv.cards or report["platform"]["rocm"] else "gloo"
     plan = _quirks.plan_quirks(local_world_size=lws, backend=backend, inventory=inv, nccl=info)
@@ -147,19 +142,12 @@ def collect(nprocs: int | None = None) -> dict[str, Any]:
         "errors": plan.errors,
         "warnings": plan.warnings,
         "rows": [
-            {
-                "id": o.quirk.id,
-                "action": o.quirk.action,
-                "status": o.status,
-                "detail": o.detail,
-                "sets": dict(o.set_env),
-                "kept": dict(o.kept),
-                "message": o.message,
-                "evidence": list(o.quirk.evidence),
-            }
+            {"id": o.quirk.id, "action": o.quirk.action, "status": o.status, "detail": o.detail,
+             "sets": dict(o.set_env), "kept": dict(o.kept), "message": o.message,
+             "evidence": list(o.quirk.evidence)}
             for o in plan.outcomes
         ],
-    }
+    }  # fmt: skip
     return report
 
 
@@ -180,10 +168,8 @@ def _torch() -> dict[str, Any]:
     except Exception as exc:
         return {"version": None, "error": f"torch cannot be imported: {exc}"}
     compiled_nccl = None
-    try:
+    with contextlib.suppress(Exception):
         compiled_nccl = ".".join(str(x) for x in torch.cuda.nccl.version())
-    except Exception:
-        pass
     return {
         "version": torch.__version__,
         "cuda": torch.version.cuda,
@@ -199,11 +185,8 @@ def _torch() -> dict[str, Any]:
 def probe(ncards: int, *, timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
     """all_reduce across `ncards` ranks in a child process, retrying with fixes; which setting worked."""
     if ncards == 0:
-        return {
-            "status": "nothing to probe",
-            "attempts": [],
-            "summary": "No NVIDIA cards are visible: nothing to probe.",
-        }
+        summary = "No NVIDIA cards are visible: nothing to probe."
+        return {"status": "nothing to probe", "attempts": [], "summary": summary}
     attempts = []
     for label, extra in PROBE_ATTEMPTS:
         attempt = _probe_once(ncards, extra, timeout)
@@ -245,26 +228,17 @@ def _probe_once(ncards: int, extra: dict[str, str], timeout: float) -> dict[str,
         output, _ = proc.communicate(timeout=timeout)
         outcome = "worked" if proc.returncode == 0 else f"failed (exit code {proc.returncode})"
     except subprocess.TimeoutExpired:
-        _kill_group(proc.pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         outcome = f"hung (no result after {timeout:g} s)"
     seconds = time.monotonic() - start
-    result = None
-    for line in reversed(output.splitlines()):
-        if line.startswith("LEVERS9_PROBE_RESULT "):
-            result = json.loads(line.split(" ", 1)[1])
-            break
+    marked = [line for line in output.splitlines() if line.startswith("LEVERS9_PROBE_RESULT ")]
+    result = json.loads(marked[-1].split(" ", 1)[1]) if marked else None
     ok = proc.returncode == 0 and bool(result and result.get("ok"))
     if proc.returncode == 0 and not ok:
         outcome = f"gave wrong results ({result})"
     return {"ok": ok, "outcome": outcome, "seconds": seconds, "result": result, "output": output[-4000:]}
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _probe_child(ncards: int, timeout: float) -> None:
@@ -295,12 +269,6 @@ def _probe_rank() -> dict[str, Any]:
 
 
 # --- rendering ----------------------------------------------------------------------------------
-
-
-def _mib(n: int | None) -> str:
-    if n is None:
-        return "none"
-    return f"{n / 1024**3:.1f} GiB" if n >= 1024**3 else f"{n // 1024**2} MiB"
 
 
 def report_text(r: dict[str, Any]) -> str:
@@ -346,24 +314,19 @@ def report_text(r: dict[str, Any]) -> str:
             n = len(inv["cards"])
             out.append("       " + "".join(f"{j:>10}" for j in range(n)))
             for i in range(n):
-                cells = []
-                for j in range(n):
-                    key = f"{i},{j}"
-                    cells.append(
-                        "X"
-                        if i == j
-                        else f"{inv['p2p'].get(key, '?')}/{'NVL' if inv['nvlink'].get(key) else '-'}"
-                    )
+                keys = [f"{i},{j}" for j in range(n)]
+                cells = [f"{inv['p2p'].get(k, '?')}/{'NVL' if inv['nvlink'].get(k) else '-'}" for k in keys]
+                cells[i] = "X"
                 out.append(f"    {i:>3}" + "".join(f"{c:>10}" for c in cells))
     out.append("NCCL")
     nc = r["nccl"]
     out.append(f"  {nc['text']} [source: {nc['source'] or 'none'}]")
     p = r["platform"]
     out.append("Platform")
-    flags = [
-        f for f, on in (("WSL2", p["wsl"]), (f"ROCm {p['rocm']}", p["rocm"]), ("Docker", p["docker"])) if on
-    ]
-    out.append(f"  /dev/shm {_mib(p['shm_bytes'])}; {', '.join(flags) or 'native Linux'}")
+    named = (("WSL2", p["wsl"]), (f"ROCm {p['rocm']}", p["rocm"]), ("Docker", p["docker"]))
+    flags = [name for name, on in named if on]
+    shm = "none" if p["shm_bytes"] is None else size_text(p["shm_bytes"])
+    out.append(f"  /dev/shm {shm}; {', '.join(flags) or 'native Linux'}")
     if r["env"]:
         out.append("  set: " + " ".join(f"{k}={v}" for k, v in r["env"].items()))
     q = r["quirks"]
@@ -375,10 +338,7 @@ def report_text(r: dict[str, Any]) -> str:
             out.append(f"      sets {' '.join(f'{k}={v}' for k, v in row['sets'].items())}")
         if row["kept"]:
             out.append(f"      leaves {' '.join(f'{k}={v}' for k, v in row['kept'].items())} as you set it")
-    for e in q["errors"]:
-        out.append(f"  ERROR {e}")
-    for w in q["warnings"]:
-        out.append(f"  WARNING {w}")
+    out += [f"  ERROR {e}" for e in q["errors"]] + [f"  WARNING {w}" for w in q["warnings"]]
     if "probe" in r:
         out.append("Probe")
         pr = r["probe"]

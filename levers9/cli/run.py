@@ -49,10 +49,7 @@ HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's defau
 
 def _both(name: str) -> list[str]:
     """A torchrun option in both spellings: --nproc-per-node and --nproc_per_node."""
-    spellings = [f"--{name}"]
-    if "-" in name:
-        spellings.append(f"--{name.replace('-', '_')}")
-    return spellings
+    return [f"--{name}", *([f"--{name.replace('-', '_')}"] if "-" in name else [])]
 
 
 def register(sub: Any) -> None:
@@ -71,61 +68,61 @@ def register(sub: Any) -> None:
         epilog="Example: levers9 run --nproc-per-node 2 train.py --epochs 3",
     )
     same = parser.add_argument_group("torchrun's options (single machine)")
-    same.add_argument(*_both("nproc-per-node"), dest="nproc_per_node", metavar="N|gpu|cpu|auto",
-                      help="ranks to start (default: one per visible card, else 1)")
-    same.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, run as `python -m`")
-    same.add_argument(*_both("no-python"), dest="no_python", action="store_true",
-                      help="SCRIPT is a program, run without python")
-    same.add_argument("--standalone", action="store_true", help="accepted: levers9 run is always standalone")
-    same.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
-                      help="nodes, each running levers9 run (MIN:MAX waits for MAX: levers9 does not resize)")
-    same.add_argument(*_both("node-rank"), dest="node_rank", default="0", help="this node's number (static rendezvous)")
-    same.add_argument(*_both("master-addr"), dest="master_addr", default=None,
-                      help="across nodes: node 0's address (default 127.0.0.1)")
-    same.add_argument(*_both("master-port"), dest="master_port", type=int, default=None,
-                      help="the port the ranks see as MASTER_PORT: across nodes, node 0's store (default 29500); on one "
-                           "machine, the ranks' store when it is free, else a free one, said")
-    for name, say in (("rdzv-backend", "static (default) or c10d"), ("rdzv-endpoint", "c10d: HOST[:PORT] of the host"),
-                      ("rdzv-id", "the run's id, the same on every node"),
-                      ("rdzv-conf", "join_timeout=SECONDS (default 600), is_host=0|1")):  # fmt: skip
-        same.add_argument(*_both(name), dest=name.replace("-", "_"), default=None, help=say)
-    same.add_argument(*_both("max-restarts"), dest="max_restarts", type=int, default=0,
-                      help="start every rank again after any failure (as torchrun), up to N times; --restart-on narrows it")
-    same.add_argument(*_both("start-method"), dest="start_method", choices=("spawn", "fork", "forkserver"),
-                      default=None, help="default: fork where safe (fast), fresh interpreters otherwise")
-    same.add_argument(*_both("local-ranks-filter"), dest="local_ranks_filter", default="",
-                      help="show only these ranks' output on the console, e.g. 0 or 0,2")
-    same.add_argument(*_both("log-dir"), dest="log_dir", default=None,
-                      help="torchrun's log folder: LOG_DIR/<run id>_<random>/attempt_<n>/<local rank>/ with error.json, "
-                           "and {stdout,stderr}.log for the streams --redirects/--tee name")
-    same.add_argument("-r", "--redirects", default="0",
-                      help="streams written to the log files only: 1 stdout, 2 stderr, 3 both, or per local rank (0:1,1:2)")
-    same.add_argument("-t", "--tee", default="0",
-                      help="streams written to the log files and the console, after '[<role><local rank>]:'")
-    same.add_argument(*_both("monitor-interval"), dest="monitor_interval", type=float, default=None,
-                      help="accepted, no effect: levers9 is told of every exit at once")
-    same.add_argument("--role", default="default", help="the ranks' ROLE_NAME, and the --tee prefix")
-    same.add_argument(*_both("run-path"), dest="run_path", action="store_true",
-                      help="run SCRIPT with runpy.run_path (takes precedence over -m and --no-python)")
-    same.add_argument(*_both("event-log-handler"), dest="event_log_handler", default="null",
-                      help="null only: levers9 run has no torchelastic agent, so none of its events happen")
+
+    def option(name: str, *short: str, **kwargs: Any) -> None:
+        same.add_argument(*short, *_both(name), **kwargs)
+
+    option("nproc-per-node", metavar="N|gpu|cpu|auto",
+           help="ranks to start (default: one per visible card, else 1)")
+    option("module", "-m", action="store_true", help="SCRIPT is a module name, run as `python -m`")
+    option("no-python", action="store_true", help="SCRIPT is a program, run without python")
+    option("standalone", action="store_true", help="accepted: levers9 run is always standalone")
+    option("nnodes", default="1", metavar="N|MIN:MAX",
+           help="nodes, each running levers9 run (MIN:MAX waits for MAX: levers9 does not resize)")
+    option("node-rank", default="0", help="this node's number (static rendezvous)")
+    option("master-addr", help="across nodes: node 0's address (default 127.0.0.1)")
+    option("master-port", type=int,
+           help="the port the ranks see as MASTER_PORT: across nodes, node 0's store (default 29500); on one "
+                "machine, the ranks' store when it is free, else a free one, said")
+    option("rdzv-backend", help="static (default) or c10d")
+    option("rdzv-endpoint", help="c10d: HOST[:PORT] of the host")
+    option("rdzv-id", help="the run's id, the same on every node")
+    option("rdzv-conf", help="join_timeout=SECONDS (default 600), is_host=0|1")
+    option("max-restarts", type=int, default=0,
+           help="start every rank again after any failure (as torchrun), up to N times; "
+                "--restart-on narrows it")
+    option("start-method", choices=("spawn", "fork", "forkserver"),
+           help="default: fork where safe (fast), fresh interpreters otherwise")
+    option("local-ranks-filter", default="",
+           help="show only these ranks' output on the console, e.g. 0 or 0,2")
+    option("log-dir", help="torchrun's log folder: LOG_DIR/<run id>_<random>/attempt_<n>/<local rank>/ with "
+                           "error.json, and {stdout,stderr}.log for the streams --redirects/--tee name")
+    option("redirects", "-r", default="0",
+           help="streams written to the log files only: 1 stdout, 2 stderr, 3 both, "
+                "or per local rank (0:1,1:2)")
+    option("tee", "-t", default="0",
+           help="streams written to the log files and the console, after '[<role><local rank>]:'")
+    option("monitor-interval", type=float, help="accepted, no effect: levers9 is told of every exit at once")
+    option("role", default="default", help="the ranks' ROLE_NAME, and the --tee prefix")
+    option("run-path", action="store_true",
+           help="run SCRIPT with runpy.run_path (takes precedence over -m and --no-python)")
+    option("event-log-handler", default="null",
+           help="null only: levers9 run has no torchelastic agent, so none of its events happen")
     for stream in ("stdout", "stderr"):
-        same.add_argument(*_both(f"duplicate-{stream}-filters"), dest=f"duplicate_{stream}_filters", default="",
-                          help=f"copy teed {stream} lines holding one of these words (comma-separated) to "
-                               f"attempt_<n>/filtered_{stream}.log")
-    same.add_argument(*_both("local-addr"), dest="local_addr", default=None,
-                      help="this machine's loopback only (every rank meets on loopback)")
-    same.add_argument(*_both("logs-specs"), dest="logs_specs", default=None,
-                      help="a torchrun.logs_specs entry point: the LogsSpecs class that places the log files")
-    same.add_argument(*_both("numa-binding"), dest="numa_binding", default=None,
-                      help="not accepted: levers9 binds no rank to CPUs")
-    same.add_argument(*_both("signals-to-handle"), dest="signals_to_handle", default=",".join(HANDLED_SIGNALS),
-                      help="signals that stop every rank (with its grace) and end levers9 run, e.g. SIGTERM,SIGUSR1")
-    same.add_argument(*_both("shutdown-timeout"), dest="shutdown_timeout", type=float, default=None,
-                      help="seconds each rank gets between SIGTERM and SIGKILL when stopped (default: "
-                           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 5)")
-    same.add_argument(*_both("virtual-local-rank"), dest="virtual_local_rank", action="store_true",
-                      help="LOCAL_RANK 0 in every rank, and CUDA_VISIBLE_DEVICES its own card only")
+        option(f"duplicate-{stream}-filters", default="",
+               help=f"copy teed {stream} lines holding one of these words (comma-separated) to "
+                    f"attempt_<n>/filtered_{stream}.log")
+    option("local-addr", help="this machine's loopback only (every rank meets on loopback)")
+    option("logs-specs",
+           help="a torchrun.logs_specs entry point: the LogsSpecs class that places the log files")
+    option("numa-binding", help="not accepted: levers9 binds no rank to CPUs")
+    option("signals-to-handle", default=",".join(HANDLED_SIGNALS),
+           help="signals that stop every rank (with its grace) and end levers9 run, e.g. SIGTERM,SIGUSR1")
+    option("shutdown-timeout", type=float,
+           help="seconds each rank gets between SIGTERM and SIGKILL when stopped (default: "
+                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 5)")
+    option("virtual-local-rank", action="store_true",
+           help="LOCAL_RANK 0 in every rank, and CUDA_VISIBLE_DEVICES its own card only")
     own = parser.add_argument_group("levers9's own options")
     own.add_argument("--timeout", type=float, metavar="SECONDS", help="stop every rank after this long (exit 1)")
     own.add_argument(
@@ -136,10 +133,10 @@ def register(sub: Any) -> None:
     own.add_argument("--rank-exit-status", action="store_true",
                      help="exit with the failing rank's own status (N for sys.exit(N), 128+N for signal N, 143 after "
                           "SIGTERM to levers9 run) instead of torchrun's 1")
-    own.add_argument("--restart-on", default=None, metavar="KINDS",
+    own.add_argument("--restart-on", metavar="KINDS",
                      help=f"the failures --max-restarts restarts after (default, as torchrun: {','.join(TORCHRUN_RESTART_ON)}; "
                           f"--timeout's is left out), e.g. crash,comm,lost to leave exceptions and exit codes out")
-    own.add_argument("--restart-delay", type=float, default=None, metavar="SECONDS",
+    own.add_argument("--restart-delay", type=float, metavar="SECONDS",
                      help="wait this long between attempts (default 1)")
     parser.add_argument("script", metavar="SCRIPT_OR_MODULE", help="the training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
@@ -172,23 +169,16 @@ def _console_ranks(text: str) -> tuple[int, ...] | None:
         ) from None
 
 
-def _slurm_step_across_nodes() -> bool:
-    """True when srun started this `levers9 run` as one task on each of several nodes (LauncherEnvError
-    when it started several on a node)."""
-    if not slurm_gang.check_one_task_per_node(os.environ, "levers9 run"):
-        return False
-    slurm_gang.not_a_rank()
-    return True
-
-
 def main(args: argparse.Namespace) -> int:
     """Run the script on every rank; the exit status follows torchrun's rules."""
     agent: TorchrunAgent | None = None
     try:
         check(args)
         layout = torchrun_nodes.layout_of(args)  # None for one node
-        across_nodes = _slurm_step_across_nodes()
-        if layout is None and not across_nodes:
+        across_nodes = slurm_gang.check_one_task_per_node(os.environ, "levers9 run")  # srun, a task per node
+        if across_nodes:
+            slurm_gang.not_a_rank()
+        elif layout is None:
             _refuse_multi_node(args)
         _refuse_without_meaning_here(args)
         console_ranks = _console_ranks(args.local_ranks_filter)
@@ -361,15 +351,15 @@ def _report_failure(exc: BaseException, agent: TorchrunAgent | None) -> int:
 
         print(scripts.user_traceback("".join(traceback.format_exception(exc))), file=sys.stderr)
         return 1
-    wrapper = exc if exc.__cause__ is None else exc.__cause__
-    text = str(wrapper).split(LAST_ATTEMPT, 1)[-1].lstrip("\n")  # after restarts: the last attempt's report
+    text = str(exc.__cause__ or exc).split(LAST_ATTEMPT, 1)[-1].lstrip("\n")  # the last attempt's report
     lines = [_ours(text.split("\n", 1)[0])]
     where, recorded = (agent.error_report(failure.rank) if agent is not None else None) or ("", "")
+    at = [where] if where else []
     if failure.traceback:
         lines += ["", f"Traceback from rank {failure.rank}:", scripts.user_traceback(failure.traceback).rstrip()]
-        lines += [where] if where else []
+        lines += at
     elif recorded:
-        lines += ["", f"From rank {failure.rank}'s error file (torch's @record):", *([where] if where else []), recorded]
+        lines += ["", f"From rank {failure.rank}'s error file (torch's @record):", *at, recorded]
     elif "\n" in text:
         lines += ["", text.split("\n", 1)[1].strip()]
     also = ALSO_FAILED + ALSO_FAILED.join(text.split(ALSO_FAILED)[1:])  # each other failed rank's report, once
@@ -390,9 +380,9 @@ def _restart_account(exc: BaseException) -> list[str]:
             said.append("levers9 run: " + note.removeprefix("levers9: "))
         elif note.startswith("levers9: levers9 run: "):
             said.append(note.removeprefix("levers9: "))
-    wrapper = exc if exc.__cause__ is None else exc.__cause__
-    if LAST_ATTEMPT in str(wrapper):
-        said.append(str(wrapper).split(LAST_ATTEMPT, 1)[0].rstrip())
+    report = str(exc.__cause__ or exc)
+    if LAST_ATTEMPT in report:
+        said.append(report.split(LAST_ATTEMPT, 1)[0].rstrip())
     return said
 
 
@@ -400,17 +390,11 @@ def _ours(text: str) -> str:
     return text.replace("distributed.run:", "levers9 run:", 1).replace("distributed.run ", "levers9 run ", 1)
 
 
-# torchrun's PET_* variables: each of torchrun's options may come from `PET_<DEST>` instead of the command
-# line.
-#
-# torchrun's parser reads every option's default from `PET_` + its destination in capitals (torch's
+# torchrun reads every option's default from `PET_` + its destination in capitals (torch's
 # distributed/argparse_util.py: `env` for an option with a value, `check_env` for a flag, where "1" is on
 # and "0" off); a flag on the command line wins. Kubeflow's PyTorchJob and TrainJob start `torchrun
 # train.py` with nothing but PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and
-# PET_MASTER_PORT, so `levers9 run` reads them the same way: a drop-in that ignored them would run a world
-# of one on each node. `levers9 run` takes every torchrun option (a PET_ variable's value is then checked as
-# the option's is).
-
+# PET_MASTER_PORT: a drop-in that ignored them would run a world of one on each node.
 
 # torchrun's options (their argparse destinations) and whether each is a flag (check_env) or takes a value (env).
 TORCHRUN_OPTIONS: dict[str, bool] = {
@@ -424,21 +408,14 @@ TORCHRUN_OPTIONS: dict[str, bool] = {
 PROBLEMS = "pet_problems"  # the Namespace attribute that holds what `check` refuses
 
 
-def variable(dest: str) -> str:
-    """The PET_ variable of the option stored at `dest` (torchrun's rule)."""
-    return f"PET_{dest.upper()}"
-
-
 def read_pet_variables(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    """Make every torchrun option of `parser` default to its PET_ variable where that is set (a command-line flag
-    still wins); what cannot be honoured is noted for `check`: the PET_ variable of a torchrun option `parser` does
-    not take, a flag's variable that is not a whole number, a value outside the option's choices."""
+    """Make every torchrun option of `parser` default to its PET_ variable where that is set (a command-line
+    flag still wins; a value is checked as the option's is); a flag's variable that is not a whole number,
+    or a value outside the option's choices, is noted for `check`."""
     problems = []
     for action in parser._actions:
-        if action.dest not in TORCHRUN_OPTIONS:
-            continue
-        name = variable(action.dest)
-        if name not in env:
+        name = f"PET_{action.dest.upper()}"
+        if action.dest not in TORCHRUN_OPTIONS or name not in env:
             continue
         text = env[name]
         if TORCHRUN_OPTIONS[action.dest]:

@@ -74,8 +74,7 @@ Piece = tuple[int, str, str]  # (global rank, "stdout" or "stderr", a line with 
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """One failed rank, as a node reports it: enough for the caller's RankFailure (nodes.rank_failure_of) and for
-    ordering."""
+    """One failed rank, as a node reports it: enough for the caller's RankFailure (nodes.rank_failure_of)."""
 
     rank: int
     node: int
@@ -117,7 +116,6 @@ class ControlStore:
         return None if value is None else value.decode()
 
     def _value(self, key: str) -> Any:
-        """The value shipped under `key`, None while there is none."""
         value = self._read(key)
         return None if value is None else unship(value)
 
@@ -293,17 +291,14 @@ class ControlStore:
         return self._text(f"a{attempt}/where/{node}")
 
 
-# A torch TCPStore served by this process, on a port it bound itself: the ranks' rendezvous store of one attempt
-# (on loopback, or on node 0's address across nodes) and the control store of a job across nodes (launch/ray/gang.py,
-# distributed/torchrun_nodes.py).
-
 log = logging.getLogger("levers9.distributed")
 
 
 def serve_store(host: str, port: int = 0) -> tuple[Any, int]:
     """(the store, its port): a TCPStore server listening on `host` alone, on `port` (0: one the kernel picks, so
     nothing collides), bound here first so no other process can take the port between choosing and listening.
-    OSError when `host` is not this machine's or `port` is taken. It serves while the store object lives."""
+    OSError when `host` is not this machine's or `port` is taken. It serves while the store object lives: a
+    rendezvous store of one attempt, or the control store of a job across nodes."""
     import torch.distributed as td
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
@@ -319,10 +314,9 @@ def serve_store(host: str, port: int = 0) -> tuple[Any, int]:
 
 @contextlib.contextmanager
 def hosted_store(host: str = "127.0.0.1", preferred_port: int | None = None) -> Iterator[int]:
-    """A rendezvous store on a loopback port this process bound itself (port 0: nothing collides, nothing
-    reachable from other hosts), for as long as the block runs; yields its port. A run across nodes passes
-    node 0's address as `host` instead. `preferred_port` (levers9 run --master-port) is used when it is free;
-    when it is taken, a free port is, and a warning says so."""
+    """A rendezvous store on a loopback port (nothing reachable from other hosts; a run across nodes passes node 0's
+    address as `host`) for as long as the block runs; yields its port. `preferred_port` (levers9 run
+    --master-port) is used when it is free; else a free port is, and a warning says so."""
     store, port = None, 0
     if preferred_port:
         try:

@@ -141,12 +141,10 @@ def detect_slurm(env: Mapping[str, str]) -> LaunchInfo | None:
     variable = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
     nodelist = env.get(variable, "")
     hosts = expand_nodelist(nodelist, variable) if nodelist and not env.get("MASTER_ADDR") else []
-    derived = slurm_env.master_port(env)
     port = _port(env, "slurm")
-    default_port = 29500 if derived is None else derived
     return LaunchInfo("slurm", _int(env, "SLURM_PROCID", "slurm"), _int(env, size_var, "slurm"), _int(env, "SLURM_LOCALID", "slurm"),
                       _tasks_on_node(per_node, node), node, env.get("MASTER_ADDR") or (hosts[0] if hosts else None),
-                      default_port if port is None else port)  # fmt: skip
+                      (slurm_env.master_port(env) or 29500) if port is None else port)  # fmt: skip
 
 
 def detect_mpi(env: Mapping[str, str]) -> LaunchInfo | None:
@@ -232,22 +230,15 @@ def _validate(info: LaunchInfo) -> None:
             )
 
 
-# The one place that decides this process's place in the world.
-#
-# A live default process group answers first (also one the user or accelerate created), then the launcher's
-# environment, then a world of one. Every answer is cheap enough for a hot loop: the environment is parsed
-# once per distinct set of launcher variables, and the group is asked directly.
-
-
-# The variables whose values decide detection's answer; when none changes, the cached answer stands.
+# The one place that decides this process's place in the world: a live default process group first (also one the
+# user or accelerate made), then the launcher's environment, then a world of one. Cheap enough for a hot loop: the
+# environment is parsed again only when one of these variables changes, and the group is asked directly.
 _FINGERPRINT_VARS = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
     "TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND", "LEVERS9_LAUNCHER",
     "SLURM_PROCID", "SLURM_STEP_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
 )  # fmt: skip
-# Process-wide, as the environment it is read from is: the last answer, kept while those variables are unchanged
-# (rank() and world_size() run in hot loops).
-_cache: tuple[tuple[object, ...], LaunchInfo] | None = None
+_cache: tuple[tuple[object, ...], LaunchInfo] | None = None  # process-wide, as the environment is
 
 # os.environ keeps its raw mapping in `_data` (bytes keys on POSIX); reading that with pre-encoded keys
 # costs a fraction of os.environ.get, which matters when a helper runs every training step.
@@ -255,15 +246,10 @@ _RAW_ENV = os.environ._data  # type: ignore[attr-defined]
 _RAW_KEYS = tuple(os.environ.encodekey(name) for name in _FINGERPRINT_VARS)
 
 
-def _fingerprint() -> tuple[object, ...]:
-    raw = _RAW_ENV
-    return tuple(raw.get(key) for key in _RAW_KEYS)
-
-
 def launch_info() -> LaunchInfo:
     """What the launcher's environment says (validated), re-read only when a launcher variable changes."""
     global _cache
-    key = _fingerprint()
+    key = tuple(map(_RAW_ENV.get, _RAW_KEYS))
     cached = _cache
     if cached is not None and cached[0] == key:
         return cached[1]

@@ -55,9 +55,6 @@ def cuda_index_for_local_rank(local_rank: int) -> int:
     return local_rank
 
 
-# How many ranks a run started here has, and on which backend: one per visible card, or what nprocs= says.
-
-
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How many ranks to start, and on which backend (gloo ranks compute on the CPU)."""

@@ -1,12 +1,9 @@
 """The default process group's life: joined before fn, destroyed only by its maker.
 
-`distributed.run` makes the group before fn on every path with more than one rank (or adopts one
-that already exists), so fn starts with `torch.distributed.is_initialized()` True, as the user's
-documents say. Nothing of torch's is replaced: levers9 calls `init_process_group` as any script
-would. levers9 destroys only a group it made; one the user, accelerate or a launcher made is left
-alone. Under a launcher, code that uses levers9's helpers without `distributed.run` gets the group
-from the first helper that needs one (helpers.py). Which card a process computes on is devices.py's;
-the quirks are applied before, where the world is decided (hardware/quirks.py `plan_for_world`).
+`distributed.run` makes the group before fn on every path with more than one rank (or adopts a live one), so fn
+starts with `torch.distributed.is_initialized()` True, through `init_process_group` as any script would call it. A
+group the user, accelerate or a launcher made is never destroyed here. Under a launcher, levers9's helpers used
+without `distributed.run` make the group at the first that needs one (helpers.py).
 """
 
 from __future__ import annotations
@@ -187,16 +184,13 @@ def _raised_by_second_init(exc: ValueError) -> bool:
     )
 
 
-# The rendezvous host checked before a group is made: a MASTER_ADDR that does not resolve is one error
-# within seconds, naming the host and where it came from, instead of every rank waiting until killed.
-
-
 RESOLVE_TIMEOUT_S = 10.0
 
 
 def check_resolves(host: str, source: str, timeout: float = RESOLVE_TIMEOUT_S) -> None:
     """Return when `host` resolves to an address; LauncherEnvError naming `host` and `source` (the variable
-    it came from) when it does not, or when the resolver gives no answer within `timeout` seconds."""
+    it came from) when it does not, or when the resolver gives no answer within `timeout` seconds: one error
+    within seconds before a group is made, instead of every rank waiting until killed."""
     answer: list[BaseException | None] = []
 
     def resolve() -> None:

@@ -24,12 +24,10 @@ def device() -> torch.device:
 
     local = detect.local_rank()
     key = (local, devices.cpu_only(), os.environ.get("ACCELERATE_USE_CPU"))
-    cached = _device_cache.get(key)
-    if cached is not None:
-        return cached
-    dev = torch.device("cuda", devices.cuda_index_for_local_rank(local)) if devices.wants_cuda() else torch.device("cpu")
-    _device_cache[key] = dev
-    return dev
+    if key not in _device_cache:
+        index = devices.cuda_index_for_local_rank(local) if devices.wants_cuda() else None
+        _device_cache[key] = torch.device("cpu") if index is None else torch.device("cuda", index)
+    return _device_cache[key]
 
 
 def wrap(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
@@ -114,10 +112,7 @@ def all_reduce_mean(x: Any) -> torch.Tensor:
     """
     import torch
 
-    if isinstance(x, torch.Tensor):
-        out = x.detach().clone()
-    else:
-        out = torch.tensor(x, dtype=torch.float64)
+    out = x.detach().clone() if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float64)
     if not out.is_floating_point() and not out.is_complex():
         out = out.to(torch.get_default_dtype())
     _ensure_group()  # under a launcher with several ranks and no group yet, make it now

@@ -1,10 +1,9 @@
 """`distributed.run` across several nodes, on nodes 1..k-1: the agent that starts and watches this node's share.
 
-Node `gang.node_index`'s agent runs in a Ray task (levers9/launch/ray/gang.py) for the whole job: it joins the
-job's control store, beats its heartbeat, and for each attempt node 0 posts starts global ranks
-first_rank(i).. through a rank set (levers9/distributed/rank_set.py) under the one Supervisor, sends their
-output to node 0 in pieces, and posts their first failure (root cause first) or their end; node 0's side is
-levers9/distributed/nodes.py.
+Node i's agent runs for the whole job (in a Ray task, levers9/launch/ray/gang.py, or a `levers9 run` launcher):
+it joins the job's control store, beats its heartbeat, and for each attempt node 0 posts starts global ranks
+first_rank(i).. through a rank set under one Supervisor, sends their output to node 0 in pieces, and posts
+their first failure (root cause first) or their end; node 0's side is nodes.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Child side: what runs inside each rank that `distributed.run` started.
-
-The parent starts each rank through levers9.procs with a RankTarget; the rank takes its place in the
-world (torchrun's variables, set by the parent), joins the process group before fn (unless fn makes
-its own: `init_group=False`, run_script, spawn), calls fn and ships rank 0's value back (every other
-rank sends None). Failures travel through procs' codec.
+"""Child side: what runs inside each rank that `distributed.run` started, from a RankTarget: the process group
+joined before fn (unless fn makes its own: `init_group=False`, run_script, spawn), fn called, rank 0's value shipped
+back (every other rank sends None). Failures travel through procs' codec.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """One node's share of a run's ranks: started with their variables, their output handed on in pieces, watched by
 the one Supervisor, ended as Outcomes.
 
-`distributed.run` on one node (started_ranks.py), node 0 of a run across nodes and every node's agent (nodes.py) start
-their ranks here. `rank_vars` is the one set of variables a rank gets (one node, or node i of k); `RankOutput` is
-the one rule for writing ranks' output to the caller's streams ("[rank N] " before each line, a long line in
-pieces, a "\\r" redraw prefixed again); `RankSet.supervisor` hands the ranks, and anything else the caller watches
-(another node's share, nodes.py), to one `procs.supervise.Supervisor`.
+`distributed.run` on one node (started_ranks.py), node 0 of a run across nodes and every node's agent (nodes.py)
+start their ranks here: `rank_vars` is the one set of variables a rank gets, `RankOutput` the one rule for writing
+ranks' output to the caller's streams.
 """
 
 from __future__ import annotations
@@ -37,13 +35,11 @@ def rank_vars(rank: int, world: int, port: int, *, addr: str = "127.0.0.1", run_
               shares: Sequence[int] | None = None, node: int = 0, secret: str | None = None) -> dict[str, str]:  # fmt: skip
     """The variables global `rank` of `world` gets: those torchrun's agent gives a worker, plus levers9's own.
 
-    One node (`shares` None): every rank here, the store on loopback `port` (LEVERS9_STORE_PORT names it). Node
-    `node` of len(shares) (each node's rank count): its local rank and node rank, no LEVERS9_STORE_PORT (that one
-    means a loopback store). MASTER_ADDR/MASTER_PORT name the store the parent hosts, and
-    TORCHELASTIC_USE_AGENT_STORE=True makes torch's env:// rendezvous join it as a client on every rank (rank 0
-    included), as under torchrun; TORCHELASTIC_RUN_ID makes torch.distributed.is_torchelastic_launched() True.
-    The keys of the group levers9 makes start with `secret` (default: this process's own; a run across nodes
-    passes the job's).
+    One node (`shares` None): the store on loopback `port` (LEVERS9_STORE_PORT). Node `node` of len(shares) (each
+    node's rank count): no LEVERS9_STORE_PORT (that one means a loopback store). TORCHELASTIC_USE_AGENT_STORE=True
+    makes torch's env:// rendezvous join the parent's store as a client on every rank (rank 0 included), as under
+    torchrun; TORCHELASTIC_RUN_ID makes torch.distributed.is_torchelastic_launched() True. The keys of the group
+    levers9 makes start with `secret` (default: this process's own).
     """
     counts = (world,) if shares is None else tuple(shares)
     r, w = str(rank), str(world)
@@ -65,8 +61,7 @@ def rank_vars(rank: int, world: int, port: int, *, addr: str = "127.0.0.1", run_
 
 
 class RankOutput:
-    """Ranks' output pieces to the caller's streams (`write`), "[rank N] " at the start of each line of a rank
-    but 0 (`prefix`): see procs.labelled."""
+    """Ranks' output pieces to the caller's streams, "[rank N] " at the start of each line of a rank but 0."""
 
     def __init__(self, prefix: bool, write: Callable[[str, str], None] = echo.write) -> None:
         self.prefix = prefix

@@ -1,16 +1,12 @@
 """Restarts of a run whose ranks levers9 started: the attempts so far, the warning between them, the final error.
 
-`distributed.run(fn, cfg, max_restarts=N)` hands `run_attempts` a function that starts one attempt:
-a fresh set of ranks with a fresh rendezvous store, forked from the caller again (no new
-interpreter, no second `import torch`). When an attempt fails in a way `restart_on` names (the words
-and the kinds of failure they name: levers9.retries), every rank is already stopped; one warning
-line is logged, `restart_delay` seconds pass (Ctrl-C there raises KeyboardInterrupt with nothing
-running), and the next attempt starts, with TORCHELASTIC_RESTART_COUNT one higher in every rank.
-`fn` runs from the top: resuming from a checkpoint is the user's code's job (`dist.restart_count()`
-says which attempt this is). The default restarts crash, comm and stall failures: they come from
-the machine, the network or another rank, and often do not repeat. An exception from the user's
-code (a KeyError at step 0) repeats at step 0 on every attempt, and a timeout usually means the run
-is longer than the limit, not that it failed.
+Each attempt is a fresh set of ranks with a fresh rendezvous store, forked from the caller again (no second
+`import torch`). After a failure `restart_on` names (levers9.retries), with every rank stopped, one warning line is
+logged, `restart_delay` seconds pass (Ctrl-C there ends the run, nothing running) and the next attempt starts with
+TORCHELASTIC_RESTART_COUNT one higher; fn runs from the top (resuming from a checkpoint is the user's code's job).
+The default restarts crash, comm and stall failures: they come from the machine, the network or another rank, and
+often do not repeat. An exception from the user's code (a KeyError at step 0) repeats on every attempt, and a
+timeout usually means the run is longer than the limit, not that it failed.
 """
 
 from __future__ import annotations
@@ -65,9 +61,7 @@ class FailedAttempt:
         return f"attempt {self.number + 1} (ran {self.seconds:.1f} s): {self.cause}{kind}"
 
 
-def word(kind: FailureKind) -> str:
-    """restart_on='s word for `kind`."""
-    return word_for(kind)
+word = word_for  # restart_on='s word for a FailureKind
 
 
 def run_attempts(
@@ -79,12 +73,9 @@ def run_attempts(
     stall_timeout: float | None,
     caller: str = "distributed.run",
 ) -> T:
-    """`start(env)` until an attempt returns; a failure the policy restarts is logged, waited out and retried.
-
-    `start` runs one attempt with the extra rank variables `env` and returns rank 0's value or raises
-    the attempt's root failure, having stopped every rank. The final failure is raised with every
-    attempt's root cause listed, oldest first. `caller` names the caller in every message ("levers9 run").
-    """
+    """`start(env)` (one attempt with the extra rank variables `env`: rank 0's value, or its root failure raised
+    with every rank stopped) until an attempt returns; a failure the policy restarts is logged, waited out and
+    retried. The final failure lists every attempt's root cause, oldest first; `caller` names the caller."""
     history: list[FailedAttempt] = []
     began = [time.monotonic()]
 

@@ -1,10 +1,7 @@
 """`distributed.run`: call fn(cfg) on every rank and return what rank 0 returned.
 
-Its keywords become one `RunOptions`, checked once; `run_with` picks the path, one short function each:
-under a launcher or in place (fn runs in this process, quirks applied here), ranks started on this machine
-(started_ranks.py) or across Ray nodes (nodes.py). The module is named `running`, not `run`: a submodule
-`levers9.distributed.run` would replace the function `levers9.distributed.run` on the package as soon as
-it was imported.
+Named `running`, not `run`: a submodule `levers9.distributed.run` would replace the function
+`levers9.distributed.run` on the package as soon as it was imported.
 """
 
 from __future__ import annotations
@@ -127,8 +124,7 @@ def run(
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
-    """`run`'s keywords as one value, the way the caller gave them (None: the default); `run_with` checks
-    them once, and each path reads what it needs from here."""
+    """`run`'s keywords as one value, the way the caller gave them (None: the default), checked once."""
 
     nprocs: int | None = None
     backend: str | None = None
@@ -148,7 +144,7 @@ class RunOptions:
     def check(self) -> RetryPolicy:
         """ConfigError for the first bad keyword, before anything starts; the restart policy they make."""
         for name in ("timeout", "stall_timeout", "stop_grace"):
-            _check_seconds(name, getattr(self, name), allow_zero=name == "stop_grace")
+            _check_seconds(name, getattr(self, name))
         if not isinstance(self.init_group, bool):
             raise ConfigError(f"init_group={self.init_group!r}; expected True (levers9 joins the group before fn) or "
                               f"False (fn calls init_process_group itself).")  # fmt: skip
@@ -175,10 +171,9 @@ class RunOptions:
 
 
 def run_with(fn: Callable[..., Any], cfg: Any, options: RunOptions) -> Any:
-    """`run(fn, cfg, ...)` with its keywords given as one value: the path (under a launcher, in place,
-    ranks started here, across nodes) is chosen here, and each is one function. Until fn runs in this
-    process, or while this process only starts and watches ranks, its objects are held out of its
-    garbage collector (procs/start.py, held_heap)."""
+    """`run(fn, cfg, ...)` with its keywords as one value: picks the path (under a launcher, in place, ranks
+    started here, across nodes). Until fn runs in this process, or while this process only starts and watches
+    ranks, its objects are held out of its garbage collector (procs/start.py, held_heap)."""
     if not callable(fn):
         raise ConfigError(f"distributed.run needs a function to call on every rank; got {type(fn).__name__} {fn!r}.")
     import torch  # noqa: F401 - every path needs it (levers9 run's caller had not imported it): held with the rest
@@ -271,11 +266,12 @@ def _run_across_nodes(fn: Callable[..., Any], cfg: Any, call: Callable[..., Any]
     return nodes.run_across_nodes(run, policy, gang)
 
 
-def _check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> None:
-    if value is None and name != "stop_grace":
+def _check_seconds(name: str, value: Any) -> None:
+    grace = name == "stop_grace"  # may be 0, never None; the others may be None (no limit)
+    if value is None and not grace:
         return
-    if not is_seconds(value, zero_ok=allow_zero):
-        expected = "a finite number of seconds >= 0" if allow_zero else "a finite positive number of seconds, or None for no limit"
+    if not is_seconds(value, zero_ok=grace):
+        expected = "a finite number of seconds >= 0" if grace else "a finite positive number of seconds, or None for no limit"
         raise ConfigError(f"{name}={value!r}; expected {expected}. Pass e.g. {name}=30.")
 
 
@@ -315,29 +311,26 @@ def _from_rank0_without_group(result: Any, backend: str) -> Any:
     """Rank 0's `result` on every rank after fn destroyed its own group: through a group made for it alone."""
     if detect.launch_info().world_size == 1:
         return result
-    if not group.join_launcher_group(detect.launch_info(), backend):
-        return _from_rank0(result)
+    group.join_launcher_group(detect.launch_info(), backend)  # makes one: no group is live here
     try:
         return _from_rank0(result)
     finally:
         group.destroy_own_group()
 
 
-# `timeout=` for code that runs in this process: a rank under a launcher, or a world of one in place.
-#
-# No parent of levers9's watches such a process, so it watches itself. When the time is up, RunTimeout
-# is raised in the thread that called `run` (at its next Python instruction; a SIGALRM first
-# interrupts a blocking system call when that thread is the main thread). A rank under a launcher whose
-# thread is stuck inside native code (a collective that never returns) prints its stack and exits
-# with code 124 a few seconds later, so the launcher stops the other ranks; a process running in place
-# is the user's own and is never killed.
-
 EXIT_AFTER_S = 5.0  # a rank under a launcher that has not unwound this long after its timeout exits
 TIMEOUT_EXIT_CODE = 124  # as timeout(1)
 
 
 class SelfTimer:
-    """Context manager: RunTimeout in the calling thread once `seconds` have passed (no-op for None)."""
+    """`timeout=` for code that runs in this process (a rank under a launcher, a world of one in place), which no
+    parent of levers9's watches: RunTimeout in the calling thread once `seconds` have passed (no-op for None).
+
+    It is raised at the thread's next Python instruction (a SIGALRM first interrupts a blocking system call when
+    it is the main thread). A rank under a launcher stuck in native code (a collective that never returns) prints
+    its stacks and exits with code 124 a few seconds later, so the launcher stops the other ranks; a process
+    running in place is the user's own and is never killed.
+    """
 
     def __init__(self, seconds: float | None, what: str, *, under_launcher: bool) -> None:
         self.seconds, self.what, self.under_launcher = seconds, what, under_launcher

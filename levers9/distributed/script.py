@@ -108,9 +108,7 @@ def run_script(
         RankFailed: A rank raised, exited non-zero or died, as `distributed.run` raises it (the
             other ranks are stopped).
     """
-    script = prepare(
-        target, argv, module=module, no_python=no_python, log_dir=log_dir, console_ranks=console_ranks
-    )
+    script = prepare(target, argv, module=module, no_python=no_python, log_dir=log_dir, console_ranks=console_ranks)
     count, backend = resolve_nprocs(nprocs, backend)
     script = with_log_folder(script)
     say_one_thread_each(count)
@@ -134,17 +132,9 @@ def refuse_inside_a_rank(what: str) -> None:
     )
 
 
-def prepare(
-    target: str,
-    argv: Sequence[str] = (),
-    *,
-    module: bool = False,
-    no_python: bool = False,
-    log_dir: str | None = None,
-    console_ranks: Sequence[int] | None = None,
-    what: str = "distributed.run_script",
-    run_path: bool = False,
-) -> ScriptTarget:
+def prepare(target: str, argv: Sequence[str] = (), *, module: bool = False, no_python: bool = False,
+            log_dir: str | None = None, console_ranks: Sequence[int] | None = None,
+            what: str = "distributed.run_script", run_path: bool = False) -> ScriptTarget:  # fmt: skip
     """A checked ScriptTarget, or ConfigError naming what is missing and how to fix it."""
     refuse_inside_a_rank(what)
     if not isinstance(target, str) or not target:
@@ -180,14 +170,9 @@ def prepare(
                 f"Python file, or a folder or zip with __main__.py; check the path, or pass a module with -m.{hint}"
             )
         kind, name = ("run_path", target) if run_path else ("path", str(path.resolve()))
-    return ScriptTarget(
-        kind,
-        name,
-        typed=target,
-        argv=tuple(argv),
-        log_dir=str(Path(log_dir).resolve()) if log_dir else None,
-        console_ranks=tuple(console_ranks) if console_ranks is not None else None,
-    )
+    return ScriptTarget(kind, name, typed=target, argv=tuple(argv),
+                        log_dir=str(Path(log_dir).resolve()) if log_dir else None,
+                        console_ranks=tuple(console_ranks) if console_ranks is not None else None)  # fmt: skip
 
 
 def _find_module(name: str) -> Any:
@@ -249,7 +234,7 @@ def say_one_thread_each(nprocs: int) -> None:
         )
 
 
-def with_log_folder(script: ScriptTarget, what: str = "distributed.run_script") -> ScriptTarget:
+def with_log_folder(script: ScriptTarget) -> ScriptTarget:
     """`script` with its log folder replaced by a fresh one made under it (mode 0700, a new random name, as
     torchrun makes), said once; so nothing another user planted in a shared log folder is written through.
     ConfigError naming the folder if it cannot be made."""
@@ -260,7 +245,7 @@ def with_log_folder(script: ScriptTarget, what: str = "distributed.run_script") 
         fresh = tempfile.mkdtemp(prefix=f"levers9-{time.strftime('%Y%m%d-%H%M%S')}-", dir=script.log_dir)
     except OSError as exc:
         raise ConfigError(
-            f"{what}: cannot make a log folder in {script.log_dir} ({exc.strerror or exc}). Expected a folder you "
+            f"distributed.run_script: cannot make a log folder in {script.log_dir} ({exc.strerror or exc}). Expected a folder you "
             f"can write; pass another log folder (--log-dir / log_dir=), or leave it out."
         ) from None
     print(f"levers9: each rank's output is copied to {fresh}/<local rank>/{{stdout,stderr}}.log", file=sys.stderr,
@@ -295,11 +280,10 @@ def _run_as_main(script: ScriptTarget) -> None:
         runpy.run_module(script.name, run_name="__main__", alter_sys=True)
         return
     sys.argv = [script.typed or script.name, *script.argv]
-    if script.kind == "run_path":  # torchrun --run-path: runpy.run_path on the path as given
+    # torchrun --run-path (the path as given), or a folder or zip (a zipapp, pex, shiv) with __main__.py: runpy puts
+    # it first on sys.path, as python does
+    if script.kind == "run_path" or os.path.isdir(script.name) or zipfile.is_zipfile(script.name):
         runpy.run_path(script.name, run_name="__main__")
-        return
-    if os.path.isdir(script.name) or zipfile.is_zipfile(script.name):  # a folder or zip (a zipapp, pex, shiv) with
-        runpy.run_path(script.name, run_name="__main__")  # __main__.py: runpy puts it first on sys.path, as python does
         return
     sys.path.insert(0, os.path.dirname(script.name))
     main = types.ModuleType("__main__")
@@ -429,32 +413,23 @@ def exit_code_for(exc: BaseException) -> int:
         return 1
     if failure.signal:
         return 128 + failure.signal
-    if failure.exc_type or not failure.exitcode:
-        return 1
-    return failure.exitcode
+    return 1 if failure.exc_type or not failure.exitcode else failure.exitcode
 
 
 def user_traceback(text: str) -> str:
     """A rank's traceback without the leading frames of levers9 and runpy that ran the script."""
-    lines = text.splitlines()
     out: list[str] = []
-    skipping = False
-    i = 0
-    while i < len(lines):
-        line = lines[i]
+    skipping = dropping = False  # in a traceback's leading frames; in the source lines of a dropped frame
+    for line in text.splitlines():
+        if dropping and line.startswith("    "):
+            continue
+        dropping = False
         if line.startswith("Traceback (most recent call last):"):
             skipping = True
-            out.append(line)
         elif skipping and line.startswith('  File "'):
-            path = line.split('"')[1]
-            if path.startswith(_LIBRARY_FILES):
-                i += 1
-                while i < len(lines) and lines[i].startswith("    "):
-                    i += 1
+            if line.split('"')[1].startswith(_LIBRARY_FILES):
+                dropping = True
                 continue
             skipping = False
-            out.append(line)
-        else:
-            out.append(line)
-        i += 1
+        out.append(line)
     return "\n".join(out)

@@ -69,10 +69,8 @@ def check_tasks_match_cards(env: Mapping[str, str], local_world_size: int) -> No
     if len(visible) == 1 and int(on_node) >= local_world_size:
         return  # a card of its own per task
     cards, tasks = min(len(visible), int(on_node)), local_world_size
-    if cards > tasks:
-        problem = f"{cards - tasks} card(s) would sit idle"
-    else:
-        problem = f"{tasks - cards} rank(s) would share a card with another"
+    problem = (f"{cards - tasks} card(s) would sit idle" if cards > tasks
+               else f"{tasks - cards} rank(s) would share a card with another")
     raise LauncherEnvError(
         f"SLURM gave each of this node's {tasks} task(s) the same {cards} card(s) (CUDA_VISIBLE_DEVICES="
         f"{env.get('CUDA_VISIBLE_DEVICES')}, SLURM_GPUS_ON_NODE={on_node}, {tasks} task(s) per node): {problem}. "

@@ -4,16 +4,12 @@
 
 (The SLURM backend does not use it: there srun is the launcher of every rank, one task per card.)
 
-Each task of the step is a launcher, not a rank. The task on the step's first node hosts the step's
-control store (levers9/distributed/control_store.py) on its node's address at the step's port
-(MASTER_PORT, else slurm_env.master_port) and runs `distributed.run` with a GangContext, so
-levers9/distributed/nodes.py starts ranks 0..share-1 there, supervises every node, restarts
-(max_restarts) and raises the root failure; the task on node i serves node i's share with
-levers9/distributed/node_agent.py, as Ray's agents do. SLURM keeps no spare node, so a lost node is not
-replaced: the run fails naming it. The store listens on the cluster network and unpickles
-what it reads, so its keys start with a secret only the job's own tasks know: LEVERS9_GANG_SECRET, which
-the job script exports before srun. SLURM hands the tasks no secret of their own (anything derived from
-the job's ids and the uid, another user who reads squeue derives too), so without it the step is refused.
+Each task is a launcher, not a rank. The first node's task hosts the control store (control_store.py) at the
+step's port (MASTER_PORT, else slurm_env.master_port) and runs `distributed.run` with a GangContext (nodes.py);
+the task on node i serves node i's share (node_agent.py), as Ray's agents do. SLURM keeps no spare node, so a lost
+node is not replaced. The store listens on the network and unpickles what it reads, so its keys start with
+LEVERS9_GANG_SECRET, which the job script exports before srun: SLURM hands the tasks no secret of their own
+(anything derived from the job's ids and the uid, another user who reads squeue derives too).
 """
 
 from __future__ import annotations
@@ -41,7 +37,6 @@ LEAVE_QUIET_S = 3 * HEARTBEAT_EVERY_S  # no heartbeat for this long: the agents 
 LEAVE_WAIT_S = 10.0
 SECRET_VAR = "LEVERS9_GANG_SECRET"
 MIN_SECRET_CHARS = 16
-_RANK_VARS = ("SLURM_PROCID", "SLURM_LOCALID")  # what makes detect.py call this process a rank
 
 
 def _count(env: Mapping[str, str], *names: str) -> int:
@@ -51,21 +46,16 @@ def _count(env: Mapping[str, str], *names: str) -> int:
     return 1
 
 
-def step_shape(env: Mapping[str, str]) -> tuple[int, int] | None:
-    """(nodes, tasks) of the srun step this process is a task of; None outside a step."""
-    if "SLURM_PROCID" not in env or slurm_env.step_id(env) is None:
-        return None
-    return (_count(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES"), _count(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"))
-
-
 def check_one_task_per_node(env: Mapping[str, str], what: str) -> bool:
     """True when this process is a task of an srun step of one task on each of several nodes (a launcher per
     node); False outside a step or on one node (where levers9 run refuses to start inside a rank). LauncherEnvError
     for several tasks on a node of several, where each would start the node's ranks again."""
-    shape = step_shape(env)
-    if shape is None or shape[0] == 1:
+    if "SLURM_PROCID" not in env or slurm_env.step_id(env) is None:
         return False
-    nodes, tasks = shape
+    nodes = _count(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES")
+    tasks = _count(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    if nodes == 1:
+        return False
     if tasks != nodes:
         raise LauncherEnvError(
             f"{what} ran as one of {tasks} srun task(s) on {nodes} node(s) (SLURM_STEP_NUM_TASKS={tasks}, "
@@ -77,8 +67,8 @@ def check_one_task_per_node(env: Mapping[str, str], what: str) -> bool:
 
 
 def not_a_rank() -> None:
-    """This task launches ranks; it is not one: the variables detect.py reads as a rank's go from os.environ."""
-    for name in _RANK_VARS:
+    """This task launches ranks; it is not one: the variables that make detect.py call it a rank go."""
+    for name in ("SLURM_PROCID", "SLURM_LOCALID"):
         os.environ.pop(name, None)
 
 
@@ -101,9 +91,8 @@ def gang_of_step(env: Mapping[str, str], per_node: int) -> GangContext:
 
 
 def gang_secret(env: Mapping[str, str], what: str, why_needed: str, where: str) -> str:
-    """LEVERS9_GANG_SECRET; LauncherEnvError naming the line to add (`where` says where) when it is unset or short.
-    `what` names the run ("levers9 run across 2 nodes under srun"), `why_needed` why the launcher has no secret of
-    its own."""
+    """LEVERS9_GANG_SECRET; LauncherEnvError naming the run (`what`), why its launcher has no secret of its own and
+    the line to add `where`, when it is unset or short."""
     secret = env.get(SECRET_VAR, "")
     if len(secret) < MIN_SECRET_CHARS:
         seen = "it is unset" if SECRET_VAR not in env else f"it has {len(secret)} character(s)"
@@ -166,7 +155,7 @@ def _wait_for_agents_to_leave(store: ControlStore, nodes: int) -> None:
 
 def launcher_job(gang: GangContext, env: Mapping[str, str] = os.environ, run_id: str | None = None) -> JobContext:
     """The JobContext a launcher (`levers9 run` under srun, or with --nnodes) runs its node under: SLURM job <id>'s
-    step unless `run_id` names the run, its node's cards (CUDA_VISIBLE_DEVICES as the launcher found it)."""
+    step unless `run_id` names the run, with the node's CUDA_VISIBLE_DEVICES cards."""
     cards = [c for c in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if c.strip()]
     job_id = run_id or f"slurm-{env.get('SLURM_JOB_ID', '?')}.{env.get('SLURM_STEP_ID', '?')}"
     return JobContext(run_id=job_id, cell_index=0, attempt=1, job_dir="", gpu_count=len(cards), gang=gang)

@@ -2,9 +2,8 @@
 
 Code written for mp.spawn catches `ProcessRaisedException` (a process raised) and `ProcessExitedException` (it
 exited with a code or died by a signal) and reads `.error_index`, `.error_pid`, `.exit_code` and `.signal_name`;
-code written for levers9 catches `RankFailed` and reads `.failure` and `.kind`. These two classes are both, and
-their message is mp.spawn's ("-- Process 1 terminated with the following error:" and the process's traceback),
-with levers9's report of the other processes below it. Loaded with `spawn` (it imports torch), not with levers9.
+code written for levers9 catches `RankFailed` and reads `.failure` and `.kind`. These two classes are both, with
+mp.spawn's message. Loaded with `spawn` (it imports torch), not with levers9.
 
 Each is made by mp.spawn's own `__init__` (it sets `msg`, `error_index`, `error_pid` ...), then given its failure.
 RankFailed's `__init__` is not called: its `super().__init__(message)` would reach mp.spawn's with the message

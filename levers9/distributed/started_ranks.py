@@ -1,12 +1,8 @@
 """The ranks `distributed.run` and `distributed.spawn` start on this machine, and each attempt of them.
 
-`distributed.run`'s paths live in running.py; this module starts the ranks that a run (or mp.spawn's
-signature) starts here: their variables (the quirks planned once for their world), how they start (forked
-where that is safe, fresh interpreters with fn and cfg shipped by value where not), each attempt through
-a rank set under the one supervisor, again after each failure the restart policy names. The ranks meet
-on a rendezvous store this process hosts on a loopback port it bound itself (nothing reachable from other
-hosts); the first failure stops the rest and is raised here with the rank, its exit code or signal, and
-its own traceback.
+Their variables (the quirks planned once for their world), how they start (forked where that is safe, else fresh
+interpreters with fn and cfg shipped by value), each attempt as a rank set under the one supervisor, meeting on a
+store this process hosts on loopback; the first failure stops the rest and is raised with the rank's own traceback.
 """
 
 from __future__ import annotations
@@ -57,8 +53,7 @@ def start_method(asked: str | None, stall_timeout: float | None, backend: str) -
 
 
 def ranks_env_with_diagnostics(layout: Layout, disabled: tuple[str, ...], diagnostics: bool) -> dict[str, str]:
-    """Every rank's variables: the quirks' defaults, and a recording flight recorder when timeout= or stall_timeout=
-    asks for reports (`diagnostics`: they read it)."""
+    """ranks_env, and a recording flight recorder when timeout= or stall_timeout= asks for reports (`diagnostics`)."""
     return {**ranks_env(layout, disabled), **(board.env_for_ranks() if diagnostics else {})}
 
 
@@ -173,7 +168,7 @@ class _RanksAttempt:
                                                                    **self.attempt_env})} for rank in range(nprocs)}  # fmt: skip
             # pieces of long lines, never one held whole; on a terminal, what each read brings, and the bytes as written
             sink: Callable[[int, str, str], None] = RankOutput(ranks.prefix_output)
-            if agent is not None and port is not None:
+            if agent is not None:  # levers9 run's: never spawn's, so the ranks have a store
                 output = agent.attempt(envs, sink)  # torchrun's files for this attempt (and their variables)
                 cleanup.callback(output.close)
                 sink = output

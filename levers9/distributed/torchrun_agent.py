@@ -21,15 +21,15 @@ import os
 import shutil
 import signal
 import string
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from levers9.distributed.rank_set import PieceSink
 from levers9.procs import echo
 from levers9.procs.echo import LabelledOutput
 from levers9.procs.watch import TERMINATING_SIGNALS, ExitOnFirstSignal, exit_on_terminate
 
-PieceSink = Callable[[int, str, str], None]  # (global rank, "stdout" or "stderr", a line or a piece of one)
 CONSOLE = ""  # torch's LogsDest: this stream goes to the console
 FILTER_LINE_CHARS = 1 << 20  # a longer line is matched against --duplicate-std*-filters on its start
 

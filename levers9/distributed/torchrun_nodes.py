@@ -4,10 +4,7 @@
     levers9 run --nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST:P --rdzv-id ID --nproc-per-node 2 train.py
 
 (Kubeflow's PyTorchJob sets the same options as PET_NNODES, PET_NODE_RANK, ...: levers9/cli/run.py.)
-Only where the node layout comes from differs from srun's one task per node (slurm_gang.py), which runs the rest:
-node 0's launcher hosts the run's control store on the master address and port (c10d: the endpoint) and runs
-`distributed.run` with the gang, so its one Supervisor watches every node and restarts them all (nodes.py); the
-launcher of node i serves node i's share with its agent (node_agent.py).
+Only where the node layout comes from differs from srun's one task per node (slurm_gang.py), which runs the rest.
 
 - static: each launcher is node --node-rank; node 0 listens on --master-addr:--master-port.
 - c10d: the launcher that can listen on the endpoint (or the one `--rdzv-conf is_host=1` names) is node 0; the
@@ -15,9 +12,7 @@ launcher of node i serves node i's share with its agent (node_agent.py).
 - levers9 does not resize a running job: `--nnodes MIN:MAX` waits for MAX nodes and runs on exactly that many.
 - Node 0 names every node that did not join within `--rdzv-conf join_timeout=` (torchrun's default, 600 s); a
   node whose node 0 never listened says so within the same time.
-- The control store listens on the network and unpickles what it reads, so its keys start with
-  LEVERS9_GANG_SECRET, given to every node's launcher (a loopback master too: every user of the machine can
-  reach a loopback port).
+- LEVERS9_GANG_SECRET is needed with a loopback master too: every user of the machine can reach a loopback port.
 """
 
 from __future__ import annotations
@@ -191,7 +186,7 @@ def _reach_node_zero(layout: NodeLayout, address: str, secret: str, expected: tu
                            f"{never}", address)  # fmt: skip
         time.sleep(0.05)
     if tuple(opened) != expected:
-        (theirs, mine) = (_spelled(opened), _spelled(expected))
+        theirs, mine = _spelled(opened), _spelled(expected)
         raise LauncherEnvError(f"node 0 at {layout.host}:{layout.port} runs {theirs}, but this launcher was started "
                                f"with {mine}. Expected the same on every node: start every launcher with {theirs}.")  # fmt: skip
     return store

@@ -61,9 +61,7 @@ def make_cells(
     cells = []
     for index, item in enumerate(items):
         args, kw = expand(item)
-        if kwargs:
-            kw = {**kwargs, **kw}
-        cells.append(Cell(index, args, kw))
+        cells.append(Cell(index, args, {**(kwargs or {}), **kw}))
     for cell in cells:
         check_cell(func, cell)
     return cells
@@ -111,12 +109,8 @@ class _Discard(io.RawIOBase):
         return len(data)
 
 
-# A cell's key: the same for the same function and the same arguments, in every process.
-#
-# A cell's key is a hash of the function's key (module, name, source) and the cell's pickled arguments (sets
-# in a fixed order, so the key is the same under any hash seed), so a changed function body or changed
-# inputs make new cells. Resume finds a cell's stored result by it (run_folder.py), and a live run claims
-# its cells by it (run_folder.py).
+# A cell's key: the same for the same function and arguments in every process, and new when the function's
+# body or the inputs change. Resume finds a cell's stored result by it, and a live run claims its cells by it.
 
 
 def function_key(func: Callable[..., Any]) -> str:

@@ -63,15 +63,7 @@ class JobFunction(Generic[P, R]):
         return self.func(*args, **kwargs)
 
     def remote(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        """Run one job and return its result, or raise its exception; cancels the job if interrupted.
-
-        Args:
-            *args: The function's positional arguments.
-            **kwargs: The function's keyword arguments.
-
-        Returns:
-            What the function returned in the job.
-        """
+        """Run one job and return its result, or raise its exception; cancels the job if interrupted."""
         cell = Cell(0, tuple(args), dict(kwargs))
         check_cell(self.func, cell, label=f"{self.spec.name}{cell.describe()}")
         with exit_on_terminate():  # from before the job starts: a SIGTERM once it runs always gives it its grace
@@ -87,15 +79,8 @@ class JobFunction(Generic[P, R]):
                 record.closed.wait(RECORD_WAIT)
 
     def spawn(self, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
-        """Start one job and return a concurrent.futures.Future for its result (cancel() works while it queues).
-
-        Args:
-            *args: The function's positional arguments.
-            **kwargs: The function's keyword arguments.
-
-        Returns:
-            A `concurrent.futures.Future` that holds the function's value or exception.
-        """
+        """Start one job and return a `concurrent.futures.Future` for its value or exception (cancel() works
+        while it queues)."""
         cell = Cell(0, tuple(args), dict(kwargs))
         check_cell(self.func, cell, label=f"{self.spec.name}{cell.describe()}")
         futures, _cancel, _reporter, _record = self._submit([cell], label="")

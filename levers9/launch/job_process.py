@@ -1,10 +1,8 @@
 """Child side: what runs inside a job process, the same for every backend.
 
-`TaskPayload` is what a cluster's task (a Ray task, a SLURM job's task) is given for one attempt of one cell.
-`job_env` is the environment a job sees (its cards, thread counts, the user's env); what it knows about
-itself travels as a typed JobContext inside the JobTarget, which levers9.procs runs in the job
-process: it enters the context, applies GPU quirks on real cards,
-calls the function and ships its value back; the child layer sends that, or the failure, to the caller.
+`TaskPayload` is what a cluster's task (Ray, SLURM) is given for one attempt of one cell and `TaskEnded` what it
+reports back; `job_env` is the
+environment a job sees; `JobTarget` is what levers9.procs runs in the job process, carrying its JobContext.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from levers9.errors import NotShippableError
 from levers9.launch.spec import JobSpec
 from levers9.private_dir import private_dir
 from levers9.procs.failure import ship, ship_value, unship
+from levers9.procs.outcome import Outcome, wall_clock
 from levers9.procs.watch import pid_alive
 from levers9.runtime import GangContext, JobContext, Runtime
 
@@ -73,6 +73,23 @@ class TaskPayload:
         return unship(self.func), args, kwargs
 
 
+@dataclasses.dataclass(frozen=True)
+class TaskEnded:
+    """How a cluster's task ended where it ran (a Ray task's last item; each SLURM task's result file): its
+    Outcome, when (wall clock: a failure's own time, so the caller orders several nodes' failures on its clock),
+    and, for a rank of a job across nodes, which and on what node."""
+
+    outcome: Outcome
+    time: float
+    rank: int = 0
+    node: str = ""
+
+    @classmethod
+    def of(cls, outcome: Outcome, rank: int = 0, node: str = "") -> TaskEnded:
+        failed = outcome.failure
+        return cls(outcome, time.time() if failed is None else wall_clock(failed.when), rank, node)
+
+
 def job_env(spec: JobSpec, nvml_indices: list[int]) -> dict[str, str]:
     """The variables a job process gets on top of the caller's environment: its cards, thread counts, the user's."""
     env = dict(spec.env)
@@ -110,10 +127,9 @@ class JobTarget:
 
 
 def quirk_env(context: JobContext, ranks_env: Mapping[str, str]) -> dict[str, str]:
-    """The variables the quirks of the job's cards set where neither this process's environment nor `ranks_env`
-    (what the ranks get on top of it: their cards, the job's env=) sets them, for the ranks started by a process
-    that must stay as it is: the agent of a further node of a job across nodes, in a Ray worker that later tasks
-    reuse (its cards are its own, so it plans for them; node 0's job process applies its plan as it starts)."""
+    """The variables the quirks of the job's cards set where neither os.environ nor `ranks_env` does, for
+    ranks started by a process that must stay as it is (a further node's agent, in a Ray worker that later
+    tasks reuse); node 0's job process applies its plan itself as it starts."""
     if not _on_real_cards(context):
         return {}
     from levers9.distributed.hardware import quirks  # on real cards only: the rows read NVML and NCCL
@@ -139,7 +155,6 @@ def ship_for(value: Any, name: str, where: str, fix: str) -> bytes:
 
 
 def ship_target(target: JobTarget) -> bytes:
-    """The target pickled for a fresh interpreter, or NotShippableError naming the function."""
     return ship_for(target, getattr(target.func, "__qualname__", repr(target.func)),
                     "a fresh interpreter, which is how jobs start when this process has already initialised CUDA",
                     "Define it at module level, or start the jobs before touching CUDA in this process.")  # fmt: skip
@@ -147,41 +162,26 @@ def ship_target(target: JobTarget) -> bytes:
 
 def task_context(spec: JobSpec, run_id: str, index: int, attempt: int, job_dir: str, ids: list[str], gpu_type: str = "",
                  gang: GangContext | None = None) -> JobContext:  # fmt: skip
-    """The JobContext of a job that a scheduler's task runs (a Ray task, a SLURM task) on the cards `ids` it was
-    given (simulated when NVML shows none of them; `gpu_type` read from them when not given)."""
-    simulated, gpu_type = cards_of_task(ids, gpu_type)
+    """The JobContext of a job that a scheduler's task runs (Ray, SLURM) on the cards `ids` it was given;
+    they are simulated when NVML shows none of them (a CPU node declared with GPUs, as in tests: the ranks
+    run on gloo, as locally). `gpu_type` is read from the cards when not given."""
+    simulated = False
+    if ids:
+        from levers9.distributed.hardware.cards import visible_cards
+
+        cards = visible_cards({"CUDA_VISIBLE_DEVICES": ",".join(ids), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+        simulated = len(cards) < len(ids)
+        if not gpu_type and cards and not simulated:
+            gpu_type = cards[0].type_name
     return JobContext(run_id=run_id, cell_index=index, attempt=attempt, job_dir=job_dir, gpu_count=len(ids),
-                      gpu_type=gpu_type, simulated=simulated, stall_timeout=spec.stall_timeout,
+                      gpu_type=gpu_type if ids else "", simulated=simulated, stall_timeout=spec.stall_timeout,
                       max_restarts=spec.max_restarts, gang=gang)  # fmt: skip
 
 
-def cards_of_task(ids: list[str], gpu_type: str) -> tuple[bool, str]:
-    """(simulated, type) of the cards a scheduler gave a job (Ray's GPU ids, SLURM's CUDA_VISIBLE_DEVICES):
-    they are logical when NVML shows no card for them (a CPU node declared with GPUs, as in tests); then
-    the job runs its ranks on gloo, as locally."""
-    if not ids:
-        return False, ""
-    from levers9.distributed.hardware.cards import visible_cards
-
-    cards = visible_cards({"CUDA_VISIBLE_DEVICES": ",".join(ids), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
-    simulated = len(cards) < len(ids)
-    if not gpu_type and cards and not simulated:
-        gpu_type = cards[0].type_name
-    return simulated, gpu_type
-
-
-# A job's scratch folder on the node it runs on (its context's `job_dir`), made by a Ray task or a SLURM
-# task.
-#
-# Each kind of task keeps its folders under one private root of this user's (`<tmp>/levers9-<kind>-<uid>`,
-# 0700): a folder is removed when its task ends, the root with it once no other job uses it, and the folders
-# of tasks that were killed before they could clean up (a cancel, a lost caller, a time limit) are removed
-# by the next task on the node, so none accumulates in the node's temp folder.
-
-
 def scratch_dir(kind: str, index: int, attempt: int) -> Path:
-    """A fresh folder for cell `index`'s attempt, under this user's root for `kind` ("ray", "slurm") of tasks;
-    folders of dead tasks there are removed first."""
+    """A fresh scratch folder (a job's `job_dir` on its node) for cell `index`'s attempt, under this user's
+    private root for `kind` ("ray", "slurm") of tasks. Folders of tasks killed before they could clean up
+    (a cancel, a lost caller, a time limit) are removed first, so none accumulates in the temp folder."""
     root = Path(tempfile.gettempdir()) / f"levers9-{kind}-{os.getuid()}"
     for _ in range(10):
         try:  # the task that empties the root removes it: it can vanish at any step below

@@ -82,8 +82,7 @@ class MapResults(Generic[T]):
             raise StopIteration
         self._next += 1
         if self._finished is None:
-            position = self._next - 1
-            return self._value(position)
+            return self._value(self._next - 1)
         position = _next_finished(self._finished)
         return Completed(position, self._value(position))  # type: ignore[return-value]
 
@@ -150,10 +149,8 @@ class MapResults(Generic[T]):
             if sys.is_finalizing():  # the lanes no longer run: waiting on them would hang the exit; the jobs
                 self._cancel.cancel()  # end with the caller's lifeline
                 return
-            try:
+            with contextlib.suppress(Exception):
                 self.close()
-            except Exception:
-                pass
 
     def __len__(self) -> int:
         return len(self._futures)

@@ -5,11 +5,9 @@ CUDA_VISIBLE_DEVICES). Simulated cards come from LEVERS9_SIMULATE_GPUS (or `[loc
 in workspace.toml), e.g. "RTXPro6000:4" or "RTXPro6000:4,H100:2"; they are leased and pinned by the
 same code, and jobs on them see `levers9.current_job().simulated`. The environment variable wins over the file.
 
-Inside a job that holds cards, the pool is that job's own cards and nothing else: a job started from
-inside a job runs on its caller's cards (the caller is blocked on it anyway), leased in a folder of
-the caller's own, so nested jobs share those cards among themselves. Waiting for the machine's other
-cards instead could wait forever: with every card held by a caller waiting on its inner job, no inner
-job ever gets one.
+Inside a job that holds cards, the pool is that job's own cards, leased in a folder of its own, so the
+jobs it starts share them. Waiting for the machine's other cards instead could wait forever: with every
+card held by a caller waiting on its inner job, no inner job ever gets one.
 """
 
 from __future__ import annotations
@@ -145,8 +143,8 @@ def _real_pool(env: Mapping[str, str]) -> Pool:
 def _read_busy(cards: tuple[PoolCard, ...]) -> frozenset[int]:
     me = os.getpid()
     by_nvml = {c.nvml_index: c.slot for c in cards}
-    busy = set()
-    for card in visible_cards({}, refresh=True):
-        if card.nvml_index in by_nvml and any(pid != me for pid in card.processes):
-            busy.add(by_nvml[card.nvml_index])
-    return frozenset(busy)
+    return frozenset(
+        by_nvml[card.nvml_index]
+        for card in visible_cards({}, refresh=True)
+        if card.nvml_index in by_nvml and any(pid != me for pid in card.processes)
+    )

@@ -1,14 +1,9 @@
 """What the caller sees while a batch runs: each job's output with its cell as prefix, and the sweep's state.
 
-Job output goes to the caller's sys.stdout / sys.stderr (the stream the job wrote to), as
-`[train #3] line`. For a sweep (a map of more than one cell) the state is shown on stderr:
-
-- stderr is a terminal: a status table redrawn in place (rich's Live display, four times a second),
-  one row per cell (running, failed and the rest grouped by state once the sweep has more than
-  TABLE_ROWS cells) and a summary row with the counts and the estimated time left; job output
-  scrolls above it.
-- stderr is not a terminal (CI, a batch system, a pipe): one plain line per state change.
-- progress=False: neither (job output still streams unless stream_output=False).
+Job output goes to the caller's stream the job wrote to, as `[train #3] line`. A sweep (a map of more
+than one cell) shows its state on stderr: on a terminal, a status table redrawn in place, with job output
+scrolling above it; elsewhere (CI, a batch system, a pipe), one plain line per state change;
+with progress=False, neither (job output still streams unless stream_output=False).
 """
 
 from __future__ import annotations
@@ -99,8 +94,7 @@ class Reporter:
     def reused_cell(self, cell: Cell) -> None:
         """`cell` was not run: its result came from an earlier run."""
         with self._lock:
-            view = self._cells[cell.index]
-            view.state = "reused"
+            self._cells[cell.index].state = "reused"
             self.done += 1
             self.reused += 1
 

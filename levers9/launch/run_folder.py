@@ -1,15 +1,10 @@
-"""A batch's run folder, made once and written while the batch runs (the layout: run_reader.py).
+"""A batch's run folder, made once and written while the batch runs (the layout: run_reader.py); the
+claims on its cells; and retention of old run folders.
 
-`RunRecord` makes the folder (`RunFolder.make`) and writes its run.json, events.jsonl and results/;
-the `RunFolder` value it made, the folder's path and its loss record, travels with the Batch to the
-backend, which writes each attempt's logs and meta.json there. While a batch runs, its cells' keys
-(cells.py) are claimed (run_folder.py): a resume waits for a live run that claims any of its cells,
-then reuses what it stored.
-
-A run folder appears whole: made as .new-<pid>-<run id> with its run.json, then renamed, after
-retention (run_folder.py) made room. On a full disk the sweep still runs: unrecorded (said in one
-line at its start), or with what could not be kept said in one warning at its end (the folder's
-state_files.Losses).
+`RunRecord` makes the folder and writes its run.json, events.jsonl and results/; the `RunFolder` it made
+travels with the Batch to the backend, which writes each attempt's logs and meta.json there. On a full
+disk the sweep still runs: unrecorded (said in one line at its start), or with what could not be kept
+said in one warning at its end (the folder's state_files.Losses).
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ from typing import Any
 import cloudpickle
 
 from levers9 import state_files
-from levers9.errors import ConfigError, PrivateDirError
+from levers9.errors import ConfigError, PrivateDirError, first_line
 from levers9.launch.cells import Cell, cell_key, function_key
 from levers9.launch.run_reader import (
     EVENTS_FILE,
@@ -58,16 +53,9 @@ STATE_FIX = (
 RESERVE = 512  # spaces after run.json's first text: room to write its end in place on a full disk
 
 
-def runs_root() -> Path:
-    """runs_dir(), created private (0700) if missing; PrivateDirError naming LEVERS9_STATE_DIR and
-    XDG_CACHE_HOME if it cannot be (a HOME that is not writable); OSError on a full disk."""
-    return private_dir(runs_dir(), fix=STATE_FIX)
-
-
 @dataclasses.dataclass(frozen=True)
 class RunFolder:
-    """One batch's run folder: where it is, and what a full disk cost it (its loss record, said in one
-    warning when the batch's record closes). Made once, by the batch's RunRecord; the Batch carries it."""
+    """One batch's run folder: where it is, and what a full disk cost it (said when the record closes)."""
 
     path: Path
     losses: Losses
@@ -75,14 +63,13 @@ class RunFolder:
     @classmethod
     def make(cls, run_id: str, record: dict[str, Any]) -> RunFolder:
         """runs_dir()/run_id holding `record` as its run.json (and an empty results/), retention applied
-        first. The folder appears whole (made under a hidden name, then renamed), so another caller's
-        retention never sees it without the record that names its living caller. An OSError (the disk
-        is full) leaves nothing behind: the run goes unrecorded, said now in one line. PrivateDirError
-        if the state folder is not a private folder of ours."""
+        first. It appears whole (made under a hidden name, then renamed), so another caller's retention
+        never sees it without the record that names its living caller. An OSError (a full disk) leaves
+        nothing behind: the run goes unrecorded. PrivateDirError if the state folder is not ours."""
         path = Path(os.path.abspath(os.path.expanduser(runs_dir()))) / run_id
         folder = cls(path, Losses(path))
         try:
-            root = runs_root()
+            root = private_dir(runs_dir(), fix=STATE_FIX)
             clean(keep=keep_runs() - 1)
             making = root / f"{NEW_PREFIX}{os.getpid()}-{run_id}"
             try:
@@ -101,12 +88,7 @@ class RunFolder:
 
 
 class RunRecord:
-    """Makes one batch's run folder (`folder`) and writes its run.json, events.jsonl and results/ (an
-    Events, plus result storage).
-
-    A write that fails (a full disk) never reaches the cells: if the folder cannot be made the run goes
-    unrecorded, said in one line at its start; else what could not be kept is said in one warning
-    when it closes (state_files.Losses)."""
+    """One batch's record (an Events, plus result storage): a write that fails never reaches the cells."""
 
     def __init__(
         self, run_id: str, *, name: str, backend: str, func: Callable[..., Any], cells: Sequence[Cell]
@@ -258,8 +240,8 @@ class RunRecord:
 
 def describe_error(error: BaseException) -> str:
     """'ValueError: boom' (first line of the message only)."""
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+    text = first_line(str(error))
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 # Which cells a caller is running now, so that two resumes of one sweep run each unfinished cell once.
@@ -268,14 +250,10 @@ def describe_error(error: BaseException) -> str:
 #     <runs_dir>/../claims/<run id>.claim  "<run id> <pid>", then the keys of its cells, one a line;
 #                                          locked by its run from before its cells start until its record closes
 #
-# Every batch claims its cells' keys; a batch with resume=True first waits while a live run (one whose claim
-# file is still locked) claims any of its keys, then takes its claim, and only then looks for stored
-# results, so it reuses what that run computed instead of running it again. A claim whose lock can be taken
-# belongs to a caller that died, and is removed. A state folder where claims cannot be made (full, read-
-# only) claims nothing: resume could not find results there either.
-
-
-log = logging.getLogger("levers9.launch")
+# A batch with resume=True first waits while a live run (its claim file still locked) claims any of its
+# keys, then takes its claim, and only then looks for stored results. A claim whose lock can be taken
+# belongs to a caller that died, and is removed. A state folder where claims cannot be made claims
+# nothing: resume could not find results there either.
 
 _SUFFIX = ".claim"
 
@@ -355,10 +333,8 @@ def _write(folder: Path, run_id: str, keys: Sequence[str]) -> Claim:
     return Claim(hold_new(path, "\n".join([f"{run_id} {os.getpid()}", *keys]).encode() + b"\n"), path)
 
 
-# Retention: run folders beyond the newest KEEP_RUNS (50, or $LEVERS9_KEEP_RUNS) are removed when a run
-# folder is made (run_folder.py) and by `levers9 runs clean`; runs whose caller is still alive, and folders
-# still being made, are never removed.
-
+# Retention: run folders beyond the newest keep_runs() are removed when a run folder is made and by
+# `levers9 runs clean`; runs whose caller is still alive, and folders still being made, never are.
 
 KEEP_RUNS = 50  # run folders kept when a new one is created ($LEVERS9_KEEP_RUNS overrides)
 

@@ -7,7 +7,7 @@
         results/<cell key>.pkl           each successful cell's value, cloudpickled (what resume reuses)
         <index:04d>-<attempt>/           one attempt's stdout.log, stderr.log, meta.json (written by the backends)
 
-run_folder.py writes them, run_folder.py removes old ones. Everything is read back only from
+run_folder.py writes them and removes old ones. Everything is read back only from
 regular files of this user's that no one else can write (never through a symlink, never waiting on
 a FIFO), and every field of run.json and every events.jsonl line is checked: a folder that fails is
 passed over with a RunFormatError naming it, never the reason a sweep stops.
@@ -153,18 +153,14 @@ class Run:
             return "ended"
         return "running" if self.alive else "interrupted"
 
-    def check_readable(self) -> None:
-        """RunFormatError if this levers9 cannot read the folder's record."""
+    def cells(self) -> list[CellState]:
+        """Every cell's last known state, in index order (events.jsonl replayed over run.json's list);
+        lines that are cut short or not as levers9 writes them are counted in skipped_events."""
         if self.newer:
             raise RunFormatError(
                 f"run {self.path.name} was written by a newer levers9 (run format {self.meta.get('format')}; "
                 f"this levers9 reads format {FORMAT}). Upgrade levers9 (pip install -U levers9) to read it."
             )
-
-    def cells(self) -> list[CellState]:
-        """Every cell's last known state, in index order (events.jsonl replayed over run.json's list);
-        lines that are cut short or not as levers9 writes them are counted in skipped_events."""
-        self.check_readable()
         cells = {int(i): CellState(int(i), text) for i, text in (self.meta.get("cells") or {}).items()}
         self.skipped_events = 0
         try:
@@ -245,9 +241,14 @@ def read_run(path: Path) -> Run:
 
 
 def each_run_folder() -> Iterator[tuple[Path, Run | RunFormatError]]:
-    """Every run folder under runs_dir() (not those being made) with its run, or the RunFormatError
-    that says why it cannot be read."""
-    for path in run_folders():
+    """Every run folder under runs_dir() (not the hidden ones being made) with its run, or the
+    RunFormatError that says why it cannot be read."""
+    found = []
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for entry in os.scandir(runs_dir()):
+            if not entry.name.startswith(".") and entry.is_dir(follow_symlinks=False):
+                found.append(Path(entry.path))
+    for path in found:
         try:
             yield path, read_run(path)
         except RunFormatError as exc:
@@ -284,8 +285,7 @@ def find_run(text: str) -> Run:
         for problem in skipped:
             if f"{os.sep}{text}" in str(problem):
                 raise problem
-    recent = ", ".join(r.name_on_disk for r in runs[-3:]) or "none yet"
-    if not matches:
+        recent = ", ".join(r.name_on_disk for r in runs[-3:]) or "none yet"
         raise ConfigError(
             f"no run {text!r} under {runs_dir()}; recent runs: {recent}. List them with: levers9 runs"
         )
@@ -293,16 +293,6 @@ def find_run(text: str) -> Run:
         f"{text!r} matches {len(matches)} runs ({', '.join(r.name_on_disk for r in matches[:5])}); "
         f"give more of the id. List them with: levers9 runs"
     )
-
-
-def run_folders() -> list[Path]:
-    """The run folders under runs_dir() (not the hidden ones being made)."""
-    found = []
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        for entry in os.scandir(runs_dir()):
-            if not entry.name.startswith(".") and entry.is_dir(follow_symlinks=False):
-                found.append(Path(entry.path))
-    return found
 
 
 def attempt_folders(run: Run, index: int) -> list[Path]:

@@ -1,16 +1,11 @@
-"""Workspace settings: the multi-GPU switch and the per-job card cap, in one small TOML file.
+"""Workspace settings: the multi-GPU switch and the per-job card cap, in one small TOML file; and where
+levers9 keeps run state (card leases, per-job logs).
 
-The file is `$LEVERS9_CONFIG_DIR/workspace.toml` when that variable is set, else
-`${XDG_CONFIG_HOME:-~/.config}/levers9/workspace.toml`. It is read afresh on every job submission,
-so a change takes effect on the next call. A missing file means the defaults (switch off, cap 8);
-a corrupt file is a SettingsError naming it, never a silent default. Writes are atomic (a temporary
-file in the same folder, fsync, os.replace) under an flock, so readers see the whole old file or the
-whole new one. The file, its folder and its lock are obeyed only if they are this user's, not
-symlinks, not FIFOs and not writable by others (as private_dir checks state folders); anything else
-is a SettingsError or PrivateDirError naming the fix (LEVERS9_CONFIG_DIR). A bad value is an error
-naming the command that sets it, and that command repairs the file.
-
-Where levers9 keeps run state (card leases, per-job logs) is decided here too.
+The file is read afresh on every job submission, so a change takes effect on the next call. A missing
+file means the defaults; a corrupt file is a SettingsError naming it, never a silent default. Writes
+are atomic under an flock, so readers see the whole old file or the whole new one. The file, its folder
+and its lock are obeyed only if they are this user's, not symlinks, not FIFOs and not writable by others.
+A bad value is an error naming the command that sets it, and that command repairs the file.
 """
 
 from __future__ import annotations
@@ -26,8 +21,6 @@ import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
-
-import tomlkit
 
 from levers9.errors import ConfigError, SettingsError
 from levers9.private_dir import check_private, private_dir
@@ -56,25 +49,18 @@ class _Key:
     fix: str = ""  # also the fix for its table when the table is not a table
 
 
-def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool)
-
-
-def _is_str(value: Any) -> bool:
-    return isinstance(value, str)
-
-
 def _is_card_cap(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_GPU_COUNT_LIMIT
 
 
 # The keys this file may hold, by (table, key).
 _KNOWN: dict[tuple[str, str], _Key] = {
-    ("workspace", "multi_gpu"): _Key("true or false", _is_bool, "levers9 workspace multi-gpu on|off"),
-    ("workspace", "name"): _Key("a string", _is_str),
+    ("workspace", "multi_gpu"): _Key("true or false", lambda v: isinstance(v, bool),
+                                     "levers9 workspace multi-gpu on|off"),
+    ("workspace", "name"): _Key("a string", lambda v: isinstance(v, str)),
     ("limits", "max_gpu_count"): _Key(f"an integer from 1 to {MAX_GPU_COUNT_LIMIT}", _is_card_cap,
                                       "levers9 workspace max-gpu-count N"),
-    ("local", "simulate_gpus"): _Key('a string such as "RTXPro6000:4"', _is_str),
+    ("local", "simulate_gpus"): _Key('a string such as "RTXPro6000:4"', lambda v: isinstance(v, str)),
 }  # fmt: skip
 
 # A backend's options live with the backend: its module of them checks `@job(<name>={...})` (`check`) and owns the
@@ -119,30 +105,28 @@ class Settings:
         return checked
 
 
-def config_dir(env: os._Environ[str] | dict[str, str] | None = None) -> Path:
-    """$LEVERS9_CONFIG_DIR, else ${XDG_CONFIG_HOME:-~/.config}/levers9."""
+def _levers9_dir(env: Mapping[str, str] | None, own: str, xdg: str, dot: str) -> Path:
+    """$`own`, else ${`xdg`:-~/`dot`}/levers9; ConfigError naming both variables when the home folder is
+    needed and there is none (HOME unset and no passwd entry)."""
     env = os.environ if env is None else env
-    if env.get("LEVERS9_CONFIG_DIR"):
-        return Path(env["LEVERS9_CONFIG_DIR"]).expanduser()
-    base = env.get("XDG_CONFIG_HOME") or str(_home("LEVERS9_CONFIG_DIR", "XDG_CONFIG_HOME") / ".config")
+    if env.get(own):
+        return Path(env[own]).expanduser()
+    base = env.get(xdg)
+    if not base:
+        try:
+            base = str(Path.home() / dot)
+        except RuntimeError:
+            raise ConfigError(
+                f"levers9 cannot tell your home folder (HOME is not set, and uid {os.getuid()} has no passwd "
+                f"entry). Fix: set {own} or {xdg} to a folder you can write."
+            ) from None
     return Path(base).expanduser() / "levers9"
 
 
-def _home(*variables: str) -> Path:
-    """The user's home folder; ConfigError naming `variables` (which move what would live there)
-    when there is none (HOME unset and no passwd entry)."""
-    try:
-        return Path.home()
-    except RuntimeError:
-        raise ConfigError(
-            f"levers9 cannot tell your home folder (HOME is not set, and uid {os.getuid()} has no passwd entry). "
-            f"Fix: set {' or '.join(variables)} to a folder you can write."
-        ) from None
-
-
 def settings_path(env: os._Environ[str] | dict[str, str] | None = None) -> Path:
-    """Where the workspace settings file is (whether or not it exists)."""
-    return config_dir(env) / FILE_NAME
+    """Where the workspace settings file is (whether or not it exists): $LEVERS9_CONFIG_DIR/workspace.toml,
+    else ${XDG_CONFIG_HOME:-~/.config}/levers9/workspace.toml."""
+    return _levers9_dir(env, "LEVERS9_CONFIG_DIR", "XDG_CONFIG_HOME", ".config") / FILE_NAME
 
 
 def lease_dir(env: os._Environ[str] | dict[str, str] | None = None) -> Path:
@@ -170,11 +154,7 @@ def lease_dirs(env: os._Environ[str] | dict[str, str] | None = None) -> tuple[Pa
 
 def runs_dir(env: os._Environ[str] | dict[str, str] | None = None) -> Path:
     """The folder of per-job logs: $LEVERS9_STATE_DIR/runs, else ${XDG_CACHE_HOME:-~/.cache}/levers9/runs."""
-    env = os.environ if env is None else env
-    if env.get("LEVERS9_STATE_DIR"):
-        return Path(env["LEVERS9_STATE_DIR"]).expanduser() / "runs"
-    base = env.get("XDG_CACHE_HOME") or str(_home("LEVERS9_STATE_DIR", "XDG_CACHE_HOME") / ".cache")
-    return Path(base).expanduser() / "levers9" / "runs"
+    return _levers9_dir(env, "LEVERS9_STATE_DIR", "XDG_CACHE_HOME", ".cache") / "runs"
 
 
 CONFIG_FIX = (
@@ -287,6 +267,8 @@ max_gpu_count = 8        # per job; `levers9 workspace max-gpu-count N`
 def render(settings: Settings, existing: str | None = None) -> str:
     """The file's text for `settings`: the user's `existing` text with levers9's keys set to these values
     (comments, layout and unknown keys kept), or levers9's commented template when there is no file."""
+    import tomlkit  # only a write needs it: every job process and SLURM task imports this module to read
+
     if existing is None:  # a new file: levers9's template, each backend's table explained by the backend
         existing = _TEMPLATE + "".join(backend_options(name).SETTINGS_TEMPLATE for name in BACKEND_OPTIONS)
     doc = tomlkit.parse(existing)

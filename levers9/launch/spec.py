@@ -1,8 +1,5 @@
-"""What a job asks for (`JobSpec`), built from @job's arguments and checked once, at decoration time.
-
-Every rule here is static: no file or hardware is read. The workspace policy (cap, switch) and the
-machine's feasibility are checked per call, at the end of this file (given the settings and the pool the caller
-read) and by the backend.
+"""What a job asks for (`JobSpec`), built from @job's arguments and checked once, at decoration time
+(no file or hardware is read); and the per-call checks of the workspace policy and the local machine.
 """
 
 from __future__ import annotations
@@ -255,10 +252,8 @@ def _memory(value: Any) -> int | None:
     return max(1, int(mib))
 
 
-# Per-call checks, in beta9's order: the workspace's card cap, its multi-GPU switch, then feasibility.
-#
-# `check_policy` is the same for every backend; `check_feasible` is the local executor's answer to "could
-# this machine ever hold the job?". Both raise before anything starts.
+# Per-call checks, before anything starts, in beta9's order: the workspace's card cap, its multi-GPU switch
+# (`check_policy`, for every backend), then feasibility (`check_feasible`, the local executor's).
 
 
 def check_policy(spec: JobSpec, settings: Settings) -> None:

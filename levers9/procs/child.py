@@ -1,15 +1,13 @@
 """Child side: what runs inside a child that start.py started, forked or as a fresh interpreter.
 
-The child leads its own session, dies with its parent (the kernel's parent-death signal for itself,
-and a watchdog process in its group that kills the whole group once the parent's lifeline pipe
-reads end of file, so what the target started dies too), writes its output to the parent's pipes,
-runs the target and sends back one message: ("result", value) or ("error", FailureRecord), then ends as an
-interpreter ends (interpreter.py: threads joined, exit handlers run, files flushed; a forked child also
-began with its own random state and exit handlers). It is a child
-subreaper, and when the target is done it kills every descendant it still has, daemons that left
-its group or session included (watch.py), so nothing it started outlives it. Descriptors it was handed
-(its message pipe, lifeline, lease locks) are never inherited by what it starts (fds.py). The target's
-value must already be bytes or None (the caller's target decides what is shipped back).
+The child leads its own session and dies with its parent: the kernel's parent-death signal for itself, and a
+watchdog process in its group that kills the whole group once the parent's lifeline pipe reads end of file,
+so what the target started dies too. It writes its output to the parent's pipes, runs the target, sends back
+("result", value) or ("error", FailureRecord), and ends as an interpreter ends (interpreter.py). As a child
+subreaper it kills every descendant it still has when the target is done, daemons that left its group or
+session included (watch.py), so nothing it started outlives it. Descriptors it was handed (message pipe,
+lifeline, lease locks) are never inherited by what it starts (fds.py). The target's value must already be
+bytes or None (the caller's target decides what is shipped back).
 
 `python -m levers9.procs.child` is the fresh-interpreter entry: everything arrives on stdin.
 """
@@ -204,8 +202,7 @@ def _redirect_stdio(out_fd: int, err_fd: int, stdin_fd: int | None) -> None:
     for fd in {out_fd, err_fd} - {1, 2}:
         fds.close(fd)
     _set_stdin(stdin_fd)
-    sys.stdout = _line_stream(1)
-    sys.stderr = _line_stream(2)
+    sys.stdout, sys.stderr = _line_stream(1), _line_stream(2)
 
 
 def _line_stream(fd: int) -> io.TextIOWrapper:

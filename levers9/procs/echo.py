@@ -1,11 +1,11 @@
-"""Parent side: children's output onto the caller's own streams, looked up at each write (a caller may
-replace sys.stdout at any time).
+"""Parent side: children's output onto the caller's own streams, looked up at each write (a caller may replace
+sys.stdout at any time).
 
-The bytes a child wrote reach the caller's stream unchanged where it has a binary buffer (text decoded
-with surrogateescape encodes back to the same bytes); a stream without one gets the text, with any
-undecodable byte replaced. A stream that is None (`python sweep.py >&-`), has no `flush`, or raises
-costs only the output: a child's value and failure never depend on the caller's stdout, as `print`'s
-never do on a healthy one. The first write a stream refuses is said once on levers9's logger.
+The bytes a child wrote reach the caller's stream unchanged where it has a binary buffer (text decoded with
+surrogateescape encodes back to the same bytes); a stream without one gets the text, with any undecodable byte
+replaced. A stream that is None (`python sweep.py >&-`), has no `flush`, or raises costs only the output: a
+child's value and failure never depend on the caller's stdout, as `print`'s never do on a healthy one. The
+first write a stream refuses is said once on levers9's logger.
 """
 
 from __future__ import annotations
@@ -81,8 +81,6 @@ def _flush(out: Any) -> None:
     if flush is not None:
         flush()
 
-
-# Several children's output on the caller's streams, each line labelled, pieces of long lines kept together.
 
 class LabelledOutput:
     """Text from several sources (ranks, cells) to the caller's streams (`write`): each `label` ("[rank 1] ") at the

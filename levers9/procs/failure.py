@@ -169,8 +169,7 @@ def send(fd: int, message: tuple[Any, ...]) -> None:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     view = memoryview(_HEADER.pack(len(data)) + data)
     while view:
-        written = os.write(fd, view)
-        view = view[written:]
+        view = view[os.write(fd, view) :]
 
 
 class FrameReader:
@@ -212,11 +211,9 @@ def ship(value: Any) -> bytes:
 
 def ship_value(value: Any, what: str) -> bytes:
     """A target's return value shipped for the caller, or NotShippableError naming the part that cannot be pickled.
-    A tensor that views a small part of a large storage ships only that part (`compact_view`).
-
-    Plain data (numbers, dicts, tensors) goes through the standard pickle, so neither side pays for
-    importing cloudpickle; whatever pickle cannot take by reference (a function or class defined in
-    the child) goes by value."""
+    Plain data goes through the standard pickle (neither side pays for importing cloudpickle), a tensor viewing a
+    small part of a large storage as that part only (`compact_view`); what pickle cannot take by reference (a
+    function or class defined in the child) goes by value (`ship`)."""
     with contextlib.suppress(Exception):
         if "torch" not in sys.modules:
             return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)

@@ -1,12 +1,12 @@
 """Parent side: every descriptor levers9 opens for its children, so a forked child closes those not its own.
 
-A flock is released only when every copy of its descriptor is closed, and a pipe reports end of
-file only when every copy of its write end is closed. A child forked while other children are being
-started would inherit their lease locks, tickets and pipes, and hold them for its own lifetime.
-Everything opened here is tracked under one lock, and every fork of this process happens under
-that lock, so the child's snapshot is exact. A child forked by anyone but `fork_child` (the
-caller's multiprocessing helper, a job's own daemon) gets none of them: they are closed in it right
-after the fork, so such a process never holds a card's lease, a lifeline or a pipe of levers9's.
+A flock is released only when every copy of its descriptor is closed, and a pipe reports end of file only when
+every copy of its write end is closed. A child forked while other children are being started would inherit
+their lease locks, tickets and pipes, and hold them for its own lifetime. Everything opened here is tracked
+under one lock, and every fork of this process happens under that lock, so the child's snapshot is exact. A
+child forked by anyone but `fork_child` (the caller's multiprocessing helper, a job's own daemon) gets none of
+them: they are closed in it right after the fork, so such a process never holds a card's lease, a lifeline or
+a pipe of levers9's.
 """
 
 from __future__ import annotations
@@ -55,10 +55,8 @@ def openpty(size_of: int | None = None) -> tuple[int, int]:
     import termios
 
     with _lock:
-        main, child = os.openpty()
+        main, child = os.openpty()  # both non-inheritable (PEP 446)
         _tracked.update((main, child))
-        for fd in (main, child):
-            os.set_inheritable(fd, False)
     attrs = termios.tcgetattr(child)
     attrs[1] &= ~termios.OPOST  # output flags: no post-processing
     termios.tcsetattr(child, termios.TCSANOW, attrs)
@@ -84,10 +82,8 @@ def close(fd: int) -> None:
 
 def fork_child(keep: Iterable[int], child: Callable[[], None]) -> int:
     """Fork; in the child close every tracked descriptor not in `keep`, then run `child` (which must not return).
-
-    Python 3.12+ warns (DeprecationWarning) on every fork of a process with threads. levers9 forks from its own
-    forker thread on purpose, after making the fork safe (start.py), so that warning, and only it, is not
-    shown for these forks: the user's filters are restored as soon as `os.fork` returns."""
+    Python 3.12+'s DeprecationWarning on a fork of a process with threads, and only it, is not shown for this
+    fork: levers9 forks from its own forker thread on purpose, after making the fork safe (start.py)."""
     global _keep_next
     with _lock:
         _keep_next = (threading.get_ident(), frozenset(keep))

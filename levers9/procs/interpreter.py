@@ -1,19 +1,18 @@
 """Child side: a forked child begins as a fresh interpreter would, and every child ends as an interpreter ends.
 
-A fork copies the caller's whole state; a fresh interpreter (what torchrun and mp.spawn start) has its
-own. So right after the fork the child gets what a new process would have: unseeded random generators
-of its own (torch's and numpy's; CPython reseeds `random` itself after a fork), no exit handlers
-of the caller's (they would act on the caller's resources from every child; a handler a module
-registers when it is imported, such as logging's, is registered again, as a new interpreter
-importing that module would), and signal handlers that run while it computes (see
-`relay_signals_to_main`). Code that seeds after that keeps its seeds exactly.
+A fork copies the caller's whole state; a fresh interpreter (what torchrun and mp.spawn start) has its own.
+So right after the fork the child gets what a new process would have: unseeded random generators of its own
+(torch's and numpy's; CPython reseeds `random` itself after a fork), no exit handlers of the caller's (they
+would act on the caller's resources from every child; one a module registers on import, such as logging's, is
+registered again, as a new interpreter importing it would), and signal handlers that run while it computes
+(`relay_signals_to_main`). Code that seeds after that keeps its seeds exactly.
 
-At the end, `shutdown` does what Py_FinalizeEx does before the process exits, in its order:
-`threading`'s exit hooks run (a ThreadPoolExecutor's tell its workers to stop) and the non-daemon
-threads are joined (their names sent to the parent first, so a run stopped while it waits for them
-can say which), then `atexit` handlers run, and files the child opened and left open are flushed. `uncaught` calls a `sys.excepthook` the code installed for an
-exception nothing caught (the default hook is not called, nor torch's that only prefixes it with the rank:
-the parent reports that traceback).
+At the end, `shutdown` does what Py_FinalizeEx does before the process exits, in its order: `threading`'s exit
+hooks run (a ThreadPoolExecutor's tell its workers to stop), the non-daemon threads are joined (their names
+sent to the parent first, so a run stopped while it waits for them can say which), `atexit` handlers run, and
+files the child opened and left open are flushed. `uncaught` calls a `sys.excepthook` the code installed for
+an exception nothing caught (not the default hook, nor torch's that only prefixes it with the rank: the parent
+reports that traceback).
 """
 
 from __future__ import annotations
@@ -119,8 +118,7 @@ def _beneath_torchs_prefixes(hook: Callable[..., object]) -> Callable[..., objec
 
 
 def shutdown(say_waiting: Callable[[list[str]], None]) -> None:
-    """End as Py_FinalizeEx does: run `threading`'s exit hooks and join non-daemon threads (`say_waiting` gets
-    their names first), run `atexit` handlers, flush files the child left open. Never raises."""
+    """End as Py_FinalizeEx does (see above); `say_waiting` gets the waited-for threads' names first. Never raises."""
     waiting = [t for t in threading.enumerate() if not t.daemon and t is not threading.current_thread() and t.is_alive()]
     if waiting:
         with contextlib.suppress(Exception):

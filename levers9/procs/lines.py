@@ -1,11 +1,11 @@
 """Parent side: children's output cut into lines, and handed to the caller's callback on a thread of its own.
 
-Cutting costs time linear in what was read, however long a line is: the bytes of an unfinished line are
-kept as a list of chunks and joined once. A line longer than PIECE_BYTES is handed on in pieces of about
-that size, so no copy of it is ever held whole. The Forwarder calls the callback in order on its own
-thread and holds at most QUEUE_BYTES: the watcher stops reading children's output while it is full (the
-children then block on a full pipe, as torchrun's workers do on a full stdout), and never blocks itself
-on a caller's stream that takes nothing, so exits, messages and deadlines are still seen.
+Cutting costs time linear in what was read, however long a line is: the bytes of an unfinished line are kept
+as a list of chunks and joined once. A line longer than PIECE_BYTES is handed on in pieces of about that size,
+so no copy of it is ever held whole. The Forwarder calls the callback in order on its own thread and holds at
+most QUEUE_BYTES: the watcher stops reading children's output while it is full (the children then block on a
+full pipe, as torchrun's workers do on a full stdout), and never blocks itself on a caller's stream that takes
+nothing, so exits, messages and deadlines are still seen.
 """
 
 from __future__ import annotations
@@ -48,15 +48,10 @@ class LineCutter:
         pieces: list[str] = []
         end = data.rfind(b"\n") + 1
         if end:
-            head = data[:end]
-            if self._held:
-                self._held.append(head)
-                head = b"".join(self._held)
-                self._held, self._size = [], 0
-            self._held_since = None
+            head = b"".join([*self._held, data[:end]])
+            self._held, self._size, self._held_since, self._open = [], 0, None, False
             lines = self._decoder.decode(head).split("\n")
             pieces.extend(line + "\n" for line in lines[:-1])  # the last is "": head ends with a newline
-            self._open = False
             data = data[end:]
         if data:
             self._held.append(data)
@@ -64,7 +59,7 @@ class LineCutter:
             if self._size >= PIECE_BYTES:
                 pieces.append(self._piece())
             elif self._held_since is None and (self._immediate or b"\r" in data):
-                self._held_since = time.monotonic()  # a redraw is handed on as a terminal shows it, whatever the stream
+                self._held_since = time.monotonic()
         return [p for p in pieces if p]
 
     def end(self) -> list[str]:
@@ -80,7 +75,7 @@ class LineCutter:
         return self._held_since is not None
 
     def due(self, now: float) -> list[str]:
-        """The unfinished line so far, once it has waited HOLD_S (a redraw, or any line of an immediate cutter)."""
+        """The unfinished line so far, once it has been held HOLD_S."""
         if self._held_since is None or now - self._held_since < HOLD_S:
             return []
         piece = self._piece()
@@ -105,14 +100,11 @@ class WholeLines:
         if not text.endswith("\n"):
             self._open.setdefault((child, stream), []).append(text)
             return
-        held = self._open.pop((child, stream), None)
-        if held is None:
-            self.on_line(child, stream, text[:-1])
-        else:
-            held.append(text[:-1])
-            line = "".join(held)
-            held.clear()  # the pieces go before the callback runs: a long line is held once, not twice
-            self.on_line(child, stream, line)
+        held = self._open.pop((child, stream), [])
+        held.append(text[:-1])
+        line = "".join(held)
+        held.clear()  # the pieces go before the callback runs: a long line is held once, not twice
+        self.on_line(child, stream, line)
 
 
 class Forwarder:
@@ -167,11 +159,6 @@ class Forwarder:
         error, self._error = self._error, None
         if error is not None:
             raise error
-
-    def pending(self) -> bool:
-        """True while pieces wait or the sink is running."""
-        with self._cond:
-            return bool(self._items) or self._busy
 
     def flush(self, stuck_s: float | None) -> bool:
         """Wait until every piece was handed to the sink; with `stuck_s`, give up once the sink has taken

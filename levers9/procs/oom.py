@@ -1,10 +1,10 @@
 """Was it the out-of-memory killer? This process's cgroup counts the processes it killed.
 
-cgroup v2 keeps the count as `oom_kill N` in `memory.events`, cgroup v1 in `memory.oom_control` of the
-memory controller. The cgroup is the one /proc/self/cgroup names, found under the cgroup file
-system's mount point from /proc/self/mountinfo. LEVERS9_CGROUP_DIR names the cgroup folder to read
-instead (tests point it at a stand-in folder). A caller reads the count when a rank or job starts and
-again when it sees a SIGKILL: a higher count means the kernel's OOM killer fired in this cgroup.
+cgroup v2 keeps the count as `oom_kill N` in `memory.events`, cgroup v1 in `memory.oom_control` of the memory
+controller. The cgroup is the one /proc/self/cgroup names, found under the cgroup file system's mount point
+from /proc/self/mountinfo. LEVERS9_CGROUP_DIR names the cgroup folder to read instead (tests point it at a
+stand-in folder). A caller reads the count when a rank or job starts and again when it sees a SIGKILL: a
+higher count means the kernel's OOM killer fired in this cgroup.
 """
 
 from __future__ import annotations
@@ -21,24 +21,13 @@ _COUNTER_FILES = ("memory.events", "memory.oom_control")  # v2, v1
 
 def oom_kills() -> int | None:
     """How many processes the OOM killer has killed in this process's cgroup; None when unknown."""
-    for folder in _cgroup_dirs():
-        for name in _COUNTER_FILES:
-            count = _read_count(folder / name)
-            if count is not None:
-                return count
-    return None
-
-
-def count_rose(before: int | None, after: int | None) -> bool:
-    """True when both counts were read and the cgroup's OOM-kill count rose between them."""
-    return before is not None and after is not None and after > before
+    counts = (_read_count(folder / name) for folder in _cgroup_dirs() for name in _COUNTER_FILES)
+    return next((count for count in counts if count is not None), None)
 
 
 def killed_by(signum: int, before: int | None, after: int | None) -> str:
-    """How a process that died by `signum` is described, given this cgroup's OOM-kill count when it
-    started and when its death was seen: 'killed by SIGKILL; the out-of-memory killer fired in this
-    cgroup (count 0 → 1): reduce batch size or give the job more memory' only when the count rose;
-    a plain 'killed by SIGKILL' when it did not (no claim without evidence)."""
+    """'killed by SIGKILL', given this cgroup's OOM-kill count when the process started and when its death
+    was seen; the out-of-memory killer is named only when the count rose (no claim without evidence)."""
     how = f"killed by {signal_name(signum)}"
     if signum != signal.SIGKILL:
         return how
@@ -57,8 +46,7 @@ def killed_by(signum: int, before: int | None, after: int | None) -> str:
 
 def _cgroup_dirs() -> list[Path]:
     """The cgroup folders to look in: LEVERS9_CGROUP_DIR alone when set, else this process's."""
-    override = os.environ.get(CGROUP_DIR_VAR)
-    if override:
+    if override := os.environ.get(CGROUP_DIR_VAR):
         return [Path(override)]
     try:
         return cgroup_dirs(Path("/proc/self/cgroup").read_text(), Path("/proc/self/mountinfo").read_text())

@@ -1,15 +1,14 @@
 """Parent side: start a child process, the fastest way that is safe.
 
-The rule, in one place: fork where that is safe, start a fresh interpreter where it is not.
-Forking is safe on Linux while CUDA is untouched in this process (a child forked after the CUDA
-driver was initialised cannot use CUDA). Forks never happen on the caller's thread: they happen on
-one long-lived forker thread that never runs user work. A child is a copy of the thread that forked
-it, so it inherits no OpenMP team of the caller's (GNU OpenMP keeps a thread's team in that
-thread's own storage; a child forked from a thread that ran a parallel region hangs in its first
-one). The fork happens while the forker holds every logging handler's lock, so a thread of the
-caller's that logs is never caught holding its stream's lock; the child writes to new streams on
-its own pipes. The kernel's parent-death signal follows the thread that forked, so that thread
-lives as long as this process. `LEVERS9_START_METHOD=spawn` forces fresh interpreters; `=fork` insists on forking.
+Fork where that is safe, start a fresh interpreter where it is not. Forking is safe on Linux while CUDA is
+untouched in this process (a child forked after the CUDA driver was initialised cannot use CUDA). Forks happen
+on one long-lived forker thread that never runs user work, never on the caller's: a child is a copy of the
+thread that forked it, so it inherits no OpenMP team of the caller's (GNU OpenMP keeps a thread's team in that
+thread's own storage; a child forked from a thread that ran a parallel region hangs in its first one), and the
+kernel's parent-death signal follows the thread that forked, so that thread lives as long as this process. The
+fork happens while the forker holds every logging handler's lock, so no thread of the caller's that logs is
+caught holding its stream's lock; the child writes to new streams on its own pipes.
+`LEVERS9_START_METHOD=spawn` forces fresh interpreters; `=fork` insists on forking.
 """
 
 from __future__ import annotations
@@ -73,19 +72,17 @@ def _terminal_of(stream: Any) -> int | None:
 
 
 def _is_open(fd: int) -> bool:
-    try:
+    with contextlib.suppress(OSError):
         os.fstat(fd)
-    except OSError:
-        return False
-    return True
+        return True
+    return False
 
 
 def fork_is_safe() -> tuple[bool, str]:
     """(True, "") if children forked now can use CUDA, else (False, the reason)."""
     if sys.platform != "linux":
         return False, f"fork is only used on Linux (this is {sys.platform})"
-    torch = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None) if torch is not None else None
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
     if cuda is not None and cuda.is_initialized():
         return False, "CUDA is already initialised in this process"
     if _cuda_driver_loaded():
@@ -199,10 +196,8 @@ def start(
 
     Forked: `target` is used as it is (nothing is pickled). Fresh interpreter: `shipped` must be
     `failure.ship(target)`; the caller ships it so that it can say what could not be pickled. The
-    child is the leader of its own session, gets `env` on top of this process's environment, and
-    keeps the descriptors in `keep` (lock files it must hold) besides its own pipes. Its stdout and stderr
-    are pipes or pseudo-terminals, its stdin /dev/null or the caller's, as `stdio` says.
-    """
+    child leads its own session, gets `env` on top of this process's environment, and keeps the descriptors in
+    `keep` (lock files it must hold) besides its own pipes; `stdio` says what its standard streams are."""
     env = dict(env or {})
     oom_before = oom.oom_kills()  # before the child runs: one the OOM killer takes at once still raises the count
     msg_r, msg_w = fds.pipe()
@@ -239,9 +234,8 @@ def start(
 
 
 def _fork(keep: tuple[int, ...], child_main: Callable[[], None]) -> int:
-    """Fork while holding every logging handler's lock: no thread of the caller is then inside a handler,
-    writing to its stream, so the child inherits no stream lock held by a thread it does not have
-    (logging itself re-creates its locks in the child, and releases them here)."""
+    """Fork while holding every logging handler's lock, so the child inherits no stream lock held by a thread it
+    does not have (logging itself re-creates its own locks in the child)."""
     import logging
 
     handlers = [ref() for ref in list(getattr(logging, "_handlerList", []))]
@@ -272,18 +266,12 @@ def _exec(ends: child.Ends, env: dict[str, str], keep: tuple[int, ...]) -> subpr
 
 # Parent side: while this process only plans, starts and watches ranks, the objects it had before are held
 # out of its garbage collector, as CPython advises for a process that forks (`gc.freeze`'s documentation).
-#
-# `import torch` leaves a full collection due (about 175,000 objects to traverse, 60 to 80 ms here), which
-# the next few thousand objects any code makes set off. Held, those objects are not traversed by the
-# collections this process makes meanwhile: starting the ranks does not pay that collection, and a
-# collection while they live does not write into each object's header, which would copy every page the ranks
-# still share with this process (copy-on-write). After, they are handed back to the collector as they were,
-# and the collection that was due falls due again. A caller that froze objects itself keeps its own freeze
-# as it is: nothing is held or handed back then.
-#
-# CPython 3.12 keeps objects of its own frozen (its immortal static types' tuples: 375 in a bare
-# interpreter), and puts them back in the frozen generation at every full collection; a freeze of no more
-# than that is the interpreter's, not the caller's.
+# `import torch` leaves a full collection due (about 175,000 objects, 60 to 80 ms here) that the next few
+# thousand new objects set off: held, starting the ranks does not pay it, and no collection writes into
+# those objects' headers, which would copy every page the ranks still share with this process. After, they
+# are handed back and that collection falls due again. A caller's own freeze is left as it is; but CPython
+# 3.12 keeps its immortal static types' tuples frozen (375 in a bare interpreter, frozen again at every full
+# collection), and a freeze of no more than that is the interpreter's, not the caller's.
 
 
 @functools.cache

@@ -1,7 +1,8 @@
 """Parent side: the one supervisor. Started children watched until they are all over, then one Outcome each.
 
 `distributed.run` supervises its ranks with one, the local executor a job process, a Ray task the
-job process it started on its node. The supervisor pumps the children's output and messages
+job process it started on its node, the SLURM backend the tasks of a job (with no Watcher: they are not
+this machine's children, and `before_stop` stops them). The supervisor pumps the children's output and messages
 (watch.Watcher), and stops them all (SIGTERM to each child's process group, `grace` seconds, then
 SIGKILL) when the deadline passes, `should_stop()` or `stalled()` turns true, or, for ranks
 (`stop_on_failure`), once one of them failed: after a short window in which an earlier failure
@@ -60,7 +61,7 @@ class Supervisor:
 
     def __init__(
         self,
-        watcher: Watcher,
+        watcher: Watcher | None,
         children: Sequence[Watched],
         *,
         timeout: float | None,
@@ -90,11 +91,13 @@ class Supervisor:
             return True
         if self.deadline is not None:
             wait = max(0.0, min(wait, self.deadline - time.monotonic()))
-        self.watcher.pump(wait)
+        if self.watcher is not None:
+            self.watcher.pump(wait)
         now = time.monotonic()
         if all([child.poll() for child in self.children]):  # every one polled: another node's share reads its news there
-            self.watcher.drain(DRAIN_S)
-            self.watcher.stop(0)  # whatever they left behind in their groups
+            if self.watcher is not None:
+                self.watcher.drain(DRAIN_S)
+                self.watcher.stop(0)  # whatever they left behind in their groups
             self.over = True
             return True
         if self.stop_on_failure and self._first_failures(now):
@@ -120,7 +123,8 @@ class Supervisor:
 
     def idle(self, wait: float) -> None:
         """Pump for `wait` s and apply no rule (the caller waits for an answer of its own meanwhile)."""
-        self.watcher.pump(wait)
+        if self.watcher is not None:
+            self.watcher.pump(wait)
 
     def run(self, every: float = 0.05) -> list[Outcome]:
         """Step until every child has ended; how each ended."""
@@ -135,8 +139,9 @@ class Supervisor:
         self._stopped = [child for child in self.children if not child.poll() and child.failure is None]
         if self.before_stop is not None:
             self.before_stop(reason)
-        self.watcher.stop(self.grace)
-        self.watcher.drain(DRAIN_S)
+        if self.watcher is not None:
+            self.watcher.stop(self.grace)
+            self.watcher.drain(DRAIN_S)
         self.over = True
         return True
 

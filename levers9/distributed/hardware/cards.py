@@ -12,12 +12,14 @@ driver, no NVML, no cards all give an empty list. One NVML read per process is c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from levers9.distributed.hardware.gpu_types import type_of_card
@@ -69,13 +71,15 @@ class Inventory:
 
     def has_nvlink(self, cards: tuple[Card, ...] | list[Card] | None = None) -> bool:
         """True if any pair among `cards` (default: all visible) is joined by NVLink."""
-        idx = {c.index for c in (self.cards if cards is None else cards)}
-        return any(v and i in idx and j in idx for (i, j), v in self.nvlink.items())
+        return any(self._pairs(self.nvlink, cards))
 
     def p2p_reported(self, cards: tuple[Card, ...] | list[Card] | None = None) -> bool:
         """True if the driver reports P2P reads as OK for any pair among `cards` (default: all visible)."""
+        return "OK" in self._pairs(self.p2p, cards)
+
+    def _pairs(self, matrix: Mapping[tuple[int, int], Any], cards: Sequence[Card] | None) -> list[Any]:
         idx = {c.index for c in (self.cards if cards is None else cards)}
-        return any(v == "OK" and i in idx and j in idx for (i, j), v in self.p2p.items())
+        return [v for (i, j), v in matrix.items() if i in idx and j in idx]
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready view (pairs as "i,j" keys)."""
@@ -89,21 +93,10 @@ class Inventory:
         }
 
 
-@dataclasses.dataclass(frozen=True)
-class _Machine:
-    """One NVML read of every card on the machine, in NVML order."""
-
-    cards: tuple[Card, ...]  # index == nvml_index here
-    driver_version: str | None
-    cuda_driver_version: str | None
-    p2p: Mapping[tuple[int, int], str]  # by NVML index
-    nvlink: Mapping[tuple[int, int], bool]
-    error: str | None
-
-
 _lock = threading.Lock()
-# Process-wide, as NVML's own initialisation is: the machine's cards, read once.
-_machine: _Machine | None = None
+# Process-wide, as NVML's own initialisation is: every card on the machine, read once, in NVML order (as
+# an Inventory whose card indices and pairs are NVML indices).
+_machine: Inventory | None = None
 
 
 def clear_cache() -> None:
@@ -125,12 +118,13 @@ def inventory(env: Mapping[str, str] | None = None, *, refresh: bool = False) ->
     chosen, note = _select(machine.cards, env)
     cards = tuple(dataclasses.replace(c, index=i) for i, c in enumerate(chosen))
     by_nvml = {c.nvml_index: c.index for c in cards}
-    p2p = {(by_nvml[a], by_nvml[b]): v for (a, b), v in machine.p2p.items() if a in by_nvml and b in by_nvml}
-    nvl = {
-        (by_nvml[a], by_nvml[b]): v for (a, b), v in machine.nvlink.items() if a in by_nvml and b in by_nvml
-    }
+
+    def by_cuda(matrix: Mapping[tuple[int, int], Any]) -> dict[tuple[int, int], Any]:
+        return {(by_nvml[a], by_nvml[b]): v for (a, b), v in matrix.items() if a in by_nvml and b in by_nvml}
+
     error = machine.error or (note if not cards else None)
-    return Inventory(cards, machine.driver_version, machine.cuda_driver_version, p2p, nvl, error)
+    p2p, nvlink = by_cuda(machine.p2p), by_cuda(machine.nvlink)
+    return Inventory(cards, machine.driver_version, machine.cuda_driver_version, p2p, nvlink, error)
 
 
 def _select(all_cards: tuple[Card, ...], env: Mapping[str, str]) -> tuple[list[Card], str | None]:
@@ -174,7 +168,7 @@ def _match_token(token: str, ordered: list[Card]) -> Card | None:
     return None  # MIG-... instances and anything else: not a whole card
 
 
-def _read_machine(refresh: bool) -> _Machine:
+def _read_machine(refresh: bool) -> Inventory:
     global _machine
     with _lock:
         if _machine is None or refresh:
@@ -182,45 +176,37 @@ def _read_machine(refresh: bool) -> _Machine:
         return _machine
 
 
-def _empty(error: str) -> _Machine:
-    return _Machine((), None, None, {}, {}, error)
-
-
 def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def _read_nvml() -> _Machine:
+def _read_nvml() -> Inventory:
     """Everything NVML says about the machine's cards, or an empty machine with the reason."""
     if "pynvml" not in sys.modules and not any(os.path.exists(p) for p in _DRIVER_MARKERS):
-        return _empty("no NVIDIA driver on this machine (none of " + ", ".join(_DRIVER_MARKERS) + " exists)")
+        markers = ", ".join(_DRIVER_MARKERS)
+        return Inventory(error=f"no NVIDIA driver on this machine (none of {markers} exists)")
     try:
         import pynvml
     except Exception as exc:  # ImportError, or a broken install
-        return _empty(f"pynvml cannot be imported ({exc}); install it with: pip install nvidia-ml-py")
+        fix = "install it with: pip install nvidia-ml-py"
+        return Inventory(error=f"pynvml cannot be imported ({exc}); {fix}")
     try:
         pynvml.nvmlInit()
     except Exception as exc:  # pynvml.NVMLError_LibraryNotFound, _DriverNotLoaded, ...
-        return _empty(f"NVML is not available: {exc}")
+        return Inventory(error=f"NVML is not available: {exc}")
     try:
         return _read_initialised(pynvml)
     except Exception as exc:
-        return _empty(f"NVML failed while reading the cards: {exc}")
+        return Inventory(error=f"NVML failed while reading the cards: {exc}")
     finally:
-        try:
+        with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:
-            pass
 
 
-def _read_initialised(nv: Any) -> _Machine:
+def _read_initialised(nv: Any) -> Inventory:
     driver = _optional(lambda: _text(nv.nvmlSystemGetDriverVersion()))
-    cuda_code = _optional(nv.nvmlSystemGetCudaDriverVersion)
-    cuda = (
-        f"{cuda_code // 1000}.{cuda_code % 1000 // 10}"
-        if isinstance(cuda_code, int) and cuda_code > 0
-        else None
-    )
+    code = _optional(nv.nvmlSystemGetCudaDriverVersion)  # 12080 for CUDA 12.8
+    cuda = f"{code // 1000}.{code % 1000 // 10}" if isinstance(code, int) and code > 0 else None
     count = int(nv.nvmlDeviceGetCount())
     handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
     cards = []
@@ -229,9 +215,7 @@ def _read_initialised(nv: Any) -> _Machine:
         memory_mib = int(nv.nvmlDeviceGetMemoryInfo(h).total) // (1024 * 1024)
         cc = _optional(lambda h=h: tuple(nv.nvmlDeviceGetCudaComputeCapability(h)))
         pci = _optional(lambda h=h: _text(nv.nvmlDeviceGetPciInfo(h).busId)) or ""
-        procs = (
-            _optional(lambda h=h: tuple(int(p.pid) for p in nv.nvmlDeviceGetComputeRunningProcesses(h))) or ()
-        )
+        procs = _optional(lambda h=h: tuple(int(p.pid) for p in nv.nvmlDeviceGetComputeRunningProcesses(h)))
         cards.append(
             Card(
                 index=i,
@@ -242,24 +226,17 @@ def _read_initialised(nv: Any) -> _Machine:
                 pci_bus_id=pci,
                 compute_capability=(int(cc[0]), int(cc[1])) if cc else None,
                 memory_total_mib=memory_mib,
-                processes=procs,
+                processes=procs or (),
             )
         )
     p2p: dict[tuple[int, int], str] = {}
     nvlink: dict[tuple[int, int], bool] = {}
-    for a in range(count):
-        for b in range(count):
-            if a == b:
-                continue
-            status = _optional(
-                lambda a=a, b=b: int(nv.nvmlDeviceGetP2PStatus(handles[a], handles[b], _P2P_READ))
-            )
-            p2p[(a, b)] = P2P_STATUS_NAMES.get(status, "U") if status is not None else "U"
-            link = _optional(
-                lambda a=a, b=b: int(nv.nvmlDeviceGetP2PStatus(handles[a], handles[b], _P2P_NVLINK))
-            )
-            nvlink[(a, b)] = link == 0
-    return _Machine(tuple(cards), driver, cuda, p2p, nvlink, None if cards else "NVML reports no cards")
+    for a, b in itertools.permutations(range(count), 2):
+        status = _optional(lambda a=a, b=b: int(nv.nvmlDeviceGetP2PStatus(handles[a], handles[b], _P2P_READ)))
+        p2p[(a, b)] = P2P_STATUS_NAMES.get(status, "U")
+        link = _optional(lambda a=a, b=b: int(nv.nvmlDeviceGetP2PStatus(handles[a], handles[b], _P2P_NVLINK)))
+        nvlink[(a, b)] = link == 0
+    return Inventory(tuple(cards), driver, cuda, p2p, nvlink, None if cards else "NVML reports no cards")
 
 
 def _optional(read: Any) -> Any:

@@ -13,6 +13,7 @@ loader (LD_LIBRARY_PATH, ldconfig). Loading it does not initialise CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -123,15 +124,9 @@ def _version_of(path: str) -> tuple[int, int, int] | None:
 
 def _mapped_nccl() -> str | None:
     """The path of a libnccl.so* mapped into this process (Linux), if any."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            for line in maps:
-                if "libnccl.so" in line:
-                    path = line.split(None, 5)[-1].strip()
-                    if path.startswith("/"):
-                        return path
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+        paths = (line.split(None, 5)[-1].strip() for line in maps if "libnccl.so" in line)
+        return next((path for path in paths if path.startswith("/")), None)
     return None
 
 
@@ -139,10 +134,7 @@ def _wheel_library() -> str | None:
     """nvidia/nccl/lib/libnccl.so.2 in the first sys.path entry that has one, else the env's lib/ (conda)."""
     candidates = [os.path.join(entry or ".", "nvidia", "nccl", "lib", SONAME) for entry in sys.path]
     candidates.append(os.path.join(sys.prefix, "lib", SONAME))
-    for candidate in candidates:
-        if os.path.isfile(candidate):
-            return os.path.abspath(candidate)
-    return None
+    return next((os.path.abspath(c) for c in candidates if os.path.isfile(c)), None)
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,8 +1,5 @@
-"""Checking one GPU-quirk row (quirk_rows.py) against the facts of one run: one check per group of `Match` fields.
-
-`check_match` answers whether a row's conditions hold (True), do not (False) or cannot be told (None), with
-what was seen or the first condition that failed; quirks.py turns those verdicts into a plan.
-"""
+"""Checking one GPU-quirk row (quirk_rows.py) against the facts of one run (`check_match`), and reading
+the machine's facts that rows need besides the cards (`read_platform`); quirks.py makes the plan."""
 
 from __future__ import annotations
 
@@ -10,6 +7,7 @@ import dataclasses
 import functools
 import importlib.util
 import os
+import platform
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -91,10 +89,8 @@ def _check_backend(m: Match, ctx: Facts) -> Verdict | None:
 
 
 def _check_env_unset(m: Match, ctx: Facts) -> Verdict | None:
-    for var in m.env_unset:
-        if var in ctx.env:
-            return Verdict(False, f"{var}={ctx.env[var]} is set")
-    return None
+    var = next((v for v in m.env_unset if v in ctx.env), None)
+    return None if var is None else Verdict(False, f"{var}={ctx.env[var]} is set")
 
 
 def _capable(card: Card, m: Match) -> bool | None:
@@ -183,8 +179,8 @@ def _check_shm(m: Match, ctx: Facts) -> Verdict | None:
     if size is None:
         return Verdict(False, "there is no /dev/shm to measure")
     if size >= limit:
-        return Verdict(False, f"/dev/shm is {_size(size)} (at least {_size(limit)})")
-    return Verdict(True, f"/dev/shm is {_size(size)}, expected at least {_size(limit)}")
+        return Verdict(False, f"/dev/shm is {size_text(size)} (at least {size_text(limit)})")
+    return Verdict(True, f"/dev/shm is {size_text(size)}, expected at least {size_text(limit)}")
 
 
 def _check_kernel_cmdline(m: Match, ctx: Facts) -> Verdict | None:
@@ -305,12 +301,9 @@ def _card_list(cards: Iterable[Card]) -> str:
     return f"card{'s' if len(cards) > 1 else ''} {idx} ({'; '.join(names)})"
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """`n` bytes in MiB, or GiB from 1 GiB: how /dev/shm and memory are said."""
     return f"{n / (1024 * _MIB):.1f} GiB" if n >= 1024 * _MIB else f"{n // _MIB} MiB"
-
-
-# The facts about this machine that quirk rows read besides the cards: WSL2, ROCm, /dev/shm, kernel command
-# line.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,10 +319,7 @@ class Platform:
 
 def is_wsl() -> bool:
     """True under WSL (the kernel release names Microsoft)."""
-    try:
-        return "microsoft" in os.uname().release.lower()
-    except AttributeError:
-        return False
+    return "microsoft" in platform.release().lower()
 
 
 def rocm_version() -> str | None:

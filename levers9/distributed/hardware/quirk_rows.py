@@ -1,11 +1,6 @@
-"""The GPU-quirk rows: known card / NCCL / platform problems, one row of data each, with the public evidence.
-
-A row says what it matches (`Match`: card name, compute capability, ranks on this node, NVLink, driver,
-NCCL build, platform, /dev/shm size, unset variables), what it does (`Quirk.action`: set environment
-defaults, raise, warn, or only inform), and the evidence behind it (owner/repo#N, documentation).
-`quirk_checks.py` checks a row against a run and `quirks.py` plans and applies; this file holds only the data and its shape,
-and the shape of what the rows decide for one run (`QuirkPlan`, which the process's Runtime keeps once applied).
-"""
+"""The GPU-quirk rows: known card / NCCL / platform problems, one row of data each (what it matches, what
+it does, the public evidence), and what the rows decide for one run (`QuirkPlan`, which the process's
+Runtime keeps once applied). quirk_checks.py checks a row against a run; quirks.py plans and applies."""
 
 from __future__ import annotations
 
@@ -233,7 +228,7 @@ QUIRKS: tuple[Quirk, ...] = (
 )
 
 
-# --- what the rows decide for one run (quirks.py makes it) -----------------------------------------------------------------------------------
+# --- what the rows decide for one run (quirks.py makes it) ------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,11 +1,9 @@
 """Deciding what the GPU-quirk rows (quirk_rows.py) mean for one run, and acting on it once per process.
 
-`plan_quirks` checks every row in force against the facts of one run (ranks on this node, backend,
-environment, cards, NCCL, platform; quirk_checks.py) without side effects, and returns one outcome per
-row. `plan_for_world` is the one call where a run's world is decided (a job process on its cards,
-`distributed.run` on each of its paths, the helpers' group under a launcher): it plans once per process,
-and the caller either applies the plan here (`apply_quirks`) or hands its variables to the ranks it
-starts (`QuirkPlan.set_env`).
+`plan_quirks` checks every row in force against one run's facts without side effects. `plan_for_world`
+is called where a run's world is decided (a job process on its cards, `distributed.run` on each of its
+paths, the helpers' group under a launcher); the caller applies the plan here (`apply_quirks`) or hands
+its variables to the ranks it starts (`QuirkPlan.set_env`).
 
 Rules every row follows: anything the user set wins (only absent variables are set); a row can be
 switched off by its id (argument `disabled=`, or `LEVERS9_DISABLE_QUIRKS="id1,id2"`, or `all`); rows
@@ -24,14 +22,12 @@ from levers9 import runtime
 from levers9.distributed.hardware.cards import Card, Inventory
 from levers9.distributed.hardware.nccl import NcclInfo
 from levers9.distributed.hardware.quirk_checks import Facts, Platform, check_match
-from levers9.distributed.hardware.quirk_rows import QUIRKS, Quirk, QuirkOutcome, QuirkPlan
+from levers9.distributed.hardware.quirk_rows import QUIRKS, Quirk, QuirkOutcome, QuirkPlan, Status
 from levers9.errors import ConfigError
 
 log = logging.getLogger("levers9.quirks")
 
 DISABLE_VAR = "LEVERS9_DISABLE_QUIRKS"
-
-# --- the registry -------------------------------------------------------------------------------
 
 # Process-wide, as the environment the rows set is: rows the user registered (register_quirk) beside QUIRKS.
 _user_rows: dict[str, Quirk] = {}
@@ -113,12 +109,11 @@ def plan_quirks(
             outcomes.append(QuirkOutcome(q, "disabled", f"switched off ({DISABLE_VAR} or disabled=)"))
             continue
         verdict = check_match(q.match, facts)
-        if verdict.holds is None:
-            outcomes.append(QuirkOutcome(q, "unknown", verdict.text))
-        elif not verdict.holds:
-            outcomes.append(QuirkOutcome(q, "does not apply", verdict.text))
-        else:
+        if verdict.holds:
             outcomes.append(_applying(q, verdict.text, env))
+        else:
+            status: Status = "unknown" if verdict.holds is None else "does not apply"
+            outcomes.append(QuirkOutcome(q, status, verdict.text))
     return QuirkPlan(tuple(outcomes))
 
 
@@ -126,10 +121,10 @@ def _applying(q: Quirk, detail: str, env: Mapping[str, str]) -> QuirkOutcome:
     """The outcome of a row that applies: its sentence, and for "set-env" what it sets and what it leaves."""
     evidence = f" Evidence: {', '.join(q.evidence)}." if q.evidence else ""
     off = f" (switch off: {DISABLE_VAR}={q.id})"
-    if q.action == "error":
-        return QuirkOutcome(q, "applies", detail, message=f"[{q.id}] {q.description} Seen: {detail}. Fix: {q.fix}{evidence}{off}")
-    if q.action == "warning":
-        return QuirkOutcome(q, "applies", detail, message=f"[{q.id}] {q.description} Seen: {detail}. {q.fix}{evidence}{off}")
+    if q.action in ("error", "warning"):
+        fix = f"Fix: {q.fix}" if q.action == "error" else q.fix
+        message = f"[{q.id}] {q.description} Seen: {detail}. {fix}{evidence}{off}"
+        return QuirkOutcome(q, "applies", detail, message=message)
     if q.action == "info":
         return QuirkOutcome(q, "applies", detail, message=q.description)
     setting = {k: v for k, v in q.set_env.items() if k not in env}
@@ -145,8 +140,6 @@ def _applying(q: Quirk, detail: str, env: Mapping[str, str]) -> QuirkOutcome:
         message = f"[{q.id}] left {kept_text} as you set it ({q.description})"
     return QuirkOutcome(q, "applies", detail, set_env=setting, kept=kept, message=message)
 
-
-# --- planned once, where the world is decided; applied here or handed to the ranks -----------------
 
 _apply_lock = threading.Lock()
 

@@ -2,13 +2,11 @@
 
 Each run started by `distributed.run` gets a private board folder holding
 - `progress.bin`: one slot per rank, read by the parent to notice a stall (board.py);
-- `sample-<rank>`: a FIFO asking that rank's thread for a fresh flight-recorder sample (board.py,
-  board.py);
+- `sample-<rank>`: a FIFO asking that rank's thread for a fresh flight-recorder sample (board.py);
 - `stack-<rank>.txt`: where a rank writes every thread's Python stack on SIGUSR1 (report.py);
 - `ranks.json`: the caller's pid and the ranks' pids, for `levers9 stacks` (find_board, below).
 A run gets its folder only when `timeout=` or `stall_timeout=` asks for reports; nothing of torch's is
 wrapped: what a rank waits for comes from torch's own flight recorder, where it is from stack dumps.
-The three functions below are what `distributed.run`'s parent and ranks call.
 """
 
 from __future__ import annotations
@@ -102,30 +100,28 @@ def where_ranks_are(folder: BoardFolder, live: dict[int, int], names: list[str] 
     return describe_ranks(states, collect_stacks(answering, folder.path), time.monotonic(), names, stopped)
 
 
-# Finding boards from outside their runs: the board folder of a pid, every live one, and a report taken on demand (`levers9 stacks`).
+# Finding boards from outside their runs (`levers9 stacks`): the board folder of a pid, every live one.
 
-def _board_folders() -> list[Path]:
-    return sorted(folder for root in board_roots() for folder in root.glob(f"{BOARD_DIR_PREFIX}*"))
+def _boards() -> Iterator[tuple[Path, Any]]:
+    """Every board folder of this user's whose ranks.json can be read, with it."""
+    for folder in sorted(folder for root in board_roots() for folder in root.glob(f"{BOARD_DIR_PREFIX}*")):
+        try:
+            data = json.loads((folder / "ranks.json").read_text())
+        except (OSError, ValueError):
+            continue
+        yield folder, data
 
 
 def find_board(pid: int) -> Path | None:
     """The board folder of the run whose caller or one of whose ranks has `pid`."""
-    for folder in _board_folders():
-        info = folder / "ranks.json"
-        try:
-            data = json.loads(info.read_text())
-        except (OSError, ValueError):
-            continue
-        if pid == data.get("parent") or pid in data.get("pids", []):
-            return folder
-    return None
+    runs = (folder for folder, data in _boards() if pid == data.get("parent") or pid in data.get("pids", []))
+    return next(runs, None)
 
 
 def live_boards() -> Iterator[tuple[Path, dict[str, Any]]]:
     """Every board folder whose caller is still alive, with its ranks.json."""
-    for folder in _board_folders():
+    for folder, data in _boards():
         try:
-            data = json.loads((folder / "ranks.json").read_text())
             os.kill(int(data["parent"]), 0)
         except (OSError, ValueError, KeyError):
             continue

@@ -1,11 +1,9 @@
-"""A run's board folder and the progress board in it: one slot per rank saying how far it got through its collectives.
+"""A run's board folder (`BoardFolder`, the parent's side) and the progress board in it: one slot per rank.
 
-The parent creates a private board folder per `distributed.run` (`BoardFolder`), holding `progress.bin`,
-one fixed-size slot per rank that the parent maps and reads to notice a stall. A rank (`RankSlot`)
-writes the first part of its slot whenever it enters or leaves a `torch.distributed` call from Python
-(how many it finished, whether it is in one now, which, and since when, on the machine-wide monotonic
-clock); its sampler thread writes the second part from torch's flight recorder (collectives issued and
-completed, whoever issued them). `ranks.json` holds the caller's pid and the ranks' pids.
+A rank (`RankSlot`) writes the first part of its slot whenever it enters or leaves a `torch.distributed`
+call from Python (how many it finished, whether it is in one now, which, and since when, on the
+machine-wide monotonic clock); its sampler thread writes the second part from torch's flight recorder
+(collectives issued and completed, whoever issued them).
 """
 
 from __future__ import annotations
@@ -21,9 +19,9 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol, TypeVar
+from typing import Any, BinaryIO
 
 from levers9.errors import ConfigError, PrivateDirError
 from levers9.private_dir import check_private, private_dir
@@ -200,9 +198,7 @@ def remove_stale_runs(root: Path) -> None:
     """Remove board folders in `root` whose caller no longer exists (it was killed outright, so it could not)."""
     for folder in root.glob(f"{BOARD_DIR_PREFIX}*"):
         pid_text = folder.name[len(BOARD_DIR_PREFIX) :].split("-", 1)[0]
-        if not pid_text.isdigit():
-            continue
-        if not pid_alive(int(pid_text)):
+        if pid_text.isdigit() and not pid_alive(int(pid_text)):
             shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -251,12 +247,16 @@ class RankSlot:
 
     def enter(self, name: str) -> None:
         self._entered = time.monotonic()
-        _CALLS.pack_into(self._map, self._offset, self._finished, 1, self._entered, self._last_finished, name.encode()[:24])
+        self._write_calls(1, name)
 
     def leave(self, name: str) -> None:
         self._finished += 1
         self._last_finished = time.monotonic()
-        _CALLS.pack_into(self._map, self._offset, self._finished, 0, self._entered, self._last_finished, name.encode()[:24])
+        self._write_calls(0, name)
+
+    def _write_calls(self, busy: int, name: str) -> None:
+        calls = (self._finished, busy, self._entered, self._last_finished, name.encode()[:24])
+        _CALLS.pack_into(self._map, self._offset, *calls)
 
     def record(self, status: RecorderStatus | None, changed_at: float, sampled_at: float, pending: str) -> None:
         """Written by the sampler thread only; `enter`/`leave` (main thread) write the other part."""
@@ -277,10 +277,9 @@ class RankSlot:
 #
 # The recorder is on by default in current torch (`TORCH_FR_BUFFER_SIZE`, default 2000). Stall detection
 # needs it: `require` refuses `stall_timeout=` where it is off or cannot see the run's backend, rather than
-# watching nothing. `RecorderSampler` copies the counts into the rank's slot of the progress board from a
-# thread, because the main thread may be blocked in C++ (`.item()`, `synchronize()`, `wait()`), all of which
-# release the GIL. It samples only when asked, so a run whose Python-level progress is visible anyway pays
-# nothing for it.
+# watching nothing. `start_recorder_sampler` copies the counts into the rank's slot from a thread, because
+# the main thread may be blocked in C++ (`.item()`, `synchronize()`, `wait()`), all of which release the
+# GIL. It samples only when asked, so a run whose Python-level progress is visible anyway pays nothing.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,12 +301,8 @@ def _dumpers() -> list[tuple[str, Callable[..., bytes]]]:
         import torch._C._distributed_c10d as c10d
     except ImportError:
         return []
-    found = []
-    for label, name in (("nccl", "_dump_nccl_trace"), ("generic", "_dump_fr_trace")):
-        dump = getattr(c10d, name, None)
-        if dump is not None:
-            found.append((label, dump))
-    return found
+    names = (("nccl", "_dump_nccl_trace"), ("generic", "_dump_fr_trace"))
+    return [(label, getattr(c10d, name)) for label, name in names if getattr(c10d, name, None) is not None]
 
 
 def _dump(dump: Callable[..., bytes], with_entries: bool) -> dict[str, Any]:
@@ -321,6 +316,7 @@ def _dump(dump: Callable[..., bytes], with_entries: bool) -> dict[str, Any]:
 # The first torch release whose flight recorder records gloo groups at all (2.3 to 2.7 record NCCL only);
 # 2.8 to 2.10 record them only with TORCH_FR_BUFFER_SIZE set, 2.11 and later by default.
 GLOO_RECORDED_SINCE = (2, 8)
+DEFAULT_BUFFER_SINCE = (2, 11)
 BUFFER_VAR = "TORCH_FR_BUFFER_SIZE"
 _OFF_VARS = (BUFFER_VAR, "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
@@ -329,12 +325,7 @@ def env_for_ranks() -> dict[str, str]:
     """What ranks with stall_timeout= get on top of the caller's environment: a recorder buffer (torch's own
     default size, 2000) where the user set none, since torch before 2.11 records gloo groups only then.
     An environment default for processes levers9 starts, read by torch when a group is made; nothing patched."""
-    if any(name in os.environ for name in _OFF_VARS):
-        return {}
-    return {BUFFER_VAR: "2000"}
-
-
-DEFAULT_BUFFER_SINCE = (2, 11)  # the first release that records gloo without TORCH_FR_BUFFER_SIZE set
+    return {} if any(name in os.environ for name in _OFF_VARS) else {BUFFER_VAR: "2000"}
 
 
 def _torch_version() -> tuple[int, ...]:
@@ -434,53 +425,10 @@ def name_pending(status: RecorderStatus) -> str:
     return f"{name} #{sequence}"
 
 
-class RecorderSampler(threading.Thread):
-    """Each time `wait_for_request()` returns, writes `read_status()` with `write(status, changed_at, sampled_at, pending)`.
-
-    `changed_at` is the `time.monotonic()` at which the counts were first seen as they are now (a rank
-    whose counts move is making progress); `sampled_at` says the request was answered. A rank seen
-    waiting gets its pending collective named.
-    """
-
-    def __init__(
-        self,
-        wait_for_request: Callable[[], None],
-        write: Callable[[RecorderStatus | None, float, float, str], None],
-    ) -> None:
-        super().__init__(name="levers9-recorder-sampler", daemon=True)
-        self._wait_for_request = wait_for_request
-        self._write = write
-        self._inherited = known_groups()  # made before fn runs: every group the rank did not make itself
-
-    def run(self) -> None:
-        last: RecorderStatus | None = None
-        changed_at = 0.0
-        pending = ""
-        first = True
-        while True:  # a daemon: it ends with the rank
-            self._wait_for_request()
-            status = read_status(self._inherited)
-            now = time.monotonic()
-            if first or status != last:
-                first, last, changed_at, pending = False, status, now, ""
-            if status is not None and status.waiting and not pending:
-                pending = name_pending(status)
-            self._write(status, changed_at, now, pending)
-
-
-# Fresh flight-recorder samples on request: a FIFO per rank, and the rank's thread that answers it.
-#
-# A byte written to a rank's `sample-<rank>` FIFO asks that rank's sampler thread to copy torch's flight-
-# recorder counts into its slot of the progress board. The parent asks once a second while no Python-level
+# Fresh flight-recorder samples on request: a byte written to a rank's `sample-<rank>` FIFO asks its sampler
+# thread to copy the recorder's counts into its slot. The parent asks once a second while no Python-level
 # collective moves; reports ask before reading, so they never show stale counts.
 
-
-class _Sampled(Protocol):
-    @property
-    def recorder_sampled_at(self) -> float: ...
-
-
-State = TypeVar("State", bound=_Sampled)  # a slot's state as the progress board reads it
 Record = Callable[[RecorderStatus | None, float, float, str], None]  # writes a sample into a slot
 
 
@@ -504,8 +452,8 @@ def request_samples(folder: Path, ranks: Iterable[int]) -> None:
 
 
 def fresh_states(
-    folder: Path, ranks: list[int], read: Callable[[], Sequence[State]], rounds: int = 2, wait_s: float = 3.0
-) -> list[State]:
+    folder: Path, ranks: list[int], read: Callable[[], list[SlotState]], rounds: int = 2, wait_s: float = 3.0
+) -> list[SlotState]:
     """The board after `rounds` answered requests (two: a rank still waiting on the same counts gets named); each
     round waits up to `wait_s` for every rank's answer (a loaded machine can delay a rank's sampler thread)."""
     for _ in range(rounds):
@@ -518,14 +466,30 @@ def fresh_states(
 
 
 def start_recorder_sampler(record: Record, folder: str, rank: int) -> None:
-    """Answer sample requests on this rank's FIFO from a daemon thread, writing each sample with `record`
-    (its slot's `RankSlot.record`), for as long as the rank lives."""
+    """Answer sample requests on this rank's FIFO from a daemon thread, for as long as the rank lives, each
+    with `record(status, changed_at, sampled_at, pending)` (its slot's `RankSlot.record`).
+
+    `changed_at` is the `time.monotonic()` at which the counts were first seen as they are now (a rank
+    whose counts move is making progress); `sampled_at` says the request was answered. A rank seen
+    waiting gets its pending collective named.
+    """
     try:
         requests = os.open(sample_fifo(folder, rank), os.O_RDWR | os.O_CLOEXEC)  # O_RDWR: opening never blocks
     except OSError:  # the caller could not make the FIFO: stall detection uses the Python-level counts
         return
+    inherited = known_groups()  # made before fn runs: every group the rank did not make itself
 
-    def wait_for_request() -> None:
-        os.read(requests, 64)  # blocks without the GIL; queued requests are answered by one sample
+    def answer_requests() -> None:
+        last: object = object()  # no status equals it: the first sample is a change
+        changed_at, pending = 0.0, ""
+        while True:  # a daemon: it ends with the rank
+            os.read(requests, 64)  # blocks without the GIL; queued requests are answered by one sample
+            status = read_status(inherited)
+            now = time.monotonic()
+            if status != last:
+                last, changed_at, pending = status, now, ""
+            if status is not None and status.waiting and not pending:
+                pending = name_pending(status)
+            record(status, changed_at, now, pending)
 
-    RecorderSampler(wait_for_request, record).start()
+    threading.Thread(target=answer_requests, name="levers9-recorder-sampler", daemon=True).start()

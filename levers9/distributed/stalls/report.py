@@ -7,6 +7,7 @@ is. `stalled` decides from the progress board when a run is stuck; `describe_ran
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import faulthandler
 import functools
@@ -25,16 +26,16 @@ STACK_SIGNAL = signal.SIGUSR1
 RANK_ENTRY = "rank_main"  # the function that calls the rank's fn in each rank: where its frames end
 
 
-def enable_stack_dumps(folder: str, rank: int) -> None:
-    """Have this rank write every thread's Python stack to its stack file on SIGUSR1."""
-    handle = open(os.path.join(folder, f"stack-{rank}.txt"), "w")  # noqa: SIM115 - faulthandler keeps it
-    faulthandler.register(STACK_SIGNAL, file=handle, all_threads=True, chain=False)
-    global _stack_handle
-    _stack_handle = handle
-
-
 # Process-wide, as the OS signal disposition is: the file faulthandler writes SIGUSR1 stack dumps to.
 _stack_handle: Any = None
+
+
+def enable_stack_dumps(folder: str, rank: int) -> None:
+    """Have this rank write every thread's Python stack to its stack file on SIGUSR1."""
+    global _stack_handle
+    path = os.path.join(folder, f"stack-{rank}.txt")
+    _stack_handle = open(path, "w")  # noqa: SIM115 - faulthandler keeps it
+    faulthandler.register(STACK_SIGNAL, file=_stack_handle, all_threads=True, chain=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,10 +102,8 @@ def collect_stacks(pids: dict[int, int], folder: Path, wait_s: float = 3.0) -> d
     for rank, pid in pids.items():
         path = folder / f"stack-{rank}.txt"
         start[rank] = path.stat().st_size if path.exists() else 0
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, STACK_SIGNAL)
-        except ProcessLookupError:
-            continue
     dumps: dict[int, str] = {}
     end = time.monotonic() + wait_s
     while time.monotonic() < end:
@@ -133,32 +132,30 @@ def describe_ranks(
     stack; `names` says what to call each slot's rank (default 'rank <slot>'); `stopped`: slots whose rank is
     stopped (SIGSTOP, a debugger)."""
     names = names or [f"rank {slot}" for slot in range(len(states))]
-    lines = []
+    lines, stacks = [], []
     for rank, state in enumerate(states):
-        where = user_frame(main_thread_frames(dumps.get(rank, "")))
+        name, frames = names[rank], main_thread_frames(dumps.get(rank, ""))
+        where = user_frame(frames)
         at = f" at {where}" if where else " (no stack: the rank did not answer)"
         counts = _counts(state)
         if rank in stopped:
             lines.append(
-                f"  {names[rank]}: stopped (SIGSTOP, job control or a debugger: state T in /proc), so it runs no "
+                f"  {name}: stopped (SIGSTOP, job control or a debugger: state T in /proc), so it runs no "
                 f"collective: {_stopped_counts(state, states)}. Continue it with `kill -CONT <pid>`, or find what "
                 f"stopped it"
             )
         elif state.in_collective:
-            lines.append(f"  {names[rank]}: waiting in {state.name} for {now - state.entered_at:.1f} s ({counts}){at}")
+            seconds = now - state.entered_at
+            lines.append(f"  {name}: waiting in {state.name} for {seconds:.1f} s ({counts}){at}")
         elif state.waiting_for_issued:
-            collective = state.pending or "a collective it issued"
-            lines.append(
-                f"  {names[rank]}: waiting for {collective} to complete, for {now - state.recorder_changed_at:.1f} s "
-                f"({counts}){at}"
-            )
+            what = state.pending or "a collective it issued"
+            seconds = now - state.recorder_changed_at
+            lines.append(f"  {name}: waiting for {what} to complete, for {seconds:.1f} s ({counts}){at}")
         else:
-            lines.append(f"  {names[rank]}: not in a collective ({counts}){at}")
-    stacks = []
-    for rank in range(len(states)):
-        frames = main_thread_frames(dumps.get(rank, ""))
+            lines.append(f"  {name}: not in a collective ({counts}){at}")
         if frames:
-            stacks.append(f"{names[rank][0].upper()}{names[rank][1:]} (most recent call first):\n" + "\n".join(f"  {f}" for f in frames))
+            frame_lines = "\n".join(f"  {f}" for f in frames)
+            stacks.append(f"{name[0].upper()}{name[1:]} (most recent call first):\n{frame_lines}")
     return "\n".join(lines) + ("\n\n" + "\n\n".join(stacks) if stacks else "")
 
 
@@ -189,8 +186,10 @@ class Quiet:
 
 
 def quiet_of(states: list[SlotState], now: float) -> Quiet:
-    """These ranks' Quiet at `now`, from their slots."""
-    return Quiet(now - last_move(states), waiting(states))
+    """These ranks' Quiet at `now`: since any entered or left a collective or its recorder's counts changed,
+    and whether one is inside a collective or holds one it issued that has not completed."""
+    moved = max(max(s.entered_at, s.last_finished_at, s.recorder_changed_at) for s in states)
+    return Quiet(now - moved, any(s.in_collective or s.waiting_for_issued for s in states))
 
 
 def stall_of(quiets: list[Quiet], stall_timeout: float) -> bool:
@@ -206,16 +205,6 @@ def stalled(states: list[SlotState], stall_timeout: float, now: float) -> bool:
     `.item()`), or inside levers9's own wait for the group to form.
     """
     return stall_of([quiet_of(states, now)], stall_timeout)
-
-
-def last_move(states: list[SlotState]) -> float:
-    """When any of these ranks last entered or left a collective, or its recorder's counts last changed."""
-    return max(max(s.entered_at, s.last_finished_at, s.recorder_changed_at) for s in states)
-
-
-def waiting(states: list[SlotState]) -> bool:
-    """Whether one of these ranks is inside a collective or holds one it issued that has not completed."""
-    return any(s.in_collective or s.waiting_for_issued for s in states)
 
 
 def stall_text(stall_timeout: float) -> str:

@@ -1,15 +1,10 @@
 """The local executor: each cell is a process of its own on cards leased from this machine.
 
 The cells run in input order on as many lanes (threads, see backend.py) as the batch could ever run at
-once: eligible cards // cards per job, or the CPU count for CPU jobs. A lane waits in the lease
-queue for its cell's cards, starts the job process (a fork of the caller when that is safe, which
-costs milliseconds; a fresh interpreter otherwise), streams its output to the caller and to a log
-folder, enforces the timeout on the job's whole process group, retries as the spec says and resolves
-the cell's Future. The job process holds its card locks itself, so its cards come free when it dies,
-whoever kills it. It leaves with the caller: a watchdog in its process group reads a lifeline pipe
-whose end of file means the caller died, and PR_SET_PDEATHSIG backs it up. How job processes are
-started and stopped is in levers9.procs; the retry loop and what a finished attempt becomes are in
-outcomes.py, the run folder (run_folder.py) comes with the batch, all shared with Ray.
+once: eligible cards // cards per job, or the CPU count for CPU jobs. A lane waits in the lease queue for
+its cell's cards, starts the job process (levers9.procs: a fork of the caller when that is safe, a fresh
+interpreter otherwise), supervises it and resolves the cell's Future (the retry loop: outcomes.py). The
+job process holds its card locks itself, so its cards come free when it dies, whoever kills it.
 """
 
 from __future__ import annotations

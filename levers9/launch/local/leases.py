@@ -14,12 +14,10 @@ open file description that the job process inherits, so a job that dies frees it
 the kernel: no clean-up step exists or is needed.
 
 A lease folder that cannot be written (its state folder full or read-only) never costs a job: the
-folder's queue moves, once, to the fallback folder (`settings.lease_dirs`), with one warning. Cards
-stay exclusive across callers that queue in different folders because a card is taken by locking its
-lock file in the folder this caller queues in (created there), then in the other folder wherever the
-file exists (opened read-only if need be: flock needs no write access). Two callers each lock their
-own folder's file first and check the other's second, so whichever checks last sees the other's lock.
-Only first-come-first-served order is kept per folder, not across the two.
+folder's queue moves, once, to the fallback folder (`settings.lease_dirs`), with one warning. A card
+is taken by locking its lock file in the folder this caller queues in, then in the other folder
+wherever the file exists (read-only is enough for flock): whichever of two callers checks last sees
+the other's lock, so cards stay exclusive; first-come-first-served order is kept per folder only.
 """
 
 from __future__ import annotations
@@ -46,8 +44,8 @@ log = logging.getLogger("levers9.launch")
 # What a folder that cannot be written raises: full, read-only, or not ours to write.
 UNWRITABLE = (*state_files.FULL, errno.EROFS, errno.EACCES, errno.EPERM)
 T = TypeVar("T")
-_warned: set[Path] = set()
-_move_lock = threading.Lock()  # lease folders whose move this process has warned about
+_warned: set[Path] = set()  # lease folders whose move this process has warned about
+_move_lock = threading.Lock()
 
 
 @dataclasses.dataclass
@@ -68,7 +66,6 @@ class Lease:
         self.fds = fds_
 
     def release(self) -> None:
-        """Close this process's copies of the lock descriptors."""
         for fd in self.fds:
             fds.close(fd)
         self.fds = []
@@ -94,9 +91,8 @@ class LeaseDir:
                 self._move(exc, home)
 
     def _move(self, exc: OSError, failed: Path) -> None:
-        """Queue in the fallback folder from now on, `exc` having been raised in folder `failed` (one
-        warning per folder); re-raise `exc` if it is not for want of room or write access, or if the
-        fallback folder failed too."""
+        """Queue in the fallback folder from now on, `exc` having been raised in folder `failed`; re-raise
+        `exc` if it is not for want of room or write access, or if the fallback folder failed too."""
         unwritable = exc.errno in UNWRITABLE and not (isinstance(exc, PrivateDirError) and exc.errno is None)
         if not unwritable or failed != self.path or self.fallback is None:
             raise exc
@@ -156,11 +152,8 @@ class LeaseDir:
         excluded: Callable[[], frozenset[int]] = frozenset,
         timeout: float | None = None,
     ) -> Lease | None:
-        """Wait with `ticket` for `count` free cards from one of `groups` (slot lists, in preference order).
-
-        The ticket is used up either way. Returns None if `should_stop()` turns true while waiting;
-        raises TimeoutError after `timeout` seconds.
-        """
+        """Wait with `ticket` (used up either way) for `count` free cards from one of `groups` (slot lists,
+        in preference order); None if `should_stop()` turns true first; TimeoutError after `timeout` s."""
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 0.005
         try:

@@ -7,20 +7,10 @@ Ray's scheduler does the gang allocation: a task asks for `num_gpus=N` and, for 
 custom resource `levers9_<type>: N` that `levers9 ray node-args` declares on each node. Before
 anything is submitted, the alive nodes are read and a job no node could ever hold fails at once.
 
-A GPU job submitted from inside such a job (which holds its task's GPUs while it waits) runs on that
-job's own cards through the local executor, as a job nested in a local job does.
-
-Inside the task runs the local executor's job machinery: the task is only a supervisor that starts
-the job as its own process (levers9.procs, by fork when safe), pins exactly the task's cards,
-enforces the timeout on the job's process group, and streams output lines and the outcome back
-as the items of a Ray generator. The caller turns them into the same results, exceptions, logs and
+The task supervises the job as its own process (node_task.py) and streams its output and outcome back
+as the items of a Ray generator; the caller turns them into the same results, exceptions, logs and
 retries as locally. Cancelling kills the task with ray.cancel(force=True); the job process notices
 through its lifeline pipe and its whole group dies with the task.
-
-First come, first served: Ray dispatches queued tasks of different shapes in no fixed order, so a
-4-card job could wait forever behind a stream of 1-card ones. This process therefore holds a task
-back while an earlier task of another shape has not started yet. That order holds per caller; two
-callers sharing a cluster are ordered by Ray.
 """
 
 from __future__ import annotations
@@ -38,23 +28,17 @@ from typing import Any, NoReturn
 
 import ray
 
-from levers9.errors import (
-    FailureKind,
-    InfeasibleJobError,
-    JobTimeout,
-    NotShippableError,
-    first_line,
-)
+from levers9.errors import FailureKind, InfeasibleJobError, JobTimeout, NotShippableError, first_line
 from levers9.launch import job_process, outcomes
 from levers9.launch.backend import Batch, dispatch
 from levers9.launch.cells import Cell
-from levers9.launch.job_process import GangSlot, TaskPayload
+from levers9.launch.job_process import GangSlot, TaskEnded, TaskPayload
 from levers9.launch.local import LocalBackend
 from levers9.launch.outcomes import Cancelled
 from levers9.launch.pool import holds_cards
 from levers9.launch.ray import gang as ray_gang
 from levers9.launch.ray.gang import Node
-from levers9.launch.ray.node_task import TaskEnded, TaskOutput, TaskStarted, node_task
+from levers9.launch.ray.node_task import TaskOutput, TaskStarted, node_task
 from levers9.launch.ray.resources import node_resources, resource_name
 from levers9.launch.spec import JobSpec
 from levers9.procs.failure import ship
@@ -74,19 +58,15 @@ class RayBackend:
     def submit(self, batch: Batch) -> list[Future[Any]]:
         """Connect, check that some alive node could hold the job, then run the cells on lanes (backend.py):
         twice as many as the alive nodes could run at once, so the next task is already queued in Ray
-        when one ends, and threads grow with the cluster, never with the number of cells.
-        A GPU job started inside a job that holds cards runs on those cards instead (see pool.py): the
-        caller keeps its Ray GPUs while it waits, so asking Ray for others could wait forever."""
+        when one ends. A GPU job started inside a job that holds cards runs on those cards instead (see
+        pool.py): the caller keeps its Ray GPUs while it waits, so asking Ray for others could deadlock."""
         if batch.spec.gpu_count > 0 and holds_cards():
             return LocalBackend().submit(batch)
         connect()
         nodes = alive_nodes()
-        try:
-            plan = plan_job(batch.spec, nodes)
-        except InfeasibleJobError as single:  # larger than any node: split across nodes, or refuse (issue 25)
-            if batch.spec.gpu_count < 2:
-                raise
-            plan = _gang_plan(batch.spec, nodes, single)
+        plan = _plan(batch.spec, nodes)
+        if plan.gang is not None:
+            log.info("%s: %s", batch.spec.name, plan.gang.describe())
         func_blob = job_process.ship_for(batch.func, batch.spec.name, "a Ray task",
                                          "Define it at module level, with arguments and globals that can be pickled.")  # fmt: skip
         sys_path = tuple(p for p in sys.path if p)
@@ -148,17 +128,24 @@ class TaskRequest:
     def shape(self) -> tuple[Any, ...]:
         return (self.num_gpus, self.num_cpus, self.memory, tuple(sorted(self.resources.items())), self.gang)
 
-    def capacity(self, nodes: list[Node]) -> int:
-        """How many tasks of this plan the alive `nodes` could run at once (at least 1)."""
+    @property
+    def need(self) -> dict[str, float]:
+        """What one task takes from a node's resources (those it needs none of left out)."""
         need = {"GPU": float(self.num_gpus), "CPU": self.num_cpus, **self.resources}
         if self.memory is not None:
             need["memory"] = float(self.memory)
-        need = {k: v for k, v in need.items() if v}
-        if self.gang is not None:
-            return max(1, sum(int(min(nd.resources.get(k, 0.0) // v for k, v in need.items())) for nd in nodes) // self.gang.nodes)
+        return {k: v for k, v in need.items() if v}
+
+    def fits(self, node: Node) -> bool:
+        return all(node.resources.get(k, 0.0) >= v for k, v in self.need.items())
+
+    def capacity(self, nodes: list[Node]) -> int:
+        """How many tasks of this plan the alive `nodes` could run at once (at least 1)."""
+        need = self.need
         if not need:
             return max(1, sum(int(node.resources.get("CPU", 1)) for node in nodes))
-        return max(1, sum(int(min(node.resources.get(k, 0.0) // v for k, v in need.items())) for node in nodes))
+        tasks = sum(int(min(node.resources.get(k, 0.0) // v for k, v in need.items())) for node in nodes)
+        return max(1, tasks if self.gang is None else tasks // self.gang.nodes)
 
     def options(self, name: str) -> dict[str, Any]:
         opts: dict[str, Any] = {
@@ -182,30 +169,25 @@ def plan_job(spec: JobSpec, nodes: list[Node]) -> TaskRequest:
     """
     n = spec.gpu_count
     num_cpus = spec.cpu if spec.cpu is not None else (0.0 if n else 1.0)
-    memory = spec.memory_mib * 2**20 if spec.memory_mib is not None else None
-
-    def fits(node: Node, res: dict[str, float]) -> bool:
-        need = {"GPU": float(n), "CPU": num_cpus, **res}
-        if memory is not None:
-            need["memory"] = float(memory)
-        return all(node.resources.get(k, 0.0) >= v for k, v in need.items() if v)
-
+    memory = _memory_bytes(spec)
     cluster = (
         f"{len(nodes)} alive node(s): " + "; ".join(nd.describe() for nd in nodes)
         if nodes
         else "no alive node"
     )
     if n == 0:
-        if not any(fits(nd, {}) for nd in nodes):
+        request = TaskRequest(0, num_cpus, {}, memory, "")
+        if not any(request.fits(nd) for nd in nodes):
             raise InfeasibleJobError(
                 f"Job {spec.name!r} needs {num_cpus:g} CPU(s){_mem(memory)} but no Ray node has that ({cluster}). "
                 f"Lower cpu=/memory=, or add a node with `ray start --address=...`."
             )
-        return TaskRequest(0, num_cpus, {}, memory, "")
+        return request
     for gpu_type in spec.gpu_types or ("",):
-        res = {resource_name(gpu_type): float(n)} if gpu_type else {}
-        if any(fits(nd, res) for nd in nodes):
-            return TaskRequest(n, num_cpus, res, memory, gpu_type)
+        resources = {resource_name(gpu_type): float(n)} if gpu_type else {}
+        request = TaskRequest(n, num_cpus, resources, memory, gpu_type)
+        if any(request.fits(nd) for nd in nodes):
+            return request
     largest = max(nodes, key=lambda nd: (nd.gpus, nd.resources.get("CPU", 0)), default=None)
     biggest = f"the largest node is {largest.describe()}" if largest else "the cluster has no alive node"
     raise InfeasibleJobError(
@@ -225,24 +207,28 @@ def plan_text(gpu: str, gpu_count: int) -> str:
                       memory=None, queue_timeout=None, stop_grace=10.0, stream_output=False)  # fmt: skip
     connect()
     nodes = alive_nodes()
-    try:
-        plan = plan_job(spec, nodes)
-    except InfeasibleJobError as single:
-        if gpu_count < 2:
-            raise
-        gang = ray_gang.plan_gang(spec, nodes, single, ray_gang.free_by_node())
-        return f"{gang.describe()} (Ray's placement group picks the nodes when the job starts)"
+    plan = _plan(spec, nodes)
+    if plan.gang is not None:
+        return f"{plan.gang.describe()} (Ray's placement group picks the nodes when the job starts)"
     return f"{gpu_count} x {plan.gpu_type or 'GPU'} on one node ({len(nodes)} alive node(s)), on loopback as on one machine"
 
 
-def _gang_plan(spec: JobSpec, nodes: list[Node], single: InfeasibleJobError) -> TaskRequest:
-    """The plan of a job split across nodes (gang.py), or InfeasibleJobError with a table of the nodes."""
-    gang = ray_gang.plan_gang(spec, nodes, single, ray_gang.free_by_node())
+def _plan(spec: JobSpec, nodes: list[Node]) -> TaskRequest:
+    """plan_job's task on one node; for a job larger than any node, one node's share of a job split across
+    nodes (gang.py); InfeasibleJobError, with a table of the nodes, when it cannot be split either."""
+    try:
+        return plan_job(spec, nodes)
+    except InfeasibleJobError as single:  # larger than any node: split across nodes, or refuse (issue 25)
+        if spec.gpu_count < 2:
+            raise
+        gang = ray_gang.plan_gang(spec, nodes, single, ray_gang.free_by_node())
     num_cpus = spec.cpu if spec.cpu is not None else 0.0
     resources = {resource_name(gang.gpu_type): float(gang.share)} if gang.gpu_type else {}
-    memory = spec.memory_mib * 2**20 if spec.memory_mib is not None else None
-    log.info("%s: %s", spec.name, gang.describe())
-    return TaskRequest(gang.share, num_cpus, resources, memory, gang.gpu_type, gang)
+    return TaskRequest(gang.share, num_cpus, resources, _memory_bytes(spec), gang.gpu_type, gang)
+
+
+def _memory_bytes(spec: JobSpec) -> int | None:
+    return spec.memory_mib * 2**20 if spec.memory_mib is not None else None
 
 
 def _mem(memory: int | None) -> str:
@@ -316,12 +302,10 @@ class _RayCell:
             self.entry = self.backend.admission.enter(self.plan.shape)  # a retry queues at the back
         deadline = None if spec.queue_timeout is None else time.monotonic() + spec.queue_timeout
         if not self.backend.admission.wait_turn(self.entry, self.stopped, deadline):
-            if self.stopped():
-                raise Cancelled()
-            raise self._queue_timeout()
+            raise Cancelled() if self.stopped() else self._queue_timeout()
         options, payload, pg = self.plan.options(self.label), dataclasses.replace(self.payload, attempt=attempt), None
         if self.plan.gang is not None:  # gang-allocate one bundle per node first, within queue_timeout
-            pg = ray_gang.reserve(self.plan.gang, self.plan.num_cpus, self.plan.memory, deadline, self.stopped)
+            pg = ray_gang.reserve([self.plan.need] * self.plan.gang.nodes, deadline, self.stopped)
             if pg is None:
                 raise Cancelled() if self.stopped() else self._queue_timeout()
             options.update(ray_gang.in_bundle(pg, 0))
@@ -418,9 +402,6 @@ def _free_gpus() -> str:
         return "an unknown number of"
 
 
-# The Ray backend's admission: first come, first served across task shapes, in this process.
-
-
 @dataclasses.dataclass(eq=False)
 class Entry:
     """One task waiting for its turn, by its shape (what it asks of Ray)."""
@@ -430,9 +411,11 @@ class Entry:
 
 
 class Admission:
-    """First come, first served across shapes: a task is submitted only when every earlier task that
-    has not started yet has the same shape and was submitted already (Ray keeps one shape's queue in the
-    order tasks were submitted, so tasks are handed to Ray in the order cells entered here)."""
+    """First come, first served across task shapes, in this process (two callers sharing a cluster are
+    ordered by Ray). Ray dispatches queued tasks of different shapes in no fixed order, so a 4-card job
+    could wait forever behind a stream of 1-card ones: a task is submitted only when every earlier task
+    that has not started yet has the same shape and was submitted already (Ray keeps one shape's queue in
+    submission order)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()

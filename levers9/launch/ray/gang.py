@@ -1,15 +1,12 @@
 """A job larger than any Ray node: one placement group, one bundle per node, levers9's agent on each node but the first.
 
-Planning is a pure function of the alive nodes (`split`, `plan_gang`): the fewest nodes k such that
-gpu_count splits into k equal shares and k nodes each could hold one share of the job's card type.
-It is asked only when no single node could ever hold the job, so a job that fits one node runs as
-before. An uneven or impossible split is refused before anything starts, with a table of what each
-node has. The cards are gang-allocated with one STRICT_SPREAD placement group (`reserve`), waited
-for at most queue_timeout. The job's own Ray task runs in bundle 0 and hosts the job's control store
-(`host`); it starts one agent task in every other bundle (`_agent`), which runs
-levers9.distributed.node_agent.serve. `distributed.run` inside the job does the rest (see nodes.py). When a node
-is lost and the run restarts, a new agent is started in that node's bundle, which Ray places on another
-node once it knows the first is dead, within the job's queue_timeout (`GangHost`).
+Planned (`plan_gang`) only when no single node could ever hold the job: the fewest nodes k such that
+gpu_count splits into k equal shares and k nodes could each hold one share of the job's card type; an
+uneven or impossible split is refused before anything starts, with a table of the nodes. The job's Ray
+task runs in bundle 0 of a STRICT_SPREAD placement group (`reserve`), hosts the job's control store
+(`host`) and starts an agent (`_agent`: distributed.node_agent.serve) in every other bundle;
+`distributed.run` inside the job does the rest (nodes.py). A lost node's agent is started again in its
+bundle, which Ray places on another node once it knows the first is dead (`GangHost`).
 """
 
 from __future__ import annotations
@@ -18,11 +15,16 @@ import contextlib
 import dataclasses
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+import ray
+from ray.util import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from levers9.distributed.control_store import ControlStore, serve_store
 from levers9.errors import InfeasibleJobError
+from levers9.launch import job_process
 from levers9.launch.job_process import TaskPayload, remove_scratch_dir, scratch_dir
 from levers9.launch.ray.resources import RESOURCE_PREFIX, resource_name
 from levers9.launch.spec import JobSpec
@@ -46,11 +48,8 @@ class Node:
 
     def describe(self) -> str:
         """'192.0.2.2 with 4× RTXPro6000' (types from its levers9_ resources)."""
-        types = {
-            k[len(RESOURCE_PREFIX) :]: int(v)
-            for k, v in self.resources.items()
-            if k.startswith(RESOURCE_PREFIX)
-        }
+        prefixed = {k: v for k, v in self.resources.items() if k.startswith(RESOURCE_PREFIX)}
+        types = {k.removeprefix(RESOURCE_PREFIX): int(v) for k, v in prefixed.items()}
         if types:
             cards = ", ".join(f"{n}× {t}" for t, n in sorted(types.items()))
         else:
@@ -81,9 +80,9 @@ def split(gpu_count: int, capacities: list[int]) -> tuple[int, int] | None:
     return None
 
 
-def _cards_of_type(node: Node, gpu_type: str) -> int:
-    gpus = int(node.resources.get("GPU", 0))
-    return min(gpus, int(node.resources.get(resource_name(gpu_type), 0))) if gpu_type else gpus
+def _cards_of_type(resources: Mapping[str, float], gpu_type: str) -> int:
+    gpus = int(resources.get("GPU", 0))
+    return min(gpus, int(resources.get(resource_name(gpu_type), 0))) if gpu_type else gpus
 
 
 def plan_gang(spec: JobSpec, nodes: list[Node], single: InfeasibleJobError, free: dict[str, dict[str, float]] | None = None) -> GangPlan:
@@ -91,7 +90,7 @@ def plan_gang(spec: JobSpec, nodes: list[Node], single: InfeasibleJobError, free
     nodes when no even split exists."""
     n = spec.gpu_count
     for gpu_type in spec.gpu_types or ("",):
-        capacities = [_cards_of_type(nd, gpu_type) for nd in nodes]
+        capacities = [_cards_of_type(nd.resources, gpu_type) for nd in nodes]
         found = split(n, capacities) if n > 1 else None
         if found is not None:
             k, share = found
@@ -106,7 +105,7 @@ def plan_gang(spec: JobSpec, nodes: list[Node], single: InfeasibleJobError, free
 
 def _suggest(spec: JobSpec, nodes: list[Node]) -> str:
     """'2 or gpu_count=4': the nearest card counts below and above the asked one that one node or an even split holds."""
-    caps = [_cards_of_type(nd, spec.gpu_types[0] if spec.gpu_types else "") for nd in nodes]
+    caps = [_cards_of_type(nd.resources, spec.gpu_types[0] if spec.gpu_types else "") for nd in nodes]
 
     def holds(m: int) -> bool:
         return max(caps, default=0) >= m or split(m, caps) is not None
@@ -125,9 +124,8 @@ def node_table(nodes: list[Node], gpu_types: tuple[str, ...], free: dict[str, di
         avail = (free or {}).get(nd.address, {})
         cells = []
         for t in types:
-            total = _cards_of_type(nd, t)
-            now = min(avail.get("GPU", 0.0), avail.get(resource_name(t), 0.0)) if t else avail.get("GPU", 0.0)
-            cells.append(f"{total:>4} ({int(now)} free)".rjust(16) if free is not None else f"{total:>16}")
+            total, now = _cards_of_type(nd.resources, t), _cards_of_type(avail, t)
+            cells.append(f"{total:>4} ({now} free)".rjust(16) if free is not None else f"{total:>16}")
         lines.append(f"  {nd.address:<16} " + "  ".join(cells) + f"  {nd.resources.get('CPU', 0):5g}")
     if not nodes:
         lines.append("  (no alive node)")
@@ -136,8 +134,6 @@ def node_table(nodes: list[Node], gpu_types: tuple[str, ...], free: dict[str, di
 
 def free_by_node() -> dict[str, dict[str, float]] | None:
     """What each alive node has free now, by address (None if Ray does not say)."""
-    import ray
-
     try:
         per_id = ray._private.state.available_resources_per_node()
         return {str(n["NodeManagerAddress"]): dict(per_id.get(n["NodeID"], {})) for n in ray.nodes() if n.get("Alive")}
@@ -145,54 +141,32 @@ def free_by_node() -> dict[str, dict[str, float]] | None:
         return None
 
 
-def bundles(gang: GangPlan, num_cpus: float, memory: int | None) -> list[dict[str, float]]:
-    """One bundle per node: the share of cards (GPU and the type's resource), the job's CPUs and memory."""
-    bundle = {"GPU": float(gang.share), "CPU": float(num_cpus)}
-    if gang.gpu_type:
-        bundle[resource_name(gang.gpu_type)] = float(gang.share)
-    if memory is not None:
-        bundle["memory"] = float(memory)
-    return [{k: v for k, v in bundle.items() if v} for _ in range(gang.nodes)]
-
-
-def reserve(gang: GangPlan, num_cpus: float, memory: int | None, deadline: float | None, stopped: Callable[[], bool]) -> Any:
-    """A ready STRICT_SPREAD placement group for the job, or None if `stopped()` or the deadline came first
-    (then nothing is left reserved)."""
-    from ray.util import placement_group, remove_placement_group
-
-    pg = placement_group(bundles(gang, num_cpus, memory), strategy="STRICT_SPREAD")
+def reserve(bundles: list[dict[str, float]], deadline: float | None, stopped: Callable[[], bool]) -> Any:
+    """A ready STRICT_SPREAD placement group of `bundles` (one per node: its share of the job's resources), or
+    None if `stopped()` or the deadline came first (then nothing is left reserved)."""
+    pg = placement_group(bundles, strategy="STRICT_SPREAD")
     ready = pg.ready()
-    import ray
-
     while True:
         done, _ = ray.wait([ready], timeout=PG_POLL_S)
         if done:
             return pg
         if stopped() or (deadline is not None and time.monotonic() >= deadline):
-            with contextlib.suppress(Exception):
-                remove_placement_group(pg)
+            release(pg)
             return None
 
 
 def release(pg: Any) -> None:
-    from ray.util import remove_placement_group
-
     with contextlib.suppress(Exception):
         remove_placement_group(pg)
 
 
 def in_bundle(pg: Any, index: int) -> dict[str, Any]:
     """Task options that place a task in bundle `index` of `pg`."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
 
 
 def bundle_addresses(pg: Any) -> tuple[str, ...]:
     """The address of the node each bundle of a ready placement group is on, bundle 0 first."""
-    import ray
-    from ray.util import placement_group_table
-
     table = placement_group_table(pg)
     by_id = {n["NodeID"]: str(n["NodeManagerAddress"]) for n in ray.nodes()}
     placed = table["bundles_to_node_id"]
@@ -241,10 +215,9 @@ def host(payload: TaskPayload, address: str, stop_grace: float) -> Iterator[Gang
 
 
 class GangHost:
-    """Node 0's Ray task's side of a job across nodes: the agent tasks of nodes 1..k-1, one per placement-group
-    bundle, each launched again in its bundle when the job process asks for a replacement of a lost node
-    (levers9/distributed/control_store.py), for at most the gang's replace_within s. No thread: the task's loop
-    calls `poll`."""
+    """Node 0's Ray task's side of a job across nodes: the agent tasks of nodes 1..k-1, one per bundle, each
+    launched again when the job process asks for a replacement of a lost node (control_store.py). No thread:
+    the task's loop calls `poll`."""
 
     def __init__(self, payload: TaskPayload, context: GangContext, store: ControlStore) -> None:
         assert payload.gang is not None
@@ -266,10 +239,9 @@ class GangHost:
         self.refs[node] = _agent_task.options(**opts).remote(agent_payload)
 
     def poll(self) -> None:
-        """Answer each ask for a replacement (at most every PG_POLL_S): cancel the lost agent, launch one in its bundle (again
-        if that one ends before it joins: Ray re-places a bundle of a dead node on another node, once it knows the
-        node is dead), and post the refusal when none joined within replace_within s, or at once with the error
-        when Ray refused the launch."""
+        """Answer each ask for a replacement (at most every PG_POLL_S): cancel the lost agent and launch one in
+        its bundle, again if that one ends before it joins (Ray re-places a dead node's bundle once it knows);
+        post the refusal when none joined within replace_within s, or at once when Ray refused the launch."""
         now = time.monotonic()
         if now < self.next_poll:
             return
@@ -283,8 +255,6 @@ class GangHost:
                 del self.pending[i]
 
     def _poll(self, now: float) -> None:
-        import ray
-
         for i in range(1, len(self.context.shares)):
             if i not in self.pending and (first_attempt := self.store.take_replacement(i)) is not None:
                 with contextlib.suppress(Exception):
@@ -304,8 +274,6 @@ class GangHost:
 
     def wait_then_cancel(self, within: float) -> None:
         """Give the agents that are not declared lost `within` s to end, then cancel every one."""
-        import ray
-
         waiting = [ref for i, ref in self.refs.items() if not _declared_lost(self.store, i)]
         if waiting:
             with contextlib.suppress(Exception):
@@ -327,10 +295,7 @@ def _declared_lost(store: ControlStore, node: int) -> bool:
 
 def _agent(payload: AgentPayload) -> None:
     """Node i's agent: this bundle's cards, a scratch folder, then node_agent.serve until the job ends."""
-    import ray
-
     from levers9.distributed import node_agent
-    from levers9.launch import job_process
 
     task, gang = payload.task, payload.gang
     task.use_sys_path()
@@ -349,10 +314,4 @@ def _agent(payload: AgentPayload) -> None:
         remove_scratch_dir(job_dir)
 
 
-def _make_agent_task() -> Any:
-    import ray
-
-    return ray.remote(_agent)
-
-
-_agent_task = _make_agent_task()
+_agent_task = ray.remote(_agent)

@@ -1,10 +1,6 @@
-"""Inside a Ray task, on its node: the job process started with the task's cards, supervised, reported back.
-
-The Ray backend (backend.py) submits `node_task`; its items are one TaskStarted, TaskOutput items with the
-job's output (a long line in pieces, at most ITEM_CHARS in one item, so the caller never holds it whole) and
-one TaskEnded with the job's Outcome. A job across nodes also hosts its control store and agents here
-(ray_gang.host).
-"""
+"""Inside a Ray task, on its node: the job process started with the task's cards, supervised, reported back
+as the items of a Ray generator. A job across nodes also hosts its control store and agents here
+(ray_gang.host)."""
 
 from __future__ import annotations
 
@@ -17,10 +13,9 @@ from collections.abc import Iterator
 import ray
 
 from levers9.launch import job_process
-from levers9.launch.job_process import TaskPayload, remove_scratch_dir, scratch_dir
+from levers9.launch.job_process import TaskEnded, TaskPayload, remove_scratch_dir, scratch_dir
 from levers9.launch.ray import gang as ray_gang
 from levers9.procs import start
-from levers9.procs.outcome import Outcome
 from levers9.procs.supervise import Supervisor
 from levers9.procs.watch import Watcher
 from levers9.runtime import describe_split
@@ -47,18 +42,10 @@ class TaskOutput:
     lines: list[tuple[str, str]]
 
 
-@dataclasses.dataclass(frozen=True)
-class TaskEnded:
-    """A Ray task's last item: how the job process ended (its OOM-kill counts are the node's cgroup's)."""
-
-    outcome: Outcome
-    time: float
-
-
-
 def run_on_node(payload: TaskPayload) -> Iterator[TaskStarted | TaskOutput | TaskEnded]:
     """Start the cell as a job process with exactly this task's cards, supervise it, and report on it: one
-    TaskStarted, TaskOutput items with batches of lines, one TaskEnded with the job's Outcome."""
+    TaskStarted, TaskOutput items with batches of lines (at most about ITEM_CHARS each, so the caller never
+    holds a long line whole), one TaskEnded with the job's Outcome."""
     payload.use_sys_path()
     func, args, kwargs = payload.call()
     spec = payload.spec
@@ -94,7 +81,7 @@ def run_on_node(payload: TaskPayload) -> Iterator[TaskStarted | TaskOutput | Tas
                 yield TaskOutput(_drain(lines))
         while lines:
             yield TaskOutput(_drain(lines))
-        yield TaskEnded(supervisor.outcomes()[0], time.time())
+        yield TaskEnded.of(supervisor.outcomes()[0])
     finally:
         watcher.stop(spec.stop_grace)
         watcher.close()
