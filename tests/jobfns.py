@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -299,6 +302,40 @@ def save_on_sigterm(folder: str, name: Any) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         train_step()
+
+
+def seconds_until_handled_from_a_thread_in_c(signum: int, patience: float = 20.0) -> float | None:
+    """Put a handler for `signum` in place and have it sent, from another process, to another thread of this one: a
+    thread that waits in C without the GIL, as torch's, gloo's and NCCL's do (a mutex wait, which a handler does not
+    end), while the main thread computes pure Python, never releasing the GIL. The seconds until the handler ran
+    (`patience` or more: it ran only once the main thread made a system call), or None."""
+    libc = ctypes.CDLL(None)
+    mutex = ctypes.create_string_buffer(64)  # a pthread_mutex_t, all zeros: PTHREAD_MUTEX_INITIALIZER on glibc
+    libc.pthread_mutex_lock(mutex)
+    calling = threading.Event()
+
+    def wait_in_c() -> None:
+        calling.set()
+        libc.pthread_mutex_lock(mutex)  # ctypes releases the GIL for the call
+        libc.pthread_mutex_unlock(mutex)
+
+    waiter = threading.Thread(target=wait_in_c, daemon=True)
+    waiter.start()
+    calling.wait()
+    while not Path(f"/proc/self/task/{waiter.native_id}/wchan").read_text().startswith("futex"):
+        time.sleep(0.01)  # until it waits in the kernel for the mutex (this sleep leaves it the GIL to get there)
+    ran: list[float] = []
+    signal.signal(signum, lambda *_: ran.append(time.monotonic()))
+    start = time.monotonic()
+    kill = "import ctypes, sys; ctypes.CDLL(None).tgkill(*map(int, sys.argv[1:]))"  # to that one thread
+    sender = subprocess.Popen([sys.executable, "-c", kill, str(os.getpid()), str(waiter.native_id), str(int(signum))])
+    total = 0
+    while not ran and time.monotonic() - start < patience:
+        total += sum(i * i for i in range(1_000))
+    sender.wait()
+    libc.pthread_mutex_unlock(mutex)
+    waiter.join()
+    return ran[0] - start if ran else None
 
 
 def train_step() -> None:

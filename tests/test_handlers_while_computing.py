@@ -2,8 +2,10 @@
 
 CPython 3.13 and later run no Python signal handler in a child forked from a thread other than the main one
 until a system call returns EINTR (levers9 forks from its forker thread): a rank that computes when it is
-preempted would never save its checkpoint. Each case here signals a process that then computes (pure Python
-and a torch op, never a sleep, which would hide the fault) and asks how long its handler took.
+preempted would never save its checkpoint. Up to 3.12, a signal the kernel hands to another thread of the
+process (torch's, gloo's) leaves a main thread that computes without releasing the GIL running no handler
+until its own next signal. Each case here signals a process that then computes (pure Python and a torch op,
+never a sleep, which would hide the fault) and asks how long its handler took.
 tests/test_terminate.py checks the same through the caller, which forwards a SIGTERM or SIGHUP it got."""
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 
 from levers9 import distributed as dist
 from levers9.launch import job
+from tests import jobfns
 from tests.jobfns import train_step
 
 pytestmark = pytest.mark.procs
@@ -92,3 +95,20 @@ def test_the_ranks_of_a_job_run_their_own_handlers_while_they_compute() -> None:
 
 def ranks_time_their_handler() -> float | None:
     return dist.run(seconds_until_handled, signal.SIGUSR1, nprocs=2)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_ranks_handler_runs_while_it_computes_when_another_thread_got_the_signal(start_method: str) -> None:
+    """Up to CPython 3.12 a signal handled on a thread other than the main one does not make a computing main thread
+    run the Python handler (bpo-40010): levers9's relay does (interpreter.relay_signals_to_main)."""
+    seconds = dist.run(jobfns.seconds_until_handled_from_a_thread_in_c, signal.SIGUSR1, nprocs=2, start_method=start_method)
+    assert seconds is not None, f"Python {sys.version.split()[0]}: the rank's handler never ran while it computed"
+    assert seconds < 5
+
+
+@pytest.mark.timeout(120)
+def test_a_job_processs_handler_runs_while_it_computes_when_another_thread_got_the_signal() -> None:
+    seconds = job()(jobfns.seconds_until_handled_from_a_thread_in_c).remote(signal.SIGTERM)
+    assert seconds is not None, f"Python {sys.version.split()[0]}: the job's handler never ran while it computed"
+    assert seconds < 5

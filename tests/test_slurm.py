@@ -613,6 +613,16 @@ def test_the_time_limit_requeues_the_job_which_resumes(on_slurm: None, env: dict
     assert value == {"attempt": 2, "resumed": "saved at the time limit"}
 
 
+def test_a_slurm_tasks_handler_runs_while_it_computes_when_another_thread_got_the_signal(
+    on_slurm: None, env: dict[str, str], tmp_path: Path
+) -> None:
+    """SLURM sends its signals (the early signal, a cancel's SIGTERM) right behind a SIGCONT: on a busy node the
+    kernel gives the second to another thread of the task (torch's), and up to CPython 3.12 a computing main thread
+    then ran the handler only at the time limit's own signal. The task relays it (interpreter.relay_signals_to_main)."""
+    seconds = job(jobfns.seconds_until_handled_from_a_thread_in_c, backend="slurm").remote(signal.SIGUSR1)
+    assert seconds is not None and seconds < 5, f"the SLURM task's handler ran after {seconds} s of computing"
+
+
 def test_a_requeued_jobs_next_run_killed_as_it_starts_is_named_with_the_fix(
     on_slurm: None, env: dict[str, str], tmp_path: Path
 ) -> None:

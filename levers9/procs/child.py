@@ -58,7 +58,7 @@ def forked_main(target: Callable[[], Any], ends: Ends, env: dict[str, str]) -> N
         main = threading.current_thread()  # the forker thread's copy is this process's main thread: named,
         main.name, main._daemonic = "MainThread", False  # type: ignore[attr-defined]  # and its threads non-daemon by default
         interpreter.begin_forked()
-        status = run_target(target, ends, env, forked=True)
+        status = run_target(target, ends, env)
     finally:
         os._exit(status)
 
@@ -76,13 +76,13 @@ def fresh_main() -> NoReturn:
     _set_stdin(ends.stdin_fd)
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    os._exit(run_target(blob, ends, env, forked=False))
+    os._exit(run_target(blob, ends, env))
 
 
-def run_target(target: Callable[[], Any] | bytes, ends: Ends, env: dict[str, str], *, forked: bool) -> int:
+def run_target(target: Callable[[], Any] | bytes, ends: Ends, env: dict[str, str]) -> int:
     """Run the target (unpickled first if it came shipped, so its modules import under `env`, as a forked
-    child's already are) and send its outcome; returns the exit status to leave with. A `forked` child (not a
-    fresh interpreter) also gets the relay that runs its signal handlers while it computes."""
+    child's already are) and send its outcome; returns the exit status to leave with. Its signal handlers run
+    while it computes, whichever of its threads the kernel gives a signal (interpreter.relay_signals_to_main)."""
     os.environ.update(env)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # what a fresh interpreter has; a fork had the caller's
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -94,8 +94,7 @@ def run_target(target: Callable[[], Any] | bytes, ends: Ends, env: dict[str, str
     status = 0
     try:
         watchdog = _start_watchdog(ends.lifeline_fd)  # in here: one that cannot start (ulimit -u) is reported as any failure
-        if forked:
-            interpreter.relay_signals_to_main()  # a thread: the same
+        interpreter.relay_signals_to_main()  # a thread: the same
         send(ends.msg_fd, ("result", (unship(target) if isinstance(target, bytes) else target)()))
     except SystemExit as exc:
         status = exit_status(exc)

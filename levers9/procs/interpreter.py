@@ -52,22 +52,26 @@ _wakeup_pipe: tuple[int, ...] = ()  # this process's relay pipe, once it has one
 
 
 def relay_signals_to_main() -> None:
-    """Make the Python signal handlers of a child forked from a thread other than the main one run while it
-    computes, as they do in a fresh interpreter (needed on CPython 3.13 and later; a no-op before).
+    """Make this process's Python signal handlers run while its main thread computes, whichever of its threads got
+    the signal. levers9 calls it in every process it runs your code in (a rank, a job process, a SLURM task).
 
-    From 3.13 on, CPython's C signal handler asks the interpreter's first thread state (`_PyRuntime.main_tstate`)
-    to run the Python handlers. After a fork from another thread (levers9 forks from its forker thread, start.py)
-    that state belongs to no living thread, so the child's main thread would run them only when a system call
-    returns EINTR: a rank that computes would never save its checkpoint. Here the C handler also writes the
-    signal's number to a pipe (`signal.set_wakeup_fd`); a thread of levers9's reads it and queues a call of
-    `PyErr_CheckSignals` for the main thread (`Py_AddPendingCall`, CPython's public C API), which that thread
-    makes the next time it takes the GIL: within the switch interval (5 ms) while it computes, as soon as a
-    torch op returns. The thread is started with `_thread`, so `threading.enumerate()` lists only the threads a
-    fresh interpreter has, and it is never joined. A rank that sets its own wakeup descriptor (asyncio's
-    `add_signal_handler` does) replaces this one (docs/limitations.md)."""
+    The kernel hands a signal sent to a process to any thread that does not block it: torch's own (there from
+    `import torch`), gloo's, NCCL's. Up to CPython 3.12 the C handler, run on such a thread, notes the signal but
+    does not ask the main thread to run the Python handler (bpo-40010): a main thread computing Python code without
+    releasing the GIL runs it only at the next signal the kernel gives it, or never (SLURM's early signal comes
+    right behind a SIGCONT, which the main thread may still hold pending on a busy node). From 3.13 on the C handler
+    asks the interpreter's first thread state, which after a fork from another thread (levers9 forks from its
+    forker thread, start.py) belongs to no living thread: the handlers would run only when a system call returns
+    EINTR. Here the C handler also writes the signal's number to a pipe (`signal.set_wakeup_fd`); a thread of
+    levers9's reads it and queues a call of `PyErr_CheckSignals` for the main thread (`Py_AddPendingCall`, CPython's
+    public C API), which that thread makes the next time it takes the GIL, as the reader's wake asks it to: within
+    the switch interval (5 ms) while it computes. The thread is started with `_thread`, so `threading.enumerate()`
+    lists only the threads a fresh interpreter has, and it is never joined. Code that sets its own wakeup
+    descriptor (asyncio's `add_signal_handler` does) replaces this one (docs/limitations.md). Call it from the
+    main thread (`set_wakeup_fd` is refused elsewhere)."""
     global _wakeup_pipe
-    if sys.version_info < (3, 13) or not getattr(sys, "_is_gil_enabled", lambda: True)():
-        return  # before 3.13 the handlers run from any thread's check; free-threaded builds: not supported
+    if not getattr(sys, "_is_gil_enabled", lambda: True)():
+        return  # free-threaded builds: not supported (docs/limitations.md)
     for end in _wakeup_pipe:  # a parent's (a job's rank): its relay thread is not in this process
         with contextlib.suppress(OSError):
             os.close(end)

@@ -37,6 +37,7 @@ from levers9.distributed.restarts import attempt_env
 from levers9.errors import LauncherEnvError
 from levers9.launch import job_process
 from levers9.launch.job_process import TaskEnded, TaskPayload, remove_scratch_dir, scratch_dir
+from levers9.procs import interpreter
 from levers9.procs.failure import capture, exit_status, ship_value
 from levers9.procs.outcome import Outcome
 from levers9.runtime import Runtime
@@ -53,6 +54,7 @@ def run_task(payload: TaskPayload) -> TaskEnded:
     # submitit's worker ignores SIGTERM (it waits for a requeue); levers9's cancel is SIGTERM, then the kill after
     # stop_grace, as on a workstation: the default ends the task, and a handler the function installs can save
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    interpreter.relay_signals_to_main()  # the handlers run while the function computes, whatever thread gets a signal
     if payload.requeue and os.environ.get("SLURM_PROCID", "0") == "0":
         # SLURM's early signal before the time limit (--signal=USR2@N)
         requeue = functools.partial(_requeue, payload.folder, payload.spec.stop_grace, os.getpid())
