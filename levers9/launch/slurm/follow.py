@@ -242,9 +242,9 @@ class Tracker:
             if self.requeued and not self.queued_again and self.state not in RUNNING:
                 self.queued_again = True  # its next run comes: the old run's end is not the job's
                 self.said, self.oom_said, self.failed_node, self.srun_tasks = None, "", "", {}
-            elif self.requeued and self.queued_again and self.state == "RUNNING":  # its next run, which resumes as
-                # the user's checkpoint allows (a run too short for squeue to show it running ends as the requeued
-                # run would: its Supervisor reads its report, or srun's word on its death)
+            elif self.requeued and self.queued_again and (self.state == "RUNNING" or self.state in ENDED):
+                # its next run, which resumes as the user's checkpoint allows (one too short for squeue to show it
+                # running is seen ended: its Supervisor reads its report, or srun's word on its death)
                 self.requeued = self.queued_again = False
                 self.placed_on = ""  # a new allocation
                 self.ranks, self.supervisor = [SlurmRank(path) for path in self.results], None
