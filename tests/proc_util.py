@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import levers9
 from levers9.distributed.stalls.board import BOARD_DIR_PREFIX, board_roots
 
 # The first line of a script a test sends Ctrl-C to: Python turns SIGINT into KeyboardInterrupt only when the
@@ -106,3 +107,10 @@ def remove_shm_boards_if_empty() -> None:
     it was, whichever of them (in several pytest workers) ends last."""
     with contextlib.suppress(OSError):  # not there, or another test's board is in it now
         SHM_BOARDS.rmdir()
+
+
+def levers9_frames(printed: str) -> list[str]:
+    """The traceback lines of `printed` ('  File "...", line N, in f') in a file of the levers9 package itself, by its
+    folder: a checkout in a folder named levers9 (what `git clone` makes) has '/levers9/' in every test's path too."""
+    package = str(Path(levers9.__file__).parent) + os.sep
+    return [line for line in printed.splitlines() if line.startswith(f'  File "{package}')]

@@ -27,7 +27,7 @@ import torch
 from levers9 import distributed as dist
 from levers9.errors import FailureKind, RankCrashed, RankFailed, RunTimeout
 from levers9.launch import job
-from tests import scriptfns
+from tests import proc_util, scriptfns
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(scriptfns.SCRIPTS / "fresh_process.py")
@@ -183,7 +183,7 @@ def test_a_failed_run_prints_each_ranks_traceback_once_from_the_callers_line() -
     assert 1 in failed or 2 in failed, printed
     assert printed.count("Traceback (most recent call last):") == len(failed) + 1, printed  # and the caller's own
     assert "[rank1]:" not in printed and "[rank2]:" not in printed, printed  # torch's excepthook in the rank
-    assert len([line for line in printed.splitlines() if line.startswith("  File ") and "/levers9/" in line]) == 1, printed
+    assert len(proc_util.levers9_frames(printed)) == 1, printed
 
 
 def on_a_terminal(argv: list[str], gate: Path, seconds: float = 120) -> tuple[bytes, int]:
