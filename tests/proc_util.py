@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import platform
 import signal
 import socket
 import time
@@ -18,7 +17,6 @@ from levers9.distributed.stalls.board import BOARD_DIR_PREFIX, board_roots
 # The first line of a script a test sends Ctrl-C to: Python turns SIGINT into KeyboardInterrupt only when the
 # process did not inherit it ignored, and a background shell's job or a pytest-xdist worker passes it on ignored.
 CTRL_C_HANDLER = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-SYS_TGKILL = {"x86_64": 234, "aarch64": 131}  # tgkill(2): a signal to one thread of another process
 
 
 def sigint_to_a_thread_that_is_not_main(pid: int) -> None:
@@ -26,8 +24,9 @@ def sigint_to_a_thread_that_is_not_main(pid: int) -> None:
     others = [int(tid) for tid in os.listdir(f"/proc/{pid}/task") if int(tid) != pid]
     assert others, "the process has no thread besides its main one"
     libc = ctypes.CDLL(None, use_errno=True)
-    # the newest first; one that ended since the listing (an output thread idles out) is skipped
-    assert any(libc.syscall(SYS_TGKILL[platform.machine()], pid, tid, signal.SIGINT) == 0 for tid in reversed(others)), (
+    # tgkill(2), glibc 2.30+: to that one thread; the newest first, one that ended since the listing (an output
+    # thread idles out) skipped
+    assert any(libc.tgkill(pid, tid, signal.SIGINT) == 0 for tid in reversed(others)), (
         "no thread besides the main one took the signal")
 
 

@@ -613,9 +613,7 @@ def test_the_time_limit_requeues_the_job_which_resumes(on_slurm: None, env: dict
     assert value == {"attempt": 2, "resumed": "saved at the time limit"}
 
 
-def test_a_slurm_tasks_handler_runs_while_it_computes_when_another_thread_got_the_signal(
-    on_slurm: None, env: dict[str, str], tmp_path: Path
-) -> None:
+def test_a_slurm_tasks_handler_runs_while_it_computes_when_another_thread_got_the_signal(on_slurm: None) -> None:
     """SLURM sends its signals (the early signal, a cancel's SIGTERM) right behind a SIGCONT: on a busy node the
     kernel gives the second to another thread of the task (torch's), and up to CPython 3.12 a computing main thread
     then ran the handler only at the time limit's own signal. The task relays it (interpreter.relay_signals_to_main)."""
